@@ -1,0 +1,77 @@
+"""Device and backend helpers shared by every layer.
+
+fsdp runs the same code path on CPU (gloo) and CUDA (NCCL); these helpers are the only
+place that decides which one is in use, so the rest of the code never tests for CUDA
+itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+
+__all__ = [
+    "backend_for_device",
+    "current_device",
+    "default_device_type",
+    "warn_once",
+]
+
+# Device type -> the collective backend fsdp uses for it.
+_BACKENDS: dict[str, str] = {"cuda": "nccl", "cpu": "gloo"}
+
+_warned_keys: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def default_device_type() -> str:
+    """Return ``"cuda"`` when a CUDA device is usable, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def backend_for_device(device_type: str) -> str:
+    """Return the process-group backend for ``device_type``: ``"nccl"`` or ``"gloo"``."""
+    try:
+        return _BACKENDS[device_type]
+    except KeyError:
+        raise ValueError(
+            f"No collective backend is known for device type {device_type!r}; "
+            f"supported device types are {sorted(_BACKENDS)}."
+        ) from None
+
+
+def current_device(device_type: str | None = None) -> torch.device:
+    """Return the device this process computes on for ``device_type``.
+
+    For CUDA this is the current device (``torch.cuda.set_device`` picks it), with its
+    index, so tensors created on it land on this rank's GPU.
+    """
+    device_type = device_type or default_device_type()
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "current_device('cuda') was asked for, but CUDA is not available in this "
+                "process; use device_type='cpu' (gloo) instead."
+            )
+        return torch.device("cuda", torch.cuda.current_device())
+    if device_type == "cpu":
+        return torch.device("cpu")
+    raise ValueError(
+        f"Unsupported device type {device_type!r}; supported device types are {sorted(_BACKENDS)}."
+    )
+
+
+def warn_once(key: str, message: str, category: type[Warning] = UserWarning) -> bool:
+    """Emit ``message`` the first time ``key`` is seen in this process; return whether it did.
+
+    Used for options that only mean something on CUDA/NCCL: they are accepted
+    everywhere, and a CPU run says once (not once per call) that they were ignored.
+    """
+    with _warned_lock:
+        if key in _warned_keys:
+            return False
+        _warned_keys.add(key)
+    warnings.warn(message, category, stacklevel=2)
+    return True
