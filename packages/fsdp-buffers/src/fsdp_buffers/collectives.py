@@ -1,0 +1,165 @@
+"""Asynchronous collectives with accounting: one code path for gloo and NCCL.
+
+Every collective is issued with ``async_op=True`` and returns a ``PendingCollective``
+whose ``wait()`` runs the follow-up work (accumulate, free) exactly once. On NCCL the
+collective already runs on the communicator's own stream, ordered after the work the
+current stream had queued when it was issued, and ``wait()`` makes the current stream
+wait for it; on gloo it runs on gloo's threads and ``wait()`` blocks the host. The
+tensors a collective uses are referenced by the pending object until it is waited on,
+so the caching allocator cannot hand their memory to anyone else early.
+
+``CommStats`` counts what was issued: the number of collectives, the unsharded
+elements and bytes they covered, and the per-rank traffic of a ring algorithm
+(``(N-1)/N`` of the buffer for all-gather and reduce-scatter, twice that for
+all-reduce), which is what DESIGN.md's bound ``3·Ψ·(N−1)/N`` counts.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from fsdp_buffers.profiling import annotate
+
+__all__ = [
+    "CollectiveKind",
+    "CommStats",
+    "PendingCollective",
+    "all_gather",
+    "all_reduce",
+    "reduce_scatter",
+]
+
+
+class CollectiveKind(enum.Enum):
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    BROADCAST = "broadcast"
+
+
+@dataclass
+class CollectiveCount:
+    calls: int = 0
+    numel: int = 0  # unsharded elements covered
+    bytes: int = 0  # unsharded bytes covered
+    traffic_bytes: float = 0.0  # bytes each rank sends with a ring algorithm
+
+
+@dataclass
+class CommStats:
+    """What this rank issued since the last ``reset()``, by kind of collective."""
+
+    counts: dict[CollectiveKind, CollectiveCount] = field(
+        default_factory=lambda: {k: CollectiveCount() for k in CollectiveKind}
+    )
+
+    def record(self, kind: CollectiveKind, numel: int, element_size: int, group_size: int) -> None:
+        c = self.counts[kind]
+        c.calls += 1
+        c.numel += numel
+        c.bytes += numel * element_size
+        ring = (group_size - 1) / group_size if group_size > 0 else 0.0
+        factor = 2.0 if kind is CollectiveKind.ALL_REDUCE else 1.0
+        c.traffic_bytes += factor * ring * numel * element_size
+
+    def reset(self) -> None:
+        for c in self.counts.values():
+            c.calls = c.numel = c.bytes = 0
+            c.traffic_bytes = 0.0
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        return {k.value: dict(vars(c)) for k, c in self.counts.items()}
+
+    def __getitem__(self, kind: CollectiveKind) -> CollectiveCount:
+        return self.counts[kind]
+
+
+class PendingCollective:
+    """A collective in flight and the work to do once it has finished."""
+
+    __slots__ = ("_done", "_then", "_work", "keepalive")
+
+    def __init__(
+        self,
+        work: dist.Work | None,
+        then: Callable[[], None] | None = None,
+        keepalive: tuple[torch.Tensor, ...] = (),
+    ) -> None:
+        self._work = work
+        self._then = then
+        self._done = False
+        self.keepalive = keepalive
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._work is not None:
+            self._work.wait()
+        self._work = None
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+        self.keepalive = ()
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group)
+
+
+def all_gather(
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    stats: CommStats | None = None,
+    label: str = "fsdp.all_gather",
+) -> dist.Work:
+    with annotate(label):
+        if stats is not None:
+            stats.record(
+                CollectiveKind.ALL_GATHER, output.numel(), output.element_size(), _size(group)
+            )
+        return dist.all_gather_into_tensor(output, shard, group=group, async_op=True)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    unsharded: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    stats: CommStats | None = None,
+    label: str = "fsdp.reduce_scatter",
+) -> dist.Work:
+    with annotate(label):
+        if stats is not None:
+            stats.record(
+                CollectiveKind.REDUCE_SCATTER,
+                unsharded.numel(),
+                unsharded.element_size(),
+                _size(group),
+            )
+        return dist.reduce_scatter_tensor(output, unsharded, op=op, group=group, async_op=True)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    stats: CommStats | None = None,
+    label: str = "fsdp.all_reduce",
+) -> dist.Work:
+    with annotate(label):
+        if stats is not None:
+            stats.record(
+                CollectiveKind.ALL_REDUCE, tensor.numel(), tensor.element_size(), _size(group)
+            )
+        return dist.all_reduce(tensor, op=op, group=group, async_op=True)

@@ -1,0 +1,125 @@
+"""``GradReducePipeline``: reduce each bucket as soon as all its gradients are in.
+
+Buckets are reduced in one fixed order on every rank (the reverse of forward order,
+which is the order backward usually completes them): a bucket whose gradients are all
+in is launched once every bucket before it in that order has been launched. This keeps
+collectives matched across ranks even when ranks complete buckets in different orders,
+or some parameters get no gradient on some ranks (``finish`` launches whatever is left,
+with zeros standing in for missing gradients). At most ``max_inflight`` reductions are
+in flight; launching one more first waits for the oldest.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from fsdp_buffers.collectives import PendingCollective
+from fsdp_buffers.param_and_grad_buffer import ParamAndGradBuffer
+from fsdp_buffers.profiling import annotate
+
+__all__ = ["GradReducePipeline"]
+
+
+class GradReducePipeline:
+    def __init__(
+        self,
+        buffer: ParamAndGradBuffer,
+        *,
+        max_inflight: int = 2,
+        reduce_order: Sequence[int] | None = None,
+    ) -> None:
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be at least 1; got {max_inflight}")
+        self.buffer = buffer
+        self.max_inflight = max_inflight
+        trainable = [g for g, grp in enumerate(buffer.groups) if grp.requires_grad]
+        order = list(reversed(trainable)) if reduce_order is None else list(reduce_order)
+        if sorted(order) != trainable:
+            raise ValueError(
+                f"reduce_order must list each trainable bucket once ({trainable}); got {order}"
+            )
+        self.reduce_order = order
+        self._expected = {
+            g: {i for i, p in enumerate(buffer.groups[g].params) if p.requires_grad}
+            for g in trainable
+        }
+        # When False, buckets with replicated grads only accumulate (no_sync); sharded
+        # grads are always reduced, as in Megatron-FSDP.
+        self.sync_grads = True
+        self._inflight: deque[PendingCollective] = deque()
+        self._begin_backward()
+
+    def _begin_backward(self) -> None:
+        self._ready: dict[int, set[int]] = {g: set() for g in self._expected}
+        self._complete: set[int] = set()
+        self._next = 0
+        self._launched: set[int] = set()
+
+    def mark_param_grad_ready(self, param: nn.Parameter) -> None:
+        """Take ``param``'s gradient into its bucket; launch what became complete."""
+        gid, i = self.buffer.group_of(param)
+        if gid in self._launched:
+            name = self.buffer.groups[gid].names[i]
+            raise RuntimeError(
+                f"gradient of {name!r} arrived after its bucket {gid} was reduced; it would "
+                f"be lost. Call finish() only after backward is complete"
+            )
+        self.buffer.accumulate_param_grad(param)
+        ready = self._ready[gid]
+        ready.add(i)
+        if ready >= self._expected[gid]:
+            self._complete.add(gid)
+            self._launch_in_order()
+
+    def _launch_in_order(self) -> None:
+        while (
+            self._next < len(self.reduce_order) and self.reduce_order[self._next] in self._complete
+        ):
+            self._launch(self.reduce_order[self._next])
+            self._next += 1
+
+    def _launch(self, gid: int) -> None:
+        self._launched.add(gid)
+        if not self.sync_grads and not self.buffer.sharding[gid].grads:
+            self.buffer.grad_target(gid)  # accumulate only; reduce at the next sync
+            return
+        while len(self._inflight) >= self.max_inflight:
+            self._inflight.popleft().wait()
+        self._inflight.append(self.buffer.start_grad_reduce(gid))
+
+    def finish(self) -> None:
+        """End of backward: launch every bucket not launched yet (zeros stand in for
+        gradients that never came), wait for all reductions, and start afresh."""
+        with annotate("fsdp.finish_grad_sync"):
+            self._complete.update(self._expected)
+            self._launch_in_order()
+            self.wait_all()
+            self._begin_backward()
+
+    def wait_all(self) -> None:
+        while self._inflight:
+            self._inflight.popleft().wait()
+
+    @property
+    def inflight(self) -> int:
+        return sum(1 for p in self._inflight if not p.done)
+
+    def register_grad_hooks(self) -> list[RemovableHandle]:
+        """Post-accumulate-grad hooks that feed every trainable parameter's gradient
+        into this pipeline (for training loops that do not use the hook layer)."""
+        handles = []
+        for group in self.buffer.groups:
+            if not group.requires_grad:
+                continue
+            for p in group.params:
+                if p.requires_grad:
+                    handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        return handles
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        self.mark_param_grad_ready(param)  # type: ignore[arg-type]

@@ -1,0 +1,117 @@
+"""The mixed-precision policy: which dtype each copy of a parameter's state is kept in.
+
+A parameter has up to three dtypes besides the one the model computes in: its main
+weights (what the optimizer steps), its main gradients (where microbatch gradients
+accumulate) and its gradient communication (what the reduce-scatter / all-reduce
+sends). The policy holds the user's choices; the ``*_for`` methods resolve them for one
+parameter dtype, so every buffer asks the same question the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+__all__ = ["MixedPrecisionPolicy"]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Mixed-precision configuration; field names and order are Megatron-FSDP's.
+
+    Args:
+        main_params_dtype: dtype of the main weights the optimizer steps. ``None`` keeps
+            the main weights in the parameter's own dtype. Default ``torch.float32``.
+        main_grads_dtype: dtype gradients accumulate in across microbatches. ``None``
+            applies the rule below. Default ``None``.
+        grad_comm_dtype: dtype gradients are communicated in. ``None`` communicates in the
+            main-gradient dtype. Default ``None``.
+
+    **The main-gradient rule (differs from Megatron-FSDP on purpose).** When
+    ``main_grads_dtype`` is ``None``, gradients of parameters narrower than 32 bits
+    (bf16, fp16, fp8) accumulate in ``torch.float32``; gradients of fp32 and fp64
+    parameters accumulate in their own dtype. Megatron-FSDP instead accumulates in the
+    parameter's dtype, and bf16 accumulation over many microbatches loses precision:
+    bf16 keeps 8 significant bits, so once the running sum is 2^8 times larger than one
+    microbatch's contribution, that contribution is rounded away (each add is exact only
+    to a relative step of 2^-8). Pass ``main_grads_dtype=torch.bfloat16`` to get
+    Megatron-FSDP's behaviour (and its memory saving) back.
+
+    Every dtype given must be a floating dtype; main weights and main gradients must be
+    at least 16 bits wide, since fp8 can neither hold optimizer updates nor accumulate.
+    The policy covers floating-point parameters only: integer or boolean tensors
+    registered as parameters are not trained and have no main weights or gradients, and
+    asking the policy about them raises ``ValueError``.
+
+    Main weights are never narrower than the parameter: with the default
+    ``main_params_dtype=torch.float32`` an fp64 parameter keeps fp64 main weights.
+    """
+
+    main_params_dtype: torch.dtype | None = torch.float32
+    main_grads_dtype: torch.dtype | None = None
+    grad_comm_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            dtype = getattr(self, f.name)
+            if dtype is None:
+                continue
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(
+                    f"MixedPrecisionPolicy.{f.name} must be a torch.dtype or None, got "
+                    f"{dtype!r} of type {type(dtype).__name__}; e.g. torch.float32 or "
+                    "torch.bfloat16."
+                )
+            if not dtype.is_floating_point:
+                raise ValueError(
+                    f"MixedPrecisionPolicy.{f.name} must be a floating-point dtype, got "
+                    f"{dtype}; use e.g. torch.float32, torch.bfloat16 or torch.float16, "
+                    "or None."
+                )
+            if f.name != "grad_comm_dtype" and dtype.itemsize < 2:
+                raise ValueError(
+                    f"MixedPrecisionPolicy.{f.name}={dtype} is too narrow: main weights and "
+                    "main gradients need at least 16 bits (fp8 cannot hold optimizer "
+                    "updates or accumulate gradients); use torch.float32, torch.bfloat16, "
+                    "torch.float16 or None."
+                )
+
+    def main_params_dtype_for(self, param_dtype: torch.dtype) -> torch.dtype:
+        """dtype of the main weights for a parameter of ``param_dtype``."""
+        _check_param_dtype(param_dtype)
+        main = self.main_params_dtype
+        # Never narrower than the parameter: an fp64 model keeps fp64 main weights.
+        if main is None or main.itemsize < param_dtype.itemsize:
+            return param_dtype
+        return main
+
+    def main_grads_dtype_for(self, param_dtype: torch.dtype) -> torch.dtype:
+        """dtype gradients of a ``param_dtype`` parameter accumulate in (see the class rule)."""
+        _check_param_dtype(param_dtype)
+        if self.main_grads_dtype is not None:
+            return self.main_grads_dtype
+        # Narrow floats accumulate in fp32: a bf16 running sum drops small contributions.
+        return torch.float32 if param_dtype.itemsize < 4 else param_dtype
+
+    def grad_comm_dtype_for(self, param_dtype: torch.dtype) -> torch.dtype:
+        """dtype gradients of a ``param_dtype`` parameter are reduced in."""
+        if self.grad_comm_dtype is not None:
+            _check_param_dtype(param_dtype)
+            return self.grad_comm_dtype
+        return self.main_grads_dtype_for(param_dtype)
+
+
+def _check_param_dtype(param_dtype: torch.dtype) -> None:
+    if not isinstance(param_dtype, torch.dtype):
+        raise TypeError(
+            f"Expected a parameter's torch.dtype, got {param_dtype!r} of type "
+            f"{type(param_dtype).__name__}; pass e.g. param.dtype."
+        )
+    if not param_dtype.is_floating_point:
+        raise ValueError(
+            f"MixedPrecisionPolicy applies to floating-point parameters only, got {param_dtype}. "
+            "Integer, boolean and complex tensors have no main weights or gradients; keep "
+            "them out of the sharded parameters (register them as buffers, or set "
+            "requires_grad=False and exclude them)."
+        )

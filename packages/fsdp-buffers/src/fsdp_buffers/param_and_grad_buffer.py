@@ -1,0 +1,566 @@
+"""``ParamAndGradBuffer``: every group's buffers, as the sharding strategy asks.
+
+For each ``ParameterGroup`` (one bucket) it keeps up to three ``DataParallelBuffer``s
+over one shared ``FlatLayout``, so that the same element index means the same value in
+each of them:
+
+| buffer        | dtype                  | sharded when                              |
+|---------------|------------------------|-------------------------------------------|
+| model weight  | the parameters' dtype  | ``optim_grads_params`` (3)                |
+| main weight   | ``main_params_dtype``  | ``optim`` (1) and above                   |
+| main grad     | ``main_grads_dtype``   | ``optim_grads`` (2) and above             |
+
+A ``fsdp_no_shard`` group, and any group when the shard group has one rank, keeps all
+three replicated and all-reduces its gradients. When the main-weight dtype equals the
+parameters' dtype there is no separate main-weight buffer: the main weights are the
+model-weight buffer's local shard (a slice of it when it is replicated), so fp32
+training keeps one copy of the weights, not two.
+
+Note on gradient reduction. Gradients are scaled just before they are reduced, on the
+unreduced data (Megatron-FSDP's rule), by ``gradient_scaling_factor`` (1/N for a mean
+over the N data-parallel ranks). Sharded-grad groups reduce-scatter a fresh staging
+bucket each backward and add the result into the main-grad shard, so microbatches
+accumulate in the main-grad dtype. Replicated-grad groups (strategies 0 and 1)
+accumulate local gradients in the full main-grad buffer and reduce it in place. If such
+a buffer already holds reduced values R when a second backward reduces again before
+the optimizer step, R is first rebased to the unreduced value that reduces back to R
+(R/(N·f) on every rank for all-reduce; R/f on the owning rank and 0 elsewhere for
+reduce-scatter), so syncing every microbatch never double-counts.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdp_buffers import collectives
+from fsdp_buffers.collectives import CommStats, PendingCollective
+from fsdp_buffers.data_parallel_buffer import (
+    BucketAllocator,
+    DataParallelBuffer,
+    DoubleBufferAllocator,
+    TemporaryBucketAllocator,
+)
+from fsdp_buffers.layout import DEFAULT_ALIGNMENT, FlatLayout, compute_layout
+from fsdp_buffers.mixed_precision import MixedPrecisionPolicy
+from fsdp_buffers.param_group import (
+    ParameterGroup,
+    UnitSpec,
+    group_parameters,
+    resolve_unit_classes,
+)
+from fsdp_buffers.profiling import annotate
+from fsdp_buffers.strategy import ShardingStrategy
+
+__all__ = ["GradState", "GroupSharding", "ParamAndGradBuffer"]
+
+
+@dataclass(frozen=True)
+class GroupSharding:
+    """Which of a group's buffers are sharded."""
+
+    model_weights: bool
+    main_weights: bool
+    grads: bool
+
+
+class GradState(enum.Enum):
+    """What a group's main-grad storage holds right now."""
+
+    EMPTY = enum.auto()  # zeros
+    ACCUMULATING = enum.auto()  # local, unreduced gradients (in the staging bucket if sharded)
+    REDUCED = enum.auto()  # reduced gradients, ready for the optimizer
+
+
+class ParamAndGradBuffer:
+    """The buffers of every parameter group of ``module`` and the operations on them."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        dist_index,  # fsdp_mesh.FSDPDistributedIndex
+        *,
+        strategy: ShardingStrategy | int | str = ShardingStrategy.OPTIM_GRADS_PARAMS,
+        mixed_precision_policy: MixedPrecisionPolicy | None = None,
+        fsdp_unit_modules: Iterable[UnitSpec] | None = None,
+        bucket_size: int | None = None,
+        disable_bucketing: bool = False,
+        device: torch.device | str | None = None,
+        fsdp_double_buffer: bool = False,
+        gradient_scaling_factor: float | None = None,
+        expert_gradient_scaling_factor: float | None = None,
+        average_in_collective: bool = False,
+        is_expert_param: Callable[[str, nn.Parameter], bool] | None = None,
+        alignment: int = DEFAULT_ALIGNMENT,
+        allow_meta: bool = False,
+    ) -> None:
+        self.module = module
+        self.dist_index = dist_index
+        self.strategy = ShardingStrategy.parse(strategy)
+        self.policy = mixed_precision_policy or MixedPrecisionPolicy()
+        self.average_in_collective = average_in_collective
+        self.stats = CommStats()
+        self.device = _check_devices(module, device, allow_meta)
+        unit_classes = resolve_unit_classes(fsdp_unit_modules, module)
+        self.groups, self.unit_names = group_parameters(
+            module,
+            unit_classes,
+            bucket_size=bucket_size,
+            disable_bucketing=disable_bucketing,
+            is_expert_param=is_expert_param,
+        )
+        self.gradient_scaling_factor = (
+            1.0 / dist_index.dp_size if gradient_scaling_factor is None else gradient_scaling_factor
+        )
+        self.expert_gradient_scaling_factor = (
+            1.0 / dist_index.expt_dp_size
+            if expert_gradient_scaling_factor is None
+            else expert_gradient_scaling_factor
+        )
+        self.allocator: BucketAllocator = (
+            DoubleBufferAllocator(self.device) if fsdp_double_buffer else TemporaryBucketAllocator()
+        )
+        self.param_index: dict[nn.Parameter, tuple[int, int]] = {}
+        self.layouts: list[FlatLayout] = []
+        self.sharding: list[GroupSharding] = []
+        self.grad_state: list[GradState] = []
+        self._rebased: list[bool] = []
+        for gid, group in enumerate(self.groups):
+            for i, p in enumerate(group.params):
+                self.param_index[p] = (gid, i)
+            self._build_group(gid, group, alignment, load=not allow_meta)
+        self._optimizer_params: list[tuple[str, nn.Parameter]] | None = None
+
+    # ---- construction -------------------------------------------------------------
+    def _build_group(self, gid: int, group: ParameterGroup, alignment: int, load: bool) -> None:
+        size, rank = self.shard_group_size(gid), self.shard_group_rank(gid)
+        layout = compute_layout([tuple(p.shape) for p in group.params], size, alignment)
+        self.layouts.append(layout)
+        shardable = size > 1 and not group.fsdp_no_shard
+        s = self.strategy
+        sharding = GroupSharding(
+            model_weights=shardable and s.shards_model_weights,
+            main_weights=shardable and s.shards_main_weights,
+            grads=shardable and s.shards_grads,
+        )
+        self.sharding.append(sharding)
+        self.grad_state.append(GradState.EMPTY)
+        self._rebased.append(False)
+        sources = [p.detach() for p in group.params]
+
+        def make(kind: str, dtype: torch.dtype, sharded: bool) -> DataParallelBuffer:
+            buf = DataParallelBuffer(
+                layout,
+                dtype=dtype,
+                device=self.device,
+                is_data_distributed=sharded,
+                shard_rank=rank,
+                allocator=self.allocator,
+                name=f"group{gid}.{kind}",
+            )
+            if isinstance(self.allocator, DoubleBufferAllocator) and sharded:
+                unit = group.fsdp_unit_id if group.fsdp_unit_id is not None else -1 - gid
+                self.allocator.register(buf, unit)
+            return buf
+
+        group.model_weight_buffer = make("model_weight", group.dtype, sharding.model_weights)
+        if load:
+            group.model_weight_buffer.load_params(sources)
+        if group.requires_grad:
+            main_dtype = self.policy.main_params_dtype_for(group.dtype)
+            if main_dtype != group.dtype:
+                group.main_weight_buffer = make("main_weight", main_dtype, sharding.main_weights)
+                if load:
+                    group.main_weight_buffer.load_params(sources)
+            grad_dtype = self.policy.main_grads_dtype_for(group.dtype)
+            group.main_grad_buffer = make("main_grad", grad_dtype, sharding.grads)
+        # Compute parameters become views into the (possibly not yet gathered) bucket.
+        views = group.model_weight_buffer.param_views()
+        for p, view in zip(group.params, views, strict=True):
+            p.data = view
+        if group.main_grad_buffer is not None:
+            grad_views = group.main_grad_buffer.param_views()
+            for p, view in zip(group.params, grad_views, strict=True):
+                p.main_grad = view  # type: ignore[attr-defined]
+
+    # ---- groups and meshes ---------------------------------------------------------
+    def shard_group(self, gid: int) -> dist.ProcessGroup:
+        return self.dist_index.get_fsdp_group(is_expert_parallel=self.groups[gid].is_expert_param)
+
+    def shard_group_size(self, gid: int) -> int:
+        idx = self.dist_index
+        return idx.expt_fsdp_size if self.groups[gid].is_expert_param else idx.fsdp_size
+
+    def shard_group_rank(self, gid: int) -> int:
+        idx = self.dist_index
+        return idx.expt_fsdp_rank if self.groups[gid].is_expert_param else idx.fsdp_rank
+
+    def shard_mesh(self, gid: int) -> DeviceMesh:
+        idx = self.dist_index
+        if self.groups[gid].is_expert_param:
+            return idx.get_submesh(idx.dp_shard_dim, is_expert_parallel=True)
+        return idx.fsdp_mesh
+
+    def group_of(self, param: nn.Parameter) -> tuple[int, int]:
+        try:
+            return self.param_index[param]
+        except KeyError:
+            raise KeyError(
+                "parameter is not managed by this ParamAndGradBuffer (was it replaced "
+                "after wrapping?)"
+            ) from None
+
+    def named_params(self) -> Iterator[tuple[str, int, int, nn.Parameter]]:
+        for gid, group in enumerate(self.groups):
+            for i, (name, p) in enumerate(zip(group.names, group.params, strict=True)):
+                yield name, gid, i, p
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.groups)
+
+    def groups_of_unit(self, unit_id: int | None) -> list[int]:
+        return [g for g, grp in enumerate(self.groups) if grp.fsdp_unit_id == unit_id]
+
+    def unsharded_bytes(self, gid: int) -> int:
+        buf = self.groups[gid].model_weight_buffer
+        assert buf is not None
+        return buf.layout.total_numel * buf.element_size
+
+    # ---- weights ------------------------------------------------------------------
+    def main_weight_buffer(self, gid: int) -> DataParallelBuffer:
+        """Where the group's main weights live: their own buffer, or the model weights."""
+        group = self.groups[gid]
+        buf = group.main_weight_buffer or group.model_weight_buffer
+        assert buf is not None
+        return buf
+
+    def main_weight_is_sharded(self, gid: int) -> bool:
+        return self.sharding[gid].main_weights
+
+    def start_param_gather(self, gid: int) -> PendingCollective | None:
+        """Fetch the group's bucket and start gathering into it; None when the model
+        weights are replicated (nothing to gather)."""
+        buf = self.groups[gid].model_weight_buffer
+        assert buf is not None
+        if not buf.is_data_distributed:
+            return None
+        bucket = buf.fetch_bucket()
+        work = collectives.all_gather(
+            bucket, buf.data, self.shard_group(gid), self.stats, label=f"fsdp.all_gather.{gid}"
+        )
+        return PendingCollective(work, keepalive=(bucket,))
+
+    def release_param_bucket(self, gid: int) -> None:
+        buf = self.groups[gid].model_weight_buffer
+        assert buf is not None
+        with annotate(f"fsdp.release.{gid}"):
+            buf.free_bucket()
+
+    def install_optimized_model_weights(self) -> None:
+        """Copy the optimizer's main weights into the compute weights; where compute
+        weights are replicated but main weights sharded (strategies 1 and 2), all-gather
+        them so that every rank has the whole updated model."""
+        pending: list[PendingCollective] = []
+        with torch.no_grad(), annotate("fsdp.install_optimized_model_weights"):
+            for gid, group in enumerate(self.groups):
+                if not group.requires_grad:
+                    continue
+                model = group.model_weight_buffer
+                assert model is not None
+                if model.is_data_distributed:
+                    model.free_bucket()  # any gathered copy is now stale
+                if group.main_weight_buffer is not None:
+                    main = group.main_weight_buffer
+                    if main.is_data_distributed or model.is_data_distributed:
+                        model.local_shard.copy_(main.local_shard)
+                    else:
+                        model.data.copy_(main.data)
+                if self.sharding[gid].main_weights and not model.is_data_distributed:
+                    work = collectives.all_gather(
+                        model.data,
+                        model.local_shard,
+                        self.shard_group(gid),
+                        self.stats,
+                        label=f"fsdp.param_sync.{gid}",
+                    )
+                    pending.append(PendingCollective(work))
+        for p in pending:
+            p.wait()
+
+    def broadcast_params(self, src_group_rank: int = 0) -> None:
+        """Make every replicated buffer equal to that of shard-group rank
+        ``src_group_rank``; sharded main weights are then re-derived from the model
+        weights they shadow, so all ranks hold one consistent model."""
+        with torch.no_grad(), annotate("fsdp.broadcast_params"):
+            for gid, group in enumerate(self.groups):
+                pg = self.shard_group(gid)
+                src = dist.get_global_rank(pg, src_group_rank)
+                for buf in (group.model_weight_buffer, group.main_weight_buffer):
+                    if buf is not None and not buf.is_data_distributed:
+                        self.stats.record(
+                            collectives.CollectiveKind.BROADCAST,
+                            buf.data.numel(),
+                            buf.element_size,
+                            dist.get_world_size(pg),
+                        )
+                        dist.broadcast(buf.data, src=src, group=pg)
+                main = group.main_weight_buffer
+                model = group.model_weight_buffer
+                assert model is not None
+                if main is not None and main.is_data_distributed and not model.is_data_distributed:
+                    main.local_shard.copy_(model.local_shard)
+
+    # ---- gradients ----------------------------------------------------------------
+    def grad_target(self, gid: int) -> torch.Tensor:
+        """The unsharded tensor this backward's gradients of group ``gid`` accumulate
+        into: the staging bucket when grads are sharded, the main-grad buffer if not."""
+        group = self.groups[gid]
+        gbuf = group.main_grad_buffer
+        if gbuf is None:
+            raise RuntimeError(f"group {gid} ({group.names[:3]}...) has no gradient buffer")
+        if self.grad_state[gid] is GradState.REDUCED and not gbuf.is_data_distributed:
+            self._rebase_reduced(gid)
+        if gbuf.is_data_distributed and not gbuf.has_unsharded_data:
+            gbuf.fetch_bucket().zero_()
+        if self.grad_state[gid] is not GradState.ACCUMULATING:
+            self.grad_state[gid] = GradState.ACCUMULATING
+        return gbuf.unsharded_tensor()
+
+    def accumulate_param_grad(self, param: nn.Parameter) -> None:
+        """Move ``param.grad`` into the group's gradient storage and drop it. A
+        framework that already added into ``param.main_grad`` sets
+        ``param.grad_added_to_main_grad = True`` (Megatron-Core / Transformer Engine)."""
+        gid, i = self.group_of(param)
+        target = self.grad_target(gid)
+        if getattr(param, "grad_added_to_main_grad", False):
+            param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+        elif param.grad is not None:
+            buf = self.groups[gid].main_grad_buffer
+            assert buf is not None
+            with torch.no_grad():
+                buf.param_view(target, i).add_(param.grad)
+        param.grad = None
+
+    def _scale_and_op(self, gid: int, group_size: int) -> tuple[float, dist.ReduceOp.RedOpType]:
+        f = (
+            self.expert_gradient_scaling_factor
+            if self.groups[gid].is_expert_param
+            else self.gradient_scaling_factor
+        )
+        if self.average_in_collective:
+            return f * group_size, dist.ReduceOp.AVG
+        return f, dist.ReduceOp.SUM
+
+    def _rebase_reduced(self, gid: int) -> None:
+        """Turn reduced gradients R back into an unreduced contribution that the next
+        reduction maps to R again (see the module note)."""
+        gbuf = self.groups[gid].main_grad_buffer
+        assert gbuf is not None and not gbuf.is_data_distributed
+        n = self.shard_group_size(gid)
+        f = self._scale_and_op(gid, n)[0] / (n if self.average_in_collective else 1)
+        with torch.no_grad():
+            if self.sharding[gid].main_weights:  # reduce-scattered: only the local shard is R
+                local = gbuf.local_shard.clone()
+                gbuf.data.zero_()
+                gbuf.local_shard.copy_(local).div_(f)
+            elif abs(n * f - 1.0) > 1e-12:
+                gbuf.data.div_(n * f)
+        self.grad_state[gid] = GradState.ACCUMULATING
+
+    def start_grad_reduce(self, gid: int) -> PendingCollective:
+        """Scale and reduce this backward's gradients of group ``gid``. Every rank must
+        call it for the same groups in the same order, with or without local grads."""
+        group = self.groups[gid]
+        gbuf = group.main_grad_buffer
+        if gbuf is None:
+            raise RuntimeError(f"group {gid} has no gradient buffer to reduce")
+        unsharded = self.grad_target(gid)  # allocates zeros if no grad arrived here
+        pg = self.shard_group(gid)
+        n = self.shard_group_size(gid)
+        factor, op = self._scale_and_op(gid, n)
+        comm_dtype = self.policy.grad_comm_dtype_for(group.dtype)
+        with torch.no_grad():
+            send = unsharded if comm_dtype == gbuf.dtype else unsharded.to(comm_dtype)
+            if factor != 1.0:
+                send.mul_(factor)
+            label = f"fsdp.reduce.{gid}"
+            if self.sharding[gid].grads or self.sharding[gid].main_weights:
+                out = torch.empty(gbuf.layout.shard_numel, dtype=comm_dtype, device=send.device)
+                work = collectives.reduce_scatter(out, send, pg, op, self.stats, label)
+                if self.sharding[gid].grads:
+
+                    def finish() -> None:
+                        gbuf.data.add_(out)
+                        gbuf.free_bucket()
+                        self.grad_state[gid] = GradState.REDUCED
+
+                else:
+
+                    def finish() -> None:
+                        # Only the local shard is meaningful after a reduce-scatter.
+                        gbuf.data.zero_()
+                        gbuf.local_shard.copy_(out)
+                        self.grad_state[gid] = GradState.REDUCED
+
+                return PendingCollective(work, finish, keepalive=(send, out))
+            work = collectives.all_reduce(send, pg, op, self.stats, label)
+
+            def finish_all_reduce() -> None:
+                if send is not unsharded:
+                    unsharded.copy_(send)
+                self.grad_state[gid] = GradState.REDUCED
+
+            return PendingCollective(work, finish_all_reduce, keepalive=(send,))
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        with torch.no_grad():
+            for group in self.groups:
+                if group.main_grad_buffer is not None:
+                    group.main_grad_buffer.data.mul_(scaling_factor)
+
+    def zero_grad_buffer(self) -> None:
+        with torch.no_grad():
+            for gid, group in enumerate(self.groups):
+                if group.main_grad_buffer is not None:
+                    group.main_grad_buffer.data.zero_()
+                    group.main_grad_buffer.free_bucket()
+                self.grad_state[gid] = GradState.EMPTY
+                for p in group.params:
+                    p.grad = None
+
+    def main_grad_shard(self, gid: int) -> torch.Tensor:
+        gbuf = self.groups[gid].main_grad_buffer
+        if gbuf is None:
+            raise RuntimeError(f"group {gid} has no gradient buffer")
+        return gbuf.local_shard
+
+    # ---- optimizer view -------------------------------------------------------------
+    def _dtensor(self, gid: int, local: torch.Tensor, shape: torch.Size) -> DTensor:
+        placement = Shard(0) if self.sharding[gid].main_weights else Replicate()
+        return DTensor.from_local(
+            local,
+            self.shard_mesh(gid),
+            [placement],
+            run_check=False,
+            shape=shape,
+            stride=torch.empty(shape, device="meta").stride(),
+        )
+
+    def _optimizer_view(self, gid: int, index: int, buf: DataParallelBuffer) -> torch.Tensor:
+        """What the optimizer sees of parameter ``index``: its local rows when the
+        optimizer state is sharded, the whole parameter when it is replicated."""
+        if self.sharding[gid].main_weights:
+            return buf.local_param_view(index)
+        return buf.param_view(buf.data, index)
+
+    def optimizer_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The sharded main weights as DTensor parameters, one per trainable original
+        parameter, under its name; each ``.grad`` is a DTensor over its main-grad rows.
+        Built once: in-place updates by an optimizer land in the main-weight buffers."""
+        if self._optimizer_params is None:
+            params: list[tuple[str, nn.Parameter]] = []
+            for name, gid, i, p in self.named_params():
+                group = self.groups[gid]
+                if not group.requires_grad:
+                    continue
+                local = self._optimizer_view(gid, i, self.main_weight_buffer(gid))
+                dparam = nn.Parameter(self._dtensor(gid, local, p.shape), requires_grad=True)
+                dparam._fsdp_group_index = (gid, i)  # type: ignore[attr-defined]
+                params.append((name, dparam))
+            self._optimizer_params = params
+            self.attach_grads()
+        return self._optimizer_params
+
+    def attach_grads(self) -> None:
+        """(Re)point every optimizer parameter's ``.grad`` at its main-grad rows, e.g.
+        after ``optimizer.zero_grad(set_to_none=True)`` dropped them."""
+        for _name, dparam in self._optimizer_params or ():
+            gid, i = dparam._fsdp_group_index  # type: ignore[attr-defined]
+            gbuf = self.groups[gid].main_grad_buffer
+            assert gbuf is not None
+            dparam.grad = self._dtensor(gid, self._optimizer_view(gid, i, gbuf), dparam.shape)
+
+    def local_shard_dtensors(self) -> dict[str, DTensor]:
+        """Every parameter's local shard as a DTensor under its name, without
+        communication: main weights where they exist, model weights otherwise."""
+        out: dict[str, DTensor] = {}
+        for name, gid, i, p in self.named_params():
+            group = self.groups[gid]
+            buf = self.main_weight_buffer(gid) if group.requires_grad else group.model_weight_buffer
+            assert buf is not None
+            sharded = buf.is_data_distributed or (
+                group.requires_grad and self.sharding[gid].main_weights
+            )
+            placement = Shard(0) if sharded else Replicate()
+            local = buf.local_param_view(i) if sharded else buf.param_view(buf.data, i)
+            out[name] = DTensor.from_local(
+                local,
+                self.shard_mesh(gid),
+                [placement],
+                run_check=False,
+                shape=p.shape,
+                stride=torch.empty(p.shape, device="meta").stride(),
+            )
+        return out
+
+    def local_rows(self, name: str) -> tuple[int, int]:
+        """The global rows [start, end) of parameter ``name`` this rank holds."""
+        for n, gid, i, _p in self.named_params():
+            if n == name:
+                return self.layouts[gid].local_rows(i, self.shard_group_rank(gid))
+        raise KeyError(f"no parameter named {name!r}")
+
+    # ---- accounting ----------------------------------------------------------------
+    def persistent_bytes(self) -> int:
+        """Bytes held by persistent buffers on this rank (not fetched buckets)."""
+        total = 0
+        for group in self.groups:
+            for buf in (
+                group.model_weight_buffer,
+                group.main_weight_buffer,
+                group.main_grad_buffer,
+            ):
+                if buf is not None:
+                    total += buf.nbytes
+        return total
+
+
+def _check_devices(
+    module: nn.Module, device: torch.device | str | None, allow_meta: bool
+) -> torch.device:
+    devices = {p.device for p in module.parameters()}
+    if any(d.type == "meta" for d in devices) and not allow_meta:
+        names = [n for n, p in module.named_parameters() if p.device.type == "meta"][:5]
+        raise ValueError(
+            f"parameters {names} are on the meta device; materialize the model first, or "
+            f"ask for meta-device initialization (init_model_with_meta_device=True)"
+        )
+    real = {d for d in devices if d.type != "meta"}
+    if len(real) > 1:
+        by_device: dict[str, list[str]] = {}
+        for n, p in module.named_parameters():
+            by_device.setdefault(str(p.device), []).append(n)
+        summary = {d: names[:3] for d, names in by_device.items()}
+        raise ValueError(
+            f"parameters are on different devices {sorted(map(str, real))} (e.g. {summary}); "
+            f"move the module to one device before wrapping"
+        )
+    if device is not None:
+        target = torch.device(device)
+        if real and next(iter(real)) != target and next(iter(real)).type != target.type:
+            raise ValueError(
+                f"parameters are on {next(iter(real))} but device={target} was requested; "
+                f"move the module there first"
+            )
+        return target
+    if real:
+        return next(iter(real))
+    return torch.device("cpu")

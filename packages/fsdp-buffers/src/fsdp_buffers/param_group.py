@@ -1,0 +1,182 @@
+"""Grouping a module's parameters into buckets (one ``ParameterGroup`` per bucket).
+
+Parameters are grouped by FSDP unit × dtype × expert × requires_grad × no_shard, in the
+order they first appear in ``module.named_parameters()`` (for most models, forward
+order). Parameters outside every FSDP unit are packed into buckets of about
+``bucket_size`` elements, or into one bucket per key with ``disable_bucketing``.
+A parameter reachable under several names (tied weights) is grouped once, under its
+first name; the other names are kept so that state dicts can list them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from fsdp_buffers.no_shard import is_fsdp_no_shard
+
+if TYPE_CHECKING:
+    from fsdp_buffers.data_parallel_buffer import DataParallelBuffer
+
+# Megatron-Core's DDP default: buckets of 40M elements.
+DEFAULT_BUCKET_SIZE = 40_000_000
+
+UnitSpec = type[nn.Module] | str
+
+
+@dataclass(eq=False)
+class ParameterGroup:
+    """A bucket: parameters that share a flat buffer and move together.
+
+    ``fsdp_unit_id`` is the index of the FSDP unit the parameters belong to, or None for
+    parameters outside every unit. The buffers are filled in by ``ParamAndGradBuffer``
+    according to the sharding strategy; a buffer that the strategy does not need is None.
+    """
+
+    params: list[nn.Parameter]
+    dtype: torch.dtype
+    is_expert_param: bool = False
+    requires_grad: bool = True
+    fsdp_unit_id: int | None = None
+    fsdp_no_shard: bool = False
+    chunk_size_factor: int = 1
+    names: list[str] = field(default_factory=list)
+    model_weight_buffer: DataParallelBuffer | None = None
+    transpose_weight_buffer: DataParallelBuffer | None = None
+    main_weight_buffer: DataParallelBuffer | None = None
+    main_grad_buffer: DataParallelBuffer | None = None
+    hsdp_gbuf: DataParallelBuffer | None = None
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.is_floating_point
+
+
+def resolve_unit_classes(
+    unit_modules: Iterable[UnitSpec] | None, module: nn.Module
+) -> tuple[type[nn.Module], ...]:
+    """Turn classes or dotted class paths into classes; a spec matching no submodule of
+    ``module`` is an error that lists the module types present."""
+    classes: list[type[nn.Module]] = []
+    for spec in unit_modules or ():
+        if isinstance(spec, str):
+            classes.append(_import_class(spec))
+        elif isinstance(spec, type) and issubclass(spec, nn.Module):
+            classes.append(spec)
+        else:
+            raise TypeError(
+                f"fsdp_unit_modules entries must be nn.Module subclasses or dotted class "
+                f"paths such as 'mypkg.model.Block'; got {spec!r}"
+            )
+    present = {type(m) for m in module.modules()}
+    for cls in classes:
+        if not any(issubclass(t, cls) for t in present):
+            names = sorted({f"{t.__module__}.{t.__qualname__}" for t in present})
+            raise ValueError(
+                f"FSDP unit class {cls.__module__}.{cls.__qualname__} matches no submodule "
+                f"of the model; module types present: {names}"
+            )
+    return tuple(classes)
+
+
+def _import_class(path: str) -> type[nn.Module]:
+    module_name, _, class_name = path.rpartition(".")
+    if not module_name:
+        raise ValueError(
+            f"fsdp_unit_modules string {path!r} must be a dotted path 'package.module.Class'"
+        )
+    try:
+        obj = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot import FSDP unit class {path!r}: {e}") from e
+    if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
+        raise TypeError(f"FSDP unit {path!r} is {obj!r}, not an nn.Module subclass")
+    return obj
+
+
+def find_fsdp_units(module: nn.Module, unit_classes: Sequence[type[nn.Module]]) -> list[str]:
+    """Names of the FSDP unit modules, outermost only, in ``named_modules`` order."""
+    units: list[str] = []
+    if not unit_classes:
+        return units
+    for name, sub in module.named_modules():
+        if not isinstance(sub, tuple(unit_classes)):
+            continue
+        if "" in units or any(name.startswith(u + ".") for u in units):
+            continue  # inside an outer unit, which owns its parameters
+        units.append(name)
+    return units
+
+
+def _unit_of(param_name: str, units: Sequence[str]) -> int | None:
+    for i, unit in enumerate(units):
+        if unit == "" or param_name.startswith(unit + "."):
+            return i
+    return None
+
+
+def group_parameters(
+    module: nn.Module,
+    unit_classes: Sequence[type[nn.Module]] = (),
+    *,
+    bucket_size: int | None = None,
+    disable_bucketing: bool = False,
+    is_expert_param: Callable[[str, nn.Parameter], bool] | None = None,
+) -> tuple[list[ParameterGroup], list[str]]:
+    """Group ``module``'s parameters; returns the groups and the FSDP unit names.
+
+    Non-float parameters (integer buffers registered as parameters) are kept
+    replicated: they are grouped as ``fsdp_no_shard`` with ``requires_grad=False``.
+    """
+    if bucket_size is not None and bucket_size < 1:
+        raise ValueError(f"bucket_size must be a positive number of elements; got {bucket_size}")
+    target = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
+    units = find_fsdp_units(module, unit_classes)
+
+    groups: list[ParameterGroup] = []
+    open_groups: dict[tuple, ParameterGroup] = {}
+    for name, p in module.named_parameters():
+        is_float = p.dtype.is_floating_point or p.dtype.is_complex
+        unit_id = _unit_of(name, units)
+        expert = bool(is_expert_param(name, p)) if is_expert_param else False
+        requires_grad = p.requires_grad and is_float
+        no_shard = is_fsdp_no_shard(p) or not is_float
+        key = (unit_id, p.dtype, expert, requires_grad, no_shard)
+        group = open_groups.get(key)
+        bucket_full = group is not None and group.numel + p.numel() > target
+        if bucket_full and unit_id is None and not disable_bucketing:
+            group = None  # start a new bucket for this key
+        if group is None:
+            group = ParameterGroup(
+                params=[],
+                dtype=p.dtype,
+                is_expert_param=expert,
+                requires_grad=requires_grad,
+                fsdp_unit_id=unit_id,
+                fsdp_no_shard=no_shard,
+            )
+            groups.append(group)
+            open_groups[key] = group
+        group.params.append(p)
+        group.names.append(name)
+    return groups, units
+
+
+def tied_parameter_names(module: nn.Module) -> dict[str, list[str]]:
+    """Primary name -> every other name under which the same parameter is reachable."""
+    seen: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        primary = seen.setdefault(id(p), name)
+        if primary != name:
+            aliases.setdefault(primary, []).append(name)
+    return aliases
