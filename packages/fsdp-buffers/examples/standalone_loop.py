@@ -142,7 +142,10 @@ def reference(steps: int = 10, global_batch: int = 8, seed: int = 0, lr: float =
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {
+        "losses": losses,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_buffers.collectives import PendingCollective
-from fsdp_buffers.param_and_grad_buffer import ParamAndGradBuffer
+from fsdp_buffers.param_and_grad_buffer import GradState, ParamAndGradBuffer
 from fsdp_buffers.profiling import annotate
 
 __all__ = ["GradReducePipeline"]
@@ -100,6 +100,16 @@ class GradReducePipeline:
             self._launch_in_order()
             self.wait_all()
             self._begin_backward()
+
+    def reduce_accumulated(self) -> None:
+        """Outside backward: reduce, in order, every bucket still holding unreduced
+        gradients (left by backwards run with ``sync_grads=False``), and wait."""
+        for gid in self.reduce_order:
+            if self.buffer.grad_state[gid] is GradState.ACCUMULATING:
+                while len(self._inflight) >= self.max_inflight:
+                    self._inflight.popleft().wait()
+                self._inflight.append(self.buffer.start_grad_reduce(gid))
+        self.wait_all()
 
     def wait_all(self) -> None:
         while self._inflight:

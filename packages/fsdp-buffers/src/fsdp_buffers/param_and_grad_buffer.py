@@ -137,6 +137,7 @@ class ParamAndGradBuffer:
                 self.param_index[p] = (gid, i)
             self._build_group(gid, group, alignment, load=not allow_meta)
         self._optimizer_params: list[tuple[str, nn.Parameter]] | None = None
+        self._distributed_params: list[tuple[str, nn.Parameter]] | None = None
 
     # ---- construction -------------------------------------------------------------
     def _build_group(self, gid: int, group: ParameterGroup, alignment: int, load: bool) -> None:
@@ -487,6 +488,22 @@ class ParamAndGradBuffer:
             gbuf = self.groups[gid].main_grad_buffer
             assert gbuf is not None
             dparam.grad = self._dtensor(gid, self._optimizer_view(gid, i, gbuf), dparam.shape)
+
+    def distributed_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """A DTensor parameter for every original parameter, under its name: the
+        optimizer's main-weight parameters for trainable ones, and views of the
+        model-weight shards (``requires_grad=False``) for frozen or integer ones."""
+        if self._distributed_params is None:
+            trainable = dict(self.optimizer_named_parameters())
+            frozen = self.local_shard_dtensors()
+            out: list[tuple[str, nn.Parameter]] = []
+            for name, _gid, _i, _p in self.named_params():
+                if name in trainable:
+                    out.append((name, trainable[name]))
+                else:
+                    out.append((name, nn.Parameter(frozen[name], requires_grad=False)))
+            self._distributed_params = out
+        return self._distributed_params
 
     def local_shard_dtensors(self) -> dict[str, DTensor]:
         """Every parameter's local shard as a DTensor under its name, without

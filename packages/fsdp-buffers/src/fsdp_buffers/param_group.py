@@ -136,6 +136,8 @@ def group_parameters(
 
     Non-float parameters (integer buffers registered as parameters) are kept
     replicated: they are grouped as ``fsdp_no_shard`` with ``requires_grad=False``.
+    0-d parameters (a learnable scale) are grouped as ``fsdp_no_shard`` too: a DTensor
+    cannot be ``Shard(0)`` of a scalar, and replicating one element costs nothing.
     """
     if bucket_size is not None and bucket_size < 1:
         raise ValueError(f"bucket_size must be a positive number of elements; got {bucket_size}")
@@ -149,7 +151,7 @@ def group_parameters(
         unit_id = _unit_of(name, units)
         expert = bool(is_expert_param(name, p)) if is_expert_param else False
         requires_grad = p.requires_grad and is_float
-        no_shard = is_fsdp_no_shard(p) or not is_float
+        no_shard = is_fsdp_no_shard(p) or not is_float or p.dim() == 0
         key = (unit_id, p.dtype, expert, requires_grad, no_shard)
         group = open_groups.get(key)
         bucket_full = group is not None and group.numel + p.numel() > target

@@ -1,6 +1,31 @@
-"""fsdp_hooks: When the bytes move: module hooks, training state and the fully_shard API."""
+"""fsdp-hooks: when the bytes move.
+
+The ``MegatronFSDP`` wrapper and its hooks (gather before use, release after, reduce
+as gradients arrive), ``TrainingState``, and the ``fully_shard`` API that takes
+Megatron-FSDP's keyword arguments.
+"""
 
 from importlib.metadata import version as _version
 
+from fsdp_hooks.backward import RegisterFSDPBackwardFunction
+from fsdp_hooks.config import DistributedDataParallelConfig
+from fsdp_hooks.fully_shard import fully_shard, fully_shard_model, fully_shard_optimizer
+from fsdp_hooks.hooks import FSDPUnit
+from fsdp_hooks.megatron_fsdp import MegatronFSDP
+from fsdp_hooks.summary import unit_summary
+from fsdp_hooks.training_state import TrainingState
+
 __version__ = _version("fsdp-hooks")
-__all__ = ["__version__"]
+
+__all__ = [
+    "DistributedDataParallelConfig",
+    "FSDPUnit",
+    "MegatronFSDP",
+    "RegisterFSDPBackwardFunction",
+    "TrainingState",
+    "__version__",
+    "fully_shard",
+    "fully_shard_model",
+    "fully_shard_optimizer",
+    "unit_summary",
+]

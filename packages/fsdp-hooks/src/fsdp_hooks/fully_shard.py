@@ -1,0 +1,254 @@
+"""``fully_shard_model``, ``fully_shard_optimizer`` and ``fully_shard``.
+
+They take the keyword arguments of ``megatron_fsdp.fully_shard`` so that code written
+for it runs unchanged. Differences a user may notice:
+
+- ``fully_shard(module, optimizer)`` keeps the optimizer's parameter groups (and their
+  hyperparameters, e.g. weight-decay groups): each original parameter is replaced in
+  place by its DTensor main-weight parameter. Megatron-FSDP rebuilds a single group.
+- With no ``device_mesh``, the default is a 1-D mesh over the whole world, named
+  ``"dp_shard"``, on CUDA when NCCL is the default backend, else on CPU.
+- Hybrid sharding (``dp_outer_dim``), expert and tensor-parallel meshes are accepted by
+  name but not implemented yet: they raise NotImplementedError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
+from fsdp_hooks.config import DistributedDataParallelConfig
+from fsdp_hooks.megatron_fsdp import MegatronFSDP
+from fsdp_mesh import FSDPDistributedIndex, warn_once
+
+__all__ = ["fully_shard", "fully_shard_model", "fully_shard_optimizer"]
+
+DEFAULT_SHARD_DIM = "dp_shard"
+
+
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: call dist.init_process_group() (or launch "
+            "with torchrun) before fully_shard"
+        )
+    backend = dist.get_backend()
+    device_type = "cuda" if backend == "nccl" and torch.cuda.is_available() else "cpu"
+    return init_device_mesh(
+        device_type, (dist.get_world_size(),), mesh_dim_names=(DEFAULT_SHARD_DIM,)
+    )
+
+
+def fully_shard_model(
+    module: nn.Module,
+    device_mesh: DeviceMesh | None = None,
+    dp_shard_dim: str | None = None,
+    dp_outer_dim: str | None = None,
+    tp_dim: str | None = None,
+    hybrid_fsdp_group: dist.ProcessGroup | None = None,
+    hybrid_fsdp_expt_group: dist.ProcessGroup | None = None,
+    expt_device_mesh: DeviceMesh | None = None,
+    fsdp_group_ag: dist.ProcessGroup | None = None,
+    expt_fsdp_group_ag: dist.ProcessGroup | None = None,
+    fsdp_unit_modules: Sequence[type[nn.Module]] | Sequence[str] | None = None,
+    zero_dp_strategy: str | int = 3,
+    outer_dp_sharding_strategy: str | int = 0,
+    device: torch.device | None = None,
+    init_model_with_meta_device: bool = False,
+    mixed_precision_policy: MixedPrecisionPolicy | None = None,
+    overlap_grad_reduce: bool = True,
+    overlap_param_gather: bool = True,
+    sync_model_each_microbatch: bool = True,
+    preproc_state_dict_for_dcp_ckpt: bool = True,
+    report_nan_in_param_grad: bool = False,
+    average_in_collective: bool = False,
+    disable_bucketing: bool = False,
+    calculate_per_token_loss: bool = False,
+    keep_fp8_transpose_cache: bool = False,
+    nccl_ub: bool = False,
+    fsdp_double_buffer: bool = False,
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False,
+    disable_symmetric_registration: bool = False,
+    enable_fine_grained_param_gather: bool = False,
+    use_decoupled_grad: bool = False,
+    cuda_graph_mode: bool = False,
+    maxpool_double_buffer: bool = False,
+) -> MegatronFSDP:
+    """Shard ``module`` and return the ``MegatronFSDP`` wrapper (the original module is
+    ``wrapper.module``). Its parameters are then DTensors: this rank's shard of the
+    main weights."""
+    strategy = ShardingStrategy.parse(zero_dp_strategy)
+    outer = ShardingStrategy.parse(outer_dp_sharding_strategy)
+    if dp_outer_dim is not None or outer is not ShardingStrategy.NO_SHARD:
+        raise NotImplementedError(
+            "hybrid sharding (dp_outer_dim / outer_dp_sharding_strategy) is not implemented "
+            "yet; use a 1-D shard mesh"
+        )
+    if expt_device_mesh is not None or tp_dim is not None:
+        raise NotImplementedError(
+            "expert-parallel and tensor-parallel meshes are not implemented yet"
+        )
+    for name, value in (
+        ("hybrid_fsdp_group", hybrid_fsdp_group),
+        ("hybrid_fsdp_expt_group", hybrid_fsdp_expt_group),
+        ("fsdp_group_ag", fsdp_group_ag),
+        ("expt_fsdp_group_ag", expt_fsdp_group_ag),
+    ):
+        if value is not None:
+            warn_once(f"fsdp.ignored.{name}", f"{name} is accepted but not used yet; ignored")
+    for name, value in (
+        ("enable_fine_grained_param_gather", enable_fine_grained_param_gather),
+        ("use_decoupled_grad", use_decoupled_grad),
+        ("cuda_graph_mode", cuda_graph_mode),
+        ("fsdp_db_use_persist_buf_on_alloc_fail", fsdp_db_use_persist_buf_on_alloc_fail),
+        ("preproc_state_dict_for_dcp_ckpt", not preproc_state_dict_for_dcp_ckpt),
+    ):
+        if value:
+            warn_once(f"fsdp.ignored.{name}", f"{name} has no effect in fsdp; ignored")
+    if device_mesh is None:
+        device_mesh = _default_mesh()
+        dp_shard_dim = dp_shard_dim or DEFAULT_SHARD_DIM
+    if dp_shard_dim is None and device_mesh.ndim == 1 and device_mesh.mesh_dim_names:
+        dp_shard_dim = device_mesh.mesh_dim_names[0]
+    dist_index = FSDPDistributedIndex(device_mesh, dp_shard_dim=dp_shard_dim)
+    policy = mixed_precision_policy or MixedPrecisionPolicy()
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
+        check_for_nan_in_grad=report_nan_in_param_grad,
+        average_in_collective=average_in_collective,
+        data_parallel_sharding_strategy=strategy.megatron_name,
+        outer_dp_sharding_strategy=outer.megatron_name,
+        keep_fp8_transpose_cache=keep_fp8_transpose_cache,
+        nccl_ub=nccl_ub,
+        fsdp_double_buffer=fsdp_double_buffer or maxpool_double_buffer,
+        disable_symmetric_registration=disable_symmetric_registration,
+        megatron_fsdp_main_params_dtype=policy.main_params_dtype,
+        megatron_fsdp_main_grads_dtype=policy.main_grads_dtype,
+        megatron_fsdp_grad_comm_dtype=policy.grad_comm_dtype,
+    )
+    return MegatronFSDP(
+        module,
+        dist_index,
+        ddp_config=ddp_config,
+        fsdp_unit_modules=fsdp_unit_modules,
+        disable_bucketing=disable_bucketing,
+        device=device,
+        calculate_per_token_loss=calculate_per_token_loss,
+        init_model_with_meta_device=init_model_with_meta_device,
+        sync_model_each_microbatch=sync_model_each_microbatch,
+        keep_fp8_transpose_cache=keep_fp8_transpose_cache,
+        nccl_ub=nccl_ub,
+        fsdp_double_buffer=fsdp_double_buffer,
+        disable_symmetric_registration=disable_symmetric_registration,
+        mixed_precision_policy=policy,
+    )
+
+
+def _model_of(optimizer: torch.optim.Optimizer) -> MegatronFSDP | None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = getattr(p, "_fsdp_model_ref", None)
+            if ref is not None and ref() is not None:
+                return ref()
+    return None
+
+
+def fully_shard_optimizer(
+    optimizer: torch.optim.Optimizer,
+    preproc_state_dict_for_dcp_ckpt: bool = True,
+    *,
+    model: MegatronFSDP | None = None,
+) -> torch.optim.Optimizer:
+    """Make ``optimizer`` step the model's sharded main weights, in place.
+
+    Parameters of the original module are replaced by their DTensor main-weight
+    parameters, keeping the param groups. ``step()`` then finishes gradient sync first
+    and installs the updated weights after; ``zero_grad()`` also zeros the model's
+    gradient buffers. Both accept Megatron-FSDP's extra keywords
+    (``sync_grad_before_optimizer_step``, ``install_optimized_model_weights``,
+    ``zero_grad_buffer``)."""
+    if not optimizer.param_groups or not any(g["params"] for g in optimizer.param_groups):
+        raise ValueError(f"the optimizer has no parameters: {optimizer}")
+    model = model if model is not None else _model_of(optimizer)
+    if model is None:
+        raise ValueError(
+            "cannot find the fsdp model of this optimizer: build it over the wrapped "
+            "model's parameters (model.parameters()) or pass model=..."
+        )
+    if getattr(optimizer, "_fsdp_model_ref", None) is not None:
+        raise ValueError("this optimizer was already passed to fully_shard_optimizer")
+    if optimizer.state:
+        raise ValueError(
+            "the optimizer already holds state; shard the model and optimizer before the first step"
+        )
+    by_compute = model.hooks.distributed_by_compute
+    ours = {id(p) for p in by_compute.values()}
+    unknown: list[str] = []
+    for group in optimizer.param_groups:
+        new_params = []
+        for p in group["params"]:
+            if id(p) in ours:
+                new_params.append(p)
+            elif p in by_compute:
+                if not p.requires_grad:
+                    continue  # frozen: nothing to optimize
+                new_params.append(by_compute[p])
+            else:
+                unknown.append(f"{type(p).__name__}{tuple(p.shape)}")
+        group["params"] = new_params
+    if unknown:
+        raise ValueError(
+            f"the optimizer holds {len(unknown)} parameter(s) that are not the wrapped "
+            f"module's: {unknown[:5]}; build the optimizer over the module's parameters"
+        )
+    _patch_optimizer(optimizer, model)
+    return optimizer
+
+
+def _patch_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) -> None:
+    import weakref
+
+    optimizer._fsdp_model_ref = weakref.ref(model)  # type: ignore[attr-defined]
+    base_step = optimizer.step
+    base_zero_grad = optimizer.zero_grad
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        sync = kwargs.pop("sync_grad_before_optimizer_step", True)
+        install = kwargs.pop("install_optimized_model_weights", True)
+        if sync:
+            model.finish_grad_sync()
+        else:
+            model.attach_grad_to_optimizer_state()
+        result = base_step(*args, **kwargs)
+        if install:
+            model.install_optimized_model_weights()
+        return result
+
+    def zero_grad(*args: Any, **kwargs: Any) -> None:
+        zero_buffer = kwargs.pop("zero_grad_buffer", True)
+        base_zero_grad(*args, **kwargs)
+        if zero_buffer:
+            model.zero_grad_buffer()
+
+    step.__doc__ = base_step.__doc__
+    zero_grad.__doc__ = base_zero_grad.__doc__
+    optimizer.step = step  # type: ignore[method-assign]
+    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+
+
+def fully_shard(
+    module: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any
+) -> tuple[MegatronFSDP, torch.optim.Optimizer]:
+    """``fully_shard_model(module, **kwargs)`` then ``fully_shard_optimizer`` on an
+    optimizer built over ``module``'s parameters; returns ``(model, optimizer)``."""
+    preproc = kwargs.get("preproc_state_dict_for_dcp_ckpt", True)
+    model = fully_shard_model(module, **kwargs)
+    optimizer = fully_shard_optimizer(optimizer, preproc, model=model)
+    return model, optimizer

@@ -1,0 +1,277 @@
+"""The hooks that decide when buckets are gathered, released and reduced.
+
+Note on one step under ZeRO-3 (see DESIGN.md's data flow):
+
+1. Root pre-forward: the wrapped module's parameters become the compute parameters
+   (views into buckets); buckets outside every FSDP unit are gathered and stay
+   gathered until the end of backward.
+2. Unit pre-forward: gather the unit's buckets, prefetch what follows in forward order,
+   and route the unit's inputs through ``RegisterFSDPBackwardFunction`` so that the
+   unit's post-backward runs once the gradients of its inputs exist.
+3. Unit post-forward: release the unit's buckets, and hook its outputs so that the first
+   gradient reaching them runs the unit's pre-backward.
+4. Unit pre-backward: gather again and prefetch in backward order. The first backward
+   event of a step also queues the end-of-backward callback on the outer graph task.
+5. Post-accumulate-grad hooks feed each gradient to the ``GradReducePipeline``, which
+   reduces a bucket as soon as it is complete.
+6. Unit post-backward: release the unit's buckets.
+7. End of backward: launch what is left (parameters without gradients reduce zeros),
+   wait for every reduction, release everything, check for NaN/Inf when asked, and
+   swap the DTensor parameters back in with their ``.grad`` on the main-grad shards.
+
+Activation recompute: a unit's forward that runs inside backward (torch.utils.checkpoint
+recomputing it, reentrant or not) is not a new forward. Its pre-forward finds the
+buckets already gathered by the unit's pre-backward, and its post-forward keeps them for
+the backward that follows, so a recomputed unit is gathered once for both.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_buffers import PrefetchOrder, annotate, module_is_fully_no_shard
+from fsdp_hooks.backward import (
+    in_backward,
+    queue_end_of_backward_callback,
+    register_pre_backward,
+    wrap_inputs_for_post_backward,
+)
+from fsdp_hooks.training_state import TrainingState
+
+if TYPE_CHECKING:
+    from fsdp_hooks.megatron_fsdp import MegatronFSDP
+
+__all__ = ["FSDPHooks", "FSDPUnit"]
+
+
+@dataclass(eq=False)
+class FSDPUnit:
+    index: int
+    name: str
+    module: nn.Module
+    groups: list[int]  # buckets to gather for this unit, tied ones included
+    release_groups: list[int]  # of those, the ones this unit releases (not root buckets)
+    state: TrainingState = TrainingState.IDLE
+    handles: list[Any] = field(default_factory=list)
+
+
+class FSDPHooks:
+    """All hooks of one ``MegatronFSDP`` and the per-step state they share."""
+
+    def __init__(self, wrapper: MegatronFSDP) -> None:
+        self._wrapper = weakref.ref(wrapper)
+        buffer = wrapper.buffer
+        self.buffer = buffer
+        self.gather = wrapper.all_gather_pipeline
+        self.reduce = wrapper.grad_reduce_pipeline
+        self.root_state = TrainingState.IDLE
+        self.root_groups = buffer.groups_of_unit(None)
+        self._callback_queued = False
+        self._nonfinite: list[tuple[str, torch.Tensor]] = []
+        self._param_names = {p: name for name, _g, _i, p in buffer.named_params()}
+
+        module = wrapper.module
+        root = set(self.root_groups)
+        self.units: list[FSDPUnit] = []
+        for index, name in enumerate(buffer.unit_names):
+            unit_module = module.get_submodule(name)
+            groups: list[int] = []
+            for p in unit_module.parameters():
+                gid = buffer.group_of(p)[0]
+                if gid not in groups:
+                    groups.append(gid)
+            unit = FSDPUnit(index, name, unit_module, groups, [g for g in groups if g not in root])
+            self.units.append(unit)
+            if module_is_fully_no_shard(unit_module):
+                continue  # replicated: nothing to gather or release, so no hooks at all
+            unit.handles.append(
+                unit_module.register_forward_pre_hook(
+                    functools.partial(self._unit_pre_forward, unit), prepend=True, with_kwargs=True
+                )
+            )
+            unit.handles.append(
+                unit_module.register_forward_hook(functools.partial(self._unit_post_forward, unit))
+            )
+
+        self._grad_handles = [
+            p.register_post_accumulate_grad_hook(self._on_param_grad)
+            for group in buffer.groups
+            if group.requires_grad
+            for p in group.params
+            if p.requires_grad
+        ]
+        for group in buffer.groups:
+            for p in group.params:
+                p._fsdp_managed = True  # type: ignore[attr-defined]
+
+        # Every place a parameter is reachable from, so tied weights swap together.
+        distributed = dict(buffer.distributed_named_parameters())
+        by_param = {p: distributed[name] for p, name in self._param_names.items()}
+        for dparam in distributed.values():
+            dparam._fsdp_model_ref = self._wrapper  # type: ignore[attr-defined]
+        self._locations: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
+        for sub in module.modules():
+            for attr, p in sub._parameters.items():
+                if p is not None:
+                    self._locations.append((sub, attr, p, by_param[p]))
+        self._using_compute = True
+        self.distributed_by_compute = by_param
+
+    @property
+    def wrapper(self) -> MegatronFSDP:
+        wrapper = self._wrapper()
+        assert wrapper is not None, "the MegatronFSDP wrapper was garbage-collected"
+        return wrapper
+
+    # ---- parameter swapping -----------------------------------------------------------
+    def use_compute_params(self) -> None:
+        if not self._using_compute:
+            for module, attr, compute, _dist in self._locations:
+                module._parameters[attr] = compute
+            self._using_compute = True
+
+    def use_distributed_params(self) -> None:
+        if self._using_compute:
+            for module, attr, _compute, dparam in self._locations:
+                module._parameters[attr] = dparam
+            self._using_compute = False
+
+    def group_of_any(self, param: nn.Parameter) -> int:
+        """Bucket of a compute parameter or of its DTensor counterpart."""
+        if param in self.buffer.param_index:
+            return self.buffer.group_of(param)[0]
+        index = getattr(param, "_fsdp_group_index", None)
+        if index is not None:
+            return index[0]
+        for compute, dparam in self.distributed_by_compute.items():
+            if dparam is param:
+                return self.buffer.group_of(compute)[0]
+        raise KeyError("parameter is not managed by this MegatronFSDP model")
+
+    # ---- root -----------------------------------------------------------------------
+    def root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        with annotate("fsdp.root_pre_forward"):
+            self.root_state = TrainingState.FORWARD
+            self.use_compute_params()
+            self.gather.all_gather_params(self.root_groups, prefetch=False)
+        return args, kwargs
+
+    def root_post_forward(self, output: Any) -> Any:
+        with annotate("fsdp.root_post_forward"):
+            backward_pending = torch.is_grad_enabled() and register_pre_backward(
+                output, self._root_pre_backward
+            )
+            if not backward_pending:
+                # No backward will follow (eval, no_grad): nothing to keep gathered.
+                self._release_all()
+                self.use_distributed_params()
+            self.root_state = TrainingState.IDLE
+        return output
+
+    def _root_pre_backward(self) -> None:
+        self._begin_backward()
+        self.root_state = TrainingState.PRE_BACKWARD
+
+    def _begin_backward(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            self.reduce.sync_grads = self.wrapper.sync_grads
+            queue_end_of_backward_callback(self._end_of_backward)
+
+    # ---- units ----------------------------------------------------------------------
+    def _unit_pre_forward(self, unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict):
+        with annotate("fsdp.pre_forward"):
+            recompute = in_backward()
+            if not recompute:
+                unit.state = TrainingState.FORWARD
+            order = (
+                PrefetchOrder.BACKWARD_PASS_ORDER if recompute else PrefetchOrder.FORWARD_PASS_ORDER
+            )
+            self.gather.all_gather_params(unit.groups, prefetch=True, prefetch_order=order)
+            if torch.is_grad_enabled():
+                post = functools.partial(self._unit_post_backward, unit)
+                args, kwargs = wrap_inputs_for_post_backward(post, args, kwargs)
+        return args, kwargs
+
+    def _unit_post_forward(self, unit: FSDPUnit, module: nn.Module, args: tuple, output: Any):
+        if in_backward():
+            return output  # recompute: the backward that follows needs the buckets
+        with annotate("fsdp.post_forward"):
+            for gid in unit.release_groups:
+                self.gather.release_bucket(gid)
+            unit.state = TrainingState.IDLE
+            if torch.is_grad_enabled():
+                register_pre_backward(output, functools.partial(self._unit_pre_backward, unit))
+        return output
+
+    def _unit_pre_backward(self, unit: FSDPUnit) -> None:
+        with annotate("fsdp.pre_backward"):
+            self._begin_backward()
+            self.root_state = TrainingState.PRE_BACKWARD
+            unit.state = TrainingState.PRE_BACKWARD
+            self.gather.all_gather_params(
+                unit.groups, prefetch=True, prefetch_order=PrefetchOrder.BACKWARD_PASS_ORDER
+            )
+
+    def _unit_post_backward(self, unit: FSDPUnit) -> None:
+        with annotate("fsdp.post_backward"):
+            unit.state = TrainingState.POST_BACKWARD
+            for gid in unit.release_groups:
+                self.gather.release_bucket(gid)
+
+    # ---- gradients ------------------------------------------------------------------
+    def _on_param_grad(self, param: torch.Tensor) -> None:
+        if self.wrapper.report_nan_in_param_grad and param.grad is not None:
+            # Kept as a tensor: checking now would sync the device once per parameter.
+            self._nonfinite.append((self._param_names[param], torch.isfinite(param.grad).all()))
+        self.reduce.mark_param_grad_ready(param)  # type: ignore[arg-type]
+
+    def _end_of_backward(self) -> None:
+        with annotate("fsdp.end_of_backward"):
+            self.root_state = TrainingState.POST_BACKWARD
+            try:
+                self.reduce.finish()
+                self.raise_if_nonfinite_grads()
+            finally:
+                self._release_all()
+                for unit in self.units:
+                    unit.state = TrainingState.IDLE
+                self.use_distributed_params()
+                self.buffer.attach_grads()
+                self._callback_queued = False
+                self.root_state = TrainingState.IDLE
+
+    def _release_all(self) -> None:
+        self.gather.reset()
+
+    def clear_nonfinite_grads(self) -> None:
+        self._nonfinite.clear()
+
+    def raise_if_nonfinite_grads(self) -> None:
+        """With ``check_for_nan_in_grad``/``report_nan_in_param_grad``: agree across
+        the data-parallel group whether any rank saw a NaN/Inf gradient, and if so
+        raise on every rank, naming the parameters and the ranks."""
+        if not self.wrapper.report_nan_in_param_grad:
+            return
+        bad = sorted({name for name, finite in self._nonfinite if not bool(finite)})
+        self._nonfinite.clear()
+        group = self.wrapper.dist_index.get_dp_group()
+        device = self.buffer.device if self.buffer.device.type != "meta" else torch.device("cpu")
+        flag = torch.tensor([1.0 if bad else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item() == 0:
+            return
+        reports: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(reports, (dist.get_rank(), bad), group=group)
+        lines = [f"rank {rank}: {names}" for rank, names in reports if names]
+        raise RuntimeError(
+            "NaN or Inf found in local gradients (report_nan_in_param_grad / "
+            "check_for_nan_in_grad) of parameters:\n" + "\n".join(lines)
+        )

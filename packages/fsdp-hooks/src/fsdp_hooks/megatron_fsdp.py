@@ -1,0 +1,277 @@
+"""``MegatronFSDP``: the wrapper module that schedules when the bytes move.
+
+It owns a ``ParamAndGradBuffer`` and its two pipelines, and registers the hooks that
+``hooks.py`` defines. Outside forward and backward the wrapped module's parameters are
+DTensors holding this rank's shard of the main weights (with ``.grad`` on the main-grad
+shard), so any torch optimizer, ``clip_grad_norm_`` and ``state_dict()`` work on them;
+from the start of forward to the end of backward they are the compute parameters, whose
+``.data`` are views into gathered buckets. Tied parameters are swapped at every place
+they are reachable from, so they stay tied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_buffers import (
+    AllGatherPipeline,
+    GradReducePipeline,
+    MixedPrecisionPolicy,
+    ParamAndGradBuffer,
+    PrefetchOrder,
+    ShardingStrategy,
+)
+from fsdp_hooks.config import DistributedDataParallelConfig
+from fsdp_hooks.hooks import FSDPHooks
+from fsdp_hooks.summary import log_unit_summary
+from fsdp_hooks.training_state import TrainingState
+from fsdp_hooks.validation import check_cuda_only_options, check_not_wrapped, check_same_model
+
+__all__ = ["MegatronFSDP"]
+
+logger = logging.getLogger("fsdp_hooks")
+
+
+class MegatronFSDP(nn.Module):
+    """Fully Sharded Data Parallel training of ``module`` over ``dist_index``'s groups.
+
+    Strategies (``ddp_config.data_parallel_sharding_strategy``): ``no_shard`` (plain
+    data parallel), ``optim`` (~ZeRO-1: main weights and optimizer state sharded),
+    ``optim_grads`` (~ZeRO-2: also gradients), ``optim_grads_params`` (~ZeRO-3: also
+    the compute weights, gathered per FSDP unit for forward and again for backward).
+    """
+
+    _is_fsdp_wrapper = True
+
+    def __init__(
+        self,
+        module: nn.Module,
+        dist_index,  # fsdp_mesh.FSDPDistributedIndex
+        ddp_config: DistributedDataParallelConfig | None = None,
+        fsdp_unit_modules: Iterable[type[nn.Module] | str] | None = None,
+        disable_bucketing: bool = False,
+        device: torch.device | None = None,
+        calculate_per_token_loss: bool = False,
+        init_model_with_meta_device: bool = False,
+        sync_model_each_microbatch: bool = False,
+        keep_fp8_transpose_cache: bool = False,
+        nccl_ub: bool = False,
+        fsdp_double_buffer: bool = False,
+        disable_symmetric_registration: bool = False,
+        *,
+        mixed_precision_policy: MixedPrecisionPolicy | None = None,
+        is_expert_param: Callable[[str, nn.Parameter], bool] | None = None,
+    ) -> None:
+        super().__init__()
+        check_not_wrapped(module)
+        ddp_config = ddp_config if ddp_config is not None else DistributedDataParallelConfig()
+        self.ddp_config = ddp_config
+        self.dist_index = dist_index
+        self.device = _resolve_device(device, dist_index)
+        check_cuda_only_options(
+            self.device,
+            nccl_ub=nccl_ub or ddp_config.nccl_ub,
+            disable_symmetric_registration=disable_symmetric_registration
+            or ddp_config.disable_symmetric_registration,
+            keep_fp8_transpose_cache=keep_fp8_transpose_cache
+            or ddp_config.keep_fp8_transpose_cache,
+        )
+        self.strategy = ShardingStrategy.parse(ddp_config.data_parallel_sharding_strategy)
+        self.calculate_per_token_loss = calculate_per_token_loss
+        self.init_model_with_meta_device = init_model_with_meta_device
+        self.report_nan_in_param_grad = ddp_config.check_for_nan_in_grad
+        self.mixed_precision_policy = mixed_precision_policy or MixedPrecisionPolicy(
+            main_params_dtype=ddp_config.megatron_fsdp_main_params_dtype,
+            main_grads_dtype=ddp_config.megatron_fsdp_main_grads_dtype,
+            grad_comm_dtype=ddp_config.megatron_fsdp_grad_comm_dtype,
+        )
+        has_meta = any(p.device.type == "meta" for p in module.parameters())
+        if has_meta and not init_model_with_meta_device:
+            raise ValueError(
+                "the module has parameters on the meta device; pass "
+                "init_model_with_meta_device=True to materialize them shard by shard"
+            )
+        if not has_meta:
+            module.to(self.device)
+        check_same_model(module, dist_index)
+        self.module = module
+        self.buffer = ParamAndGradBuffer(
+            module,
+            dist_index,
+            strategy=self.strategy,
+            mixed_precision_policy=self.mixed_precision_policy,
+            fsdp_unit_modules=fsdp_unit_modules,
+            bucket_size=ddp_config.bucket_size,
+            disable_bucketing=disable_bucketing,
+            device=self.device,
+            fsdp_double_buffer=fsdp_double_buffer or ddp_config.fsdp_double_buffer,
+            # A per-token loss is normalized by the caller: sum, do not average.
+            gradient_scaling_factor=1.0 if calculate_per_token_loss else None,
+            expert_gradient_scaling_factor=1.0 if calculate_per_token_loss else None,
+            average_in_collective=ddp_config.average_in_collective,
+            is_expert_param=is_expert_param,
+            allow_meta=init_model_with_meta_device,
+        )
+        self.all_gather_pipeline = AllGatherPipeline(self.buffer)
+        self.grad_reduce_pipeline = GradReducePipeline(self.buffer)
+        if init_model_with_meta_device:
+            from fsdp_hooks.meta_init import initialize_from_meta
+
+            initialize_from_meta(self)
+        self.model_auto_sync = sync_model_each_microbatch
+        self._sync_override: bool | None = None
+        self.hooks = FSDPHooks(self)
+        self._replace_param_with_distributed_if_needed()
+        log_unit_summary(self)
+
+    # ---- state ----------------------------------------------------------------------
+    @property
+    def training_state(self) -> TrainingState:
+        return self.hooks.root_state
+
+    def unit_training_state(self, unit_id: int) -> TrainingState:
+        return self.hooks.units[unit_id].state
+
+    @property
+    def sync_grads(self) -> bool:
+        """Whether the backward running now (or next) reduces every gradient."""
+        return self.model_auto_sync if self._sync_override is None else self._sync_override
+
+    def get_distributed_index(self):
+        return self.dist_index
+
+    # ---- forward --------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        inputs, kwargs = self.hooks.root_pre_forward(inputs, kwargs)
+        output = self.module(*inputs, **kwargs)
+        return self.hooks.root_post_forward(output)
+
+    # ---- parameter views ------------------------------------------------------------
+    def _replace_param_with_distributed_if_needed(self) -> None:
+        self.hooks.use_distributed_params()
+
+    def _replace_param_with_raw_if_needed(self) -> None:
+        self.hooks.use_compute_params()
+
+    # ---- gathers --------------------------------------------------------------------
+    def all_gather_and_wait_parameters_ready(
+        self,
+        params: Iterable[nn.Parameter],
+        prefetch: bool = True,
+        prefetch_order: PrefetchOrder = PrefetchOrder.FORWARD_PASS_ORDER,
+        wait_bucket_ready: bool = True,
+    ) -> None:
+        gids = sorted({self.hooks.group_of_any(p) for p in params})
+        self.all_gather_pipeline.all_gather_params(
+            gids,
+            prefetch=prefetch,
+            prefetch_order=prefetch_order,
+            wait_bucket_ready=wait_bucket_ready,
+        )
+
+    def start_param_sync(
+        self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False
+    ) -> None:
+        """Gather every sharded bucket: asynchronously when ``overlap_param_gather`` (or
+        ``force_dispatch``), and waited for when not (or ``force_sync``)."""
+        pipeline = self.all_gather_pipeline
+        for gid in pipeline.forward_order:
+            pipeline.async_bucket_gather(gid)
+        wait = force_sync or not (self.ddp_config.overlap_param_gather or force_dispatch)
+        if wait:
+            self.synchronize_param_gather()
+
+    def synchronize_param_gather(self) -> None:
+        pipeline = self.all_gather_pipeline
+        for gid in pipeline.gathered_buckets():
+            pipeline.wait_bucket_ready(gid)
+
+    # ---- gradients --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate replicated gradients without reducing them
+        (``no_shard``/``optim``); sharded gradients are always reduce-scattered."""
+        previous, self._sync_override = self._sync_override, False
+        try:
+            yield
+        finally:
+            self._sync_override = previous
+
+    @contextlib.contextmanager
+    def sync(self) -> Iterator[None]:
+        """Backwards inside reduce every gradient before they return."""
+        previous, self._sync_override = self._sync_override, True
+        try:
+            yield
+        finally:
+            self._sync_override = previous
+
+    def set_model_auto_sync(self, sync_model: bool = True) -> None:
+        self.model_auto_sync = sync_model
+
+    def start_grad_sync(self, *unused: Any) -> None:
+        """Launch the reduction of every bucket not reduced yet (outside backward)."""
+        self.grad_reduce_pipeline.reduce_accumulated()
+
+    def synchronize_gradient_reduce(self) -> None:
+        self.grad_reduce_pipeline.wait_all()
+
+    def finish_grad_sync(self) -> None:
+        """Reduce whatever is still unreduced, wait for every reduction, check for
+        NaN/Inf when asked, and attach the main-grad shards to the parameters."""
+        self.grad_reduce_pipeline.reduce_accumulated()
+        self.hooks.raise_if_nonfinite_grads()
+        self.attach_grad_to_optimizer_state()
+
+    def attach_grad_to_optimizer_state(self) -> None:
+        self.buffer.attach_grads()
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        self.buffer.scale_gradients(scaling_factor)
+
+    def zero_grad_buffer(self) -> None:
+        self.buffer.zero_grad_buffer()
+        self.hooks.clear_nonfinite_grads()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.zero_grad_buffer()
+
+    # ---- weights ----------------------------------------------------------------------
+    def install_optimized_model_weights(self) -> None:
+        self.all_gather_pipeline.reset()  # gathered copies are stale after a step
+        self.buffer.install_optimized_model_weights()
+
+    def broadcast_params(self) -> None:
+        self.all_gather_pipeline.reset()
+        self.buffer.broadcast_params()
+
+    # ---- accounting -------------------------------------------------------------------
+    def comm_stats(self, reset: bool = False) -> dict[str, dict[str, float]]:
+        """Collectives issued since the last reset: calls, unsharded elements and bytes,
+        and ring traffic per rank, by kind."""
+        stats = self.buffer.stats.as_dict()
+        if reset:
+            self.buffer.stats.reset()
+        return stats
+
+    def reset_comm_stats(self) -> None:
+        self.buffer.stats.reset()
+
+
+def _resolve_device(device: torch.device | str | None, dist_index) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if dist_index.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(dist_index.device_type)
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
