@@ -102,31 +102,9 @@ def train(
         dist.all_reduce(global_loss)
         losses.append(global_loss.item() / world)
 
-    final = {name: p.full_tensor() for name, p in _full_params(buffers)}
+    # Whole parameters from the row shards (a collective; every rank calls it).
+    final = {name: buffers.full_parameter(name) for name, _ in buffers.optimizer_named_parameters()}
     return {"losses": losses, "params": final}
-
-
-def _full_params(buffers: ParamAndGradBuffer):
-    """Every parameter gathered whole from its row shards (for checking results)."""
-    for name, shard in buffers.local_shard_dtensors().items():
-        yield name, _Gathered(buffers, name, shard)
-
-
-class _Gathered:
-    def __init__(self, buffers: ParamAndGradBuffer, name: str, shard) -> None:
-        self.buffers, self.name, self.shard = buffers, name, shard
-
-    def full_tensor(self) -> torch.Tensor:
-        local = self.shard.to_local()
-        if self.shard.placements[0].is_replicate():
-            return local.clone()
-        rows = self.buffers.local_rows(self.name)
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, (rows, local.clone()))
-        out = torch.empty(self.shard.shape, dtype=local.dtype)
-        for (r0, r1), part in parts:
-            out[r0:r1] = part
-        return out
 
 
 def reference(steps: int = 10, global_batch: int = 8, seed: int = 0, lr: float = 1e-2):

@@ -12,10 +12,11 @@ valid objects throughout, and autograd's saved references to them see the re-gat
 data in backward, because the storage object never changes, only its allocation. This
 is the same trick as PyTorch FSDP2's ``_alloc_storage``/``_free_storage``.
 
-With ``fsdp_double_buffer``, buckets live instead in two persistent slots shared by
-all groups (``DoubleBufferAllocator``): no allocation per step, at the price of the
-slots' memory staying reserved; each group keeps a fixed slot and offset, so views are
-still created once.
+With ``fsdp_double_buffer``, the FSDP units' weight buckets live instead in two
+persistent slots that consecutive units take turns in (``DoubleBufferAllocator``): no
+allocation per step, at the price of the slots' memory staying reserved; each group
+keeps a fixed slot and offset, so views are still created once. Root buckets and
+gradient staging buckets stay temporary (see ``ParamAndGradBuffer``).
 """
 
 from __future__ import annotations

@@ -60,6 +60,13 @@ class GradReducePipeline:
         self._next = 0
         self._launched: set[int] = set()
 
+    def prepare(self, gid: int) -> None:
+        """Make bucket ``gid``'s gradient storage exist now, so that ``param.main_grad``
+        views are valid before any gradient arrives (frameworks that accumulate into
+        ``main_grad`` themselves, e.g. Transformer Engine's fused wgrad)."""
+        if gid in self._expected and gid not in self._launched:
+            self.buffer.grad_target(gid)
+
     def mark_param_grad_ready(self, param: nn.Parameter) -> None:
         """Take ``param``'s gradient into its bucket; launch what became complete."""
         gid, i = self.buffer.group_of(param)

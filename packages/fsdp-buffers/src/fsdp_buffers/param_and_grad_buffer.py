@@ -124,8 +124,9 @@ class ParamAndGradBuffer:
             if expert_gradient_scaling_factor is None
             else expert_gradient_scaling_factor
         )
+        self._temporary_allocator = TemporaryBucketAllocator()
         self.allocator: BucketAllocator = (
-            DoubleBufferAllocator(self.device) if fsdp_double_buffer else TemporaryBucketAllocator()
+            DoubleBufferAllocator(self.device) if fsdp_double_buffer else self._temporary_allocator
         )
         self.param_index: dict[nn.Parameter, tuple[int, int]] = {}
         self.layouts: list[FlatLayout] = []
@@ -136,8 +137,12 @@ class ParamAndGradBuffer:
             for i, p in enumerate(group.params):
                 self.param_index[p] = (gid, i)
             self._build_group(gid, group, alignment, load=not allow_meta)
+        # Views last: a DoubleBufferAllocator sizes its slots once all are registered.
+        for group in self.groups:
+            self._point_params_at_buffers(group)
         self._optimizer_params: list[tuple[str, nn.Parameter]] | None = None
         self._distributed_params: list[tuple[str, nn.Parameter]] | None = None
+        self._name_index: dict[str, tuple[int, int]] | None = None
 
     # ---- construction -------------------------------------------------------------
     def _build_group(self, gid: int, group: ParameterGroup, alignment: int, load: bool) -> None:
@@ -157,18 +162,26 @@ class ParamAndGradBuffer:
         sources = [p.detach() for p in group.params]
 
         def make(kind: str, dtype: torch.dtype, sharded: bool) -> DataParallelBuffer:
+            # Only units' weight buckets take turns in the double buffer's two slots: a
+            # root bucket stays gathered all step and a gradient staging bucket is held
+            # until its reduction is waited on, so either would block a unit's slot.
+            in_slots = (
+                isinstance(self.allocator, DoubleBufferAllocator)
+                and sharded
+                and kind == "model_weight"
+                and group.fsdp_unit_id is not None
+            )
             buf = DataParallelBuffer(
                 layout,
                 dtype=dtype,
                 device=self.device,
                 is_data_distributed=sharded,
                 shard_rank=rank,
-                allocator=self.allocator,
+                allocator=self.allocator if in_slots else self._temporary_allocator,
                 name=f"group{gid}.{kind}",
             )
-            if isinstance(self.allocator, DoubleBufferAllocator) and sharded:
-                unit = group.fsdp_unit_id if group.fsdp_unit_id is not None else -1 - gid
-                self.allocator.register(buf, unit)
+            if in_slots:
+                self.allocator.register(buf, group.fsdp_unit_id)  # type: ignore[attr-defined]
             return buf
 
         group.model_weight_buffer = make("model_weight", group.dtype, sharding.model_weights)
@@ -182,7 +195,10 @@ class ParamAndGradBuffer:
                     group.main_weight_buffer.load_params(sources)
             grad_dtype = self.policy.main_grads_dtype_for(group.dtype)
             group.main_grad_buffer = make("main_grad", grad_dtype, sharding.grads)
+
+    def _point_params_at_buffers(self, group: ParameterGroup) -> None:
         # Compute parameters become views into the (possibly not yet gathered) bucket.
+        assert group.model_weight_buffer is not None
         views = group.model_weight_buffer.param_views()
         for p, view in zip(group.params, views, strict=True):
             p.data = view
@@ -475,6 +491,7 @@ class ParamAndGradBuffer:
                 local = self._optimizer_view(gid, i, self.main_weight_buffer(gid))
                 dparam = nn.Parameter(self._dtensor(gid, local, p.shape), requires_grad=True)
                 dparam._fsdp_group_index = (gid, i)  # type: ignore[attr-defined]
+                dparam._fsdp_row_partition = self._row_partition(gid, i)  # type: ignore[attr-defined]
                 params.append((name, dparam))
             self._optimizer_params = params
             self.attach_grads()
@@ -501,7 +518,9 @@ class ParamAndGradBuffer:
                 if name in trainable:
                     out.append((name, trainable[name]))
                 else:
-                    out.append((name, nn.Parameter(frozen[name], requires_grad=False)))
+                    dparam = nn.Parameter(frozen[name], requires_grad=False)
+                    dparam._fsdp_row_partition = frozen[name]._fsdp_row_partition  # type: ignore[attr-defined]
+                    out.append((name, dparam))
             self._distributed_params = out
         return self._distributed_params
 
@@ -526,14 +545,62 @@ class ParamAndGradBuffer:
                 shape=p.shape,
                 stride=torch.empty(p.shape, device="meta").stride(),
             )
+            out[name]._fsdp_row_partition = self._row_partition(gid, i) if sharded else None  # type: ignore[attr-defined]
         return out
+
+    def _row_partition(self, gid: int, index: int) -> tuple[tuple[int, int], ...] | None:
+        """Rows [start, end) of the parameter on each shard-group rank, or None when it
+        is replicated. Checkpoints use it: the shards are whole rows but not
+        ``torch.chunk``-sized, so DTensor alone cannot say where a shard starts."""
+        if not self.sharding[gid].main_weights and not self.sharding[gid].model_weights:
+            return None
+        return self.layouts[gid].row_partition(index)
+
+    def index_of(self, name: str) -> tuple[int, int]:
+        """(bucket, position) of the parameter named ``name``."""
+        if self._name_index is None:
+            self._name_index = {n: (gid, i) for n, gid, i, _p in self.named_params()}
+        try:
+            return self._name_index[name]
+        except KeyError:
+            raise KeyError(f"no parameter named {name!r} in this buffer") from None
 
     def local_rows(self, name: str) -> tuple[int, int]:
         """The global rows [start, end) of parameter ``name`` this rank holds."""
-        for n, gid, i, _p in self.named_params():
-            if n == name:
-                return self.layouts[gid].local_rows(i, self.shard_group_rank(gid))
-        raise KeyError(f"no parameter named {name!r}")
+        gid, i = self.index_of(name)
+        return self.layouts[gid].local_rows(i, self.shard_group_rank(gid))
+
+    def full_parameter(self, name: str) -> torch.Tensor:
+        """The whole parameter ``name`` (main weights where they exist), gathered from
+        its row shards. A collective: every rank of the shard group must call it.
+
+        Use this, not ``DTensor.full_tensor()``: the shards are whole rows but not
+        ``torch.chunk``-sized, which DTensor's redistribution assumes."""
+        gid, i = self.index_of(name)
+        group = self.groups[gid]
+        buf = self.main_weight_buffer(gid) if group.requires_grad else group.model_weight_buffer
+        assert buf is not None
+        slot = buf.layout.slots[i]
+        sharded = buf.is_data_distributed or (
+            group.requires_grad and self.sharding[gid].main_weights
+        )
+        if not sharded:
+            return buf.param_view(buf.data, i).clone()
+        partition = buf.layout.row_partition(i)
+        width = max(r1 - r0 for r0, r1 in partition)
+        local = (
+            buf.local_param_view(i).reshape(-1, *slot.shape[1:])
+            if slot.shape
+            else buf.local_param_view(i)
+        )
+        padded = torch.zeros((width, *slot.shape[1:]), dtype=buf.dtype, device=buf.device)
+        padded[: local.shape[0]] = local
+        out = torch.empty(
+            (len(partition) * width, *slot.shape[1:]), dtype=buf.dtype, device=buf.device
+        )
+        dist.all_gather_into_tensor(out, padded, group=self.shard_group(gid))
+        parts = [out[k * width : k * width + (r1 - r0)] for k, (r0, r1) in enumerate(partition)]
+        return torch.cat(parts).view(slot.shape)
 
     # ---- accounting ----------------------------------------------------------------
     def persistent_bytes(self) -> int:

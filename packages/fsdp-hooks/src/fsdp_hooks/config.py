@@ -60,6 +60,6 @@ class DistributedDataParallelConfig:
     def __post_init__(self) -> None:
         if self.megatron_fsdp_max_pool_double_buffer:
             self.fsdp_double_buffer = True
-        if self.nccl_ub:
-            # NCCL user buffers need persistent communication buffers.
-            self.fsdp_double_buffer = True
+        # nccl_ub implies fsdp_double_buffer (NCCL user buffers need persistent
+        # communication buffers) only on CUDA, where it has an effect: MegatronFSDP
+        # decides, once it knows the device.

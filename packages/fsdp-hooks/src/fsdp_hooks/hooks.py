@@ -21,8 +21,10 @@ Note on one step under ZeRO-3 (see DESIGN.md's data flow):
 
 Activation recompute: a unit's forward that runs inside backward (torch.utils.checkpoint
 recomputing it, reentrant or not) is not a new forward. Its pre-forward finds the
-buckets already gathered by the unit's pre-backward, and its post-forward keeps them for
-the backward that follows, so a recomputed unit is gathered once for both.
+buckets already gathered by the unit's pre-backward (or, when the unit itself was
+checkpointed reentrantly, its first forward ran under no_grad and no pre-backward was
+registered: gathers them itself) and puts the unit in PRE_BACKWARD; its post-forward
+keeps them for the backward that follows, so a recomputed unit is gathered once for both.
 """
 
 from __future__ import annotations
@@ -72,7 +74,13 @@ class FSDPHooks:
         self.gather = wrapper.all_gather_pipeline
         self.reduce = wrapper.grad_reduce_pipeline
         self.root_state = TrainingState.IDLE
-        self.root_groups = buffer.groups_of_unit(None)
+        # Root buckets: those outside every unit, and unit buckets that a module outside
+        # every unit also uses (a weight tied across the unit boundary, e.g. an output
+        # head tied to an embedding unit): no unit hook runs around that module, so
+        # they are gathered at the root pre-forward and kept until the end of backward.
+        self.root_groups = sorted(
+            {*buffer.groups_of_unit(None), *_unit_groups_used_outside_units(wrapper.module, buffer)}
+        )
         self._callback_queued = False
         self._nonfinite: list[tuple[str, torch.Tensor]] = []
         self._param_names = {p: name for name, _g, _i, p in buffer.named_params()}
@@ -189,8 +197,9 @@ class FSDPHooks:
     def _unit_pre_forward(self, unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict):
         with annotate("fsdp.pre_forward"):
             recompute = in_backward()
-            if not recompute:
-                unit.state = TrainingState.FORWARD
+            # A recompute runs inside the unit's backward: PRE_BACKWARD even when no
+            # pre-backward hook fired (reentrant checkpoint ran the forward under no_grad).
+            unit.state = TrainingState.PRE_BACKWARD if recompute else TrainingState.FORWARD
             order = (
                 PrefetchOrder.BACKWARD_PASS_ORDER if recompute else PrefetchOrder.FORWARD_PASS_ORDER
             )
@@ -219,6 +228,8 @@ class FSDPHooks:
             self.gather.all_gather_params(
                 unit.groups, prefetch=True, prefetch_order=PrefetchOrder.BACKWARD_PASS_ORDER
             )
+            for gid in unit.groups:
+                self.reduce.prepare(gid)
 
     def _unit_post_backward(self, unit: FSDPUnit) -> None:
         with annotate("fsdp.post_backward"):
@@ -275,3 +286,19 @@ class FSDPHooks:
             "NaN or Inf found in local gradients (report_nan_in_param_grad / "
             "check_for_nan_in_grad) of parameters:\n" + "\n".join(lines)
         )
+
+
+def _unit_groups_used_outside_units(module: nn.Module, buffer: Any) -> list[int]:
+    """Buckets of FSDP units holding a parameter that a module outside every unit
+    also owns (through weight tying)."""
+    units = buffer.unit_names
+    found: set[int] = set()
+    for name, sub in module.named_modules():
+        if any(u == "" or name == u or name.startswith(u + ".") for u in units):
+            continue
+        for p in sub._parameters.values():
+            if p is not None and p in buffer.param_index:
+                gid = buffer.group_of(p)[0]
+                if buffer.groups[gid].fsdp_unit_id is not None:
+                    found.add(gid)
+    return sorted(found)

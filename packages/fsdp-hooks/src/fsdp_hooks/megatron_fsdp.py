@@ -102,6 +102,11 @@ class MegatronFSDP(nn.Module):
             module.to(self.device)
         check_same_model(module, dist_index)
         self.module = module
+        if init_model_with_meta_device:
+            from fsdp_hooks.meta_init import prepare_meta_init
+
+            # Meta parameters get placeholders on self.device in place (see meta_init).
+            prepare_meta_init(module, self.device)
         self.buffer = ParamAndGradBuffer(
             module,
             dist_index,
@@ -111,7 +116,11 @@ class MegatronFSDP(nn.Module):
             bucket_size=ddp_config.bucket_size,
             disable_bucketing=disable_bucketing,
             device=self.device,
-            fsdp_double_buffer=fsdp_double_buffer or ddp_config.fsdp_double_buffer,
+            # NCCL user buffers need persistent double buffers; off CUDA nccl_ub is
+            # ignored (with a warning), and so is what it implies.
+            fsdp_double_buffer=fsdp_double_buffer
+            or ddp_config.fsdp_double_buffer
+            or ((nccl_ub or ddp_config.nccl_ub) and self.device.type == "cuda"),
             # A per-token loss is normalized by the caller: sum, do not average.
             gradient_scaling_factor=1.0 if calculate_per_token_loss else None,
             expert_gradient_scaling_factor=1.0 if calculate_per_token_loss else None,
@@ -251,6 +260,21 @@ class MegatronFSDP(nn.Module):
     def broadcast_params(self) -> None:
         self.all_gather_pipeline.reset()
         self.buffer.broadcast_params()
+
+    # ---- state dicts ------------------------------------------------------------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped module's state dict, under its own names (no ``module.``
+        prefix): DTensors holding this rank's shard of the main weights."""
+        self.hooks.use_distributed_params()
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load into the main weights (DTensors of the same placement), then refresh the
+        compute weights from them."""
+        self.hooks.use_distributed_params()
+        result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        self.install_optimized_model_weights()
+        return result
 
     # ---- accounting -------------------------------------------------------------------
     def comm_stats(self, reset: bool = False) -> dict[str, dict[str, float]]:

@@ -21,7 +21,13 @@ def check_not_wrapped(module: nn.Module) -> None:
             "the module is already wrapped by fsdp (it is, or contains, a MegatronFSDP "
             "module); wrap the original module once"
         )
-    managed = [n for n, p in module.named_parameters() if getattr(p, "_fsdp_managed", False)]
+    # Compute parameters carry ``_fsdp_managed``; the DTensor parameters that replace
+    # them outside forward (``wrapper.module``'s, between steps) carry ``_fsdp_model_ref``.
+    managed = [
+        n
+        for n, p in module.named_parameters()
+        if getattr(p, "_fsdp_managed", False) or getattr(p, "_fsdp_model_ref", None) is not None
+    ]
     if managed:
         raise ValueError(
             f"parameters {managed[:5]} already belong to an fsdp-wrapped model; wrap "

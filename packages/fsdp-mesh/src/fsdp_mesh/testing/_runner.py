@@ -49,6 +49,8 @@ _PRELOAD = (
     "torch",
     "torch.distributed",
     "torch.distributed.tensor",
+    # DTensor.from_local imports torch._dynamo lazily: seconds per rank otherwise.
+    "torch._dynamo",
     "torch.nn",
     "pytest",
     "hypothesis",

@@ -1,0 +1,516 @@
+"""Meta-device initialization: materialize a model built on the meta device shard by shard.
+
+Note on meta initialization. A model built under ``with torch.device("meta")`` has
+shapes and no data. ``MegatronFSDP(..., init_model_with_meta_device=True)`` turns it
+into a trained-ready sharded model without any rank ever holding the whole of it:
+
+1. ``prepare_meta_init`` (before the ``ParamAndGradBuffer`` is built) gives every meta
+   parameter a storage-less placeholder on the target device, *in place*
+   (``torch.utils.swap_tensors``: same object, so ties, attributes and user references
+   survive), and marks it pending. A parameter that is already real keeps a reference
+   to its value, which is copied into the buffers (only meta tensors are initialized).
+2. The buffers are allocated zeroed and the compute parameters become views into them,
+   as for any model.
+3. ``initialize_from_meta`` walks the modules in post-order (children before their
+   parent: the order in which ``__init__`` methods *finish*, hence the order in which an
+   eager construction calls ``reset_parameters()``) and calls ``reset_parameters()`` on
+   every module whose subtree held something on the meta device, the convention of
+   PyTorch FSDP's meta-device initialization. Every rank runs every reset on full
+   tensors, so the random stream is consumed exactly as by the eager construction
+   ``torch.manual_seed(s); Model()``, and each rank then keeps its own rows. A
+   parameter group is materialized from the first reset that can touch it to the last
+   one: a sharded group in a temporary flat tensor of the group's layout (the
+   parameters' ``.data`` point into it meanwhile), a replicated group directly in its
+   buffer. When a group's last reset has run, this rank's shard of the temporary tensor
+   is copied into the persistent model-weight shard and the main-weight buffer, the
+   parameters point back into their (freed) bucket, and the temporary tensor is
+   dropped. So a rank holds its shards plus about one FSDP unit: the groups open at
+   once are the current unit's and the root groups still to be used later (embedding
+   and final norm, say, which the forward also keeps gathered).
+
+A parameter reachable from several modules (tied weights) belongs to the first of them
+in that order and keeps its values. ``head.weight = tok.weight`` in an eager
+``__init__`` discards the head's own initialization after it consumed random numbers,
+so a later module whose parameter belongs to an earlier one runs its reset against a
+scratch tensor of the same shape, and the stream advances identically. (A tie made the
+other way round, ``tok.weight = head.weight``, keeps the *later* module's values in an
+eager construction: not reproduced, the first module's initialization is kept.) Real
+parameters are swapped for scratch tensors too during the reset of their module.
+
+Resets are assumed to touch only their module's subtree. A reset that spans several
+FSDP units (a root ``reset_parameters`` that re-initializes every layer) is run
+correctly, with all those units materialized at once, and warned about.
+
+What cannot be reproduced is refused, never left as zeros: a meta parameter or buffer
+that no ``reset_parameters()`` of its module or of a module above it can initialize
+(values set in ``__init__`` are not recorded on the meta device) raises ``ValueError``
+before any work, naming them; a parameter or floating buffer that the resets left
+untouched (they are filled with NaN beforehand, a value no initializer writes) raises
+after the reset. Every rank runs the same checks on the same model, so every rank
+raises. The random generators of the data-parallel ranks must be in the same state
+(``torch.manual_seed(s)`` on every rank before wrapping): this is checked with one
+small collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_buffers import ParamAndGradBuffer, annotate, copy_param_attributes
+from fsdp_mesh import warn_once
+
+if TYPE_CHECKING:
+    from fsdp_hooks.megatron_fsdp import MegatronFSDP
+
+__all__ = ["META_INIT_PENDING_ATTR", "initialize_from_meta", "prepare_meta_init"]
+
+logger = logging.getLogger("fsdp_hooks")
+
+META_INIT_PENDING_ATTR = "_fsdp_meta_init_pending"
+"""Set on a parameter that was on the meta device and still needs initialization."""
+
+_VALUE_ATTR = "_fsdp_meta_init_value"  # a real parameter's value, kept across the rebuild
+_NAN_CHECK_CHUNK = 1 << 22  # elements per isnan() pass: bounds its temporary to 4 MiB
+
+
+# ---- before the buffers are built -------------------------------------------------------
+def prepare_meta_init(module: nn.Module, device: torch.device) -> None:
+    """Give every meta parameter of ``module`` a storage-less placeholder on ``device``
+    in place (object identity, class, attributes and ties are kept) and mark it pending;
+    remember the value of every parameter that is already real."""
+    seen: set[int] = set()
+    for mod_name, mod in module.named_modules():
+        for name, p in mod._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if not p.is_meta:
+                setattr(p, _VALUE_ATTR, p.detach())
+                continue
+            # One element, expanded: the buffers replace .data with a view right away.
+            placeholder = torch.empty((), dtype=p.dtype, device=device).expand(p.shape)
+            new = nn.Parameter(placeholder, requires_grad=p.requires_grad)
+            if type(p) is not nn.Parameter:
+                new.__class__ = type(p)
+            new.__dict__.update(p.__dict__)
+            try:
+                torch.utils.swap_tensors(p, new)
+            except RuntimeError as e:
+                full = f"{mod_name}.{name}" if mod_name else name
+                raise RuntimeError(
+                    f"cannot materialize meta parameter {full!r} in place for meta-device "
+                    f"initialization: {e}. Do not hold other references (weak references, "
+                    f"autograd graphs) to the model's parameters while wrapping it."
+                ) from e
+            setattr(p, META_INIT_PENDING_ATTR, True)
+
+
+# ---- the plan -----------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Reset:
+    """One ``reset_parameters()`` call: module ``name`` at post-order position ``index``."""
+
+    index: int
+    name: str
+    module: nn.Module
+    scratch: list[str]  # direct parameters swapped for scratch tensors during the call
+    touches: list[nn.Parameter]  # pending parameters the call may write
+
+
+@dataclass(eq=False)
+class _Plan:
+    resets: list[_Reset] = field(default_factory=list)
+    param_names: dict[nn.Parameter, str] = field(default_factory=dict)
+    meta_buffers: list[tuple[nn.Module, str, str]] = field(default_factory=list)
+
+
+def _post_order(module: nn.Module) -> list[tuple[str, nn.Module, int]]:
+    """(name, module, index of the first module of its subtree), children first; a
+    module reachable twice is visited once, under its first name (as ``named_modules``)."""
+    out: list[tuple[str, nn.Module, int]] = []
+    seen: set[int] = set()
+
+    def visit(name: str, mod: nn.Module) -> None:
+        seen.add(id(mod))
+        start = len(out)
+        for child_name, child in mod._modules.items():
+            if child is not None and id(child) not in seen:
+                visit(f"{name}.{child_name}" if name else child_name, child)
+        out.append((name, mod, start))
+
+    visit("", module)
+    return out
+
+
+def _full(mod_name: str, attr: str) -> str:
+    return f"{mod_name}.{attr}" if mod_name else attr
+
+
+def _has_reset(mod: nn.Module) -> bool:
+    return callable(getattr(mod, "reset_parameters", None))
+
+
+def _make_plan(module: nn.Module, pending: set[nn.Parameter]) -> _Plan:
+    order = _post_order(module)
+    plan = _Plan()
+    owner: dict[nn.Parameter, int] = {}
+    for index, (name, mod, _start) in enumerate(order):
+        for attr, p in mod._parameters.items():
+            if p is not None and p in pending and p not in owner:
+                owner[p] = index
+                plan.param_names[p] = _full(name, attr)
+    for name, mod, _start in order:
+        for attr, b in mod._buffers.items():
+            if b is not None and b.is_meta:
+                plan.meta_buffers.append((mod, attr, _full(name, attr)))
+
+    covered: set[nn.Parameter] = set()
+    covered_buffer_modules: set[int] = set()
+    for index, (name, mod, start) in enumerate(order):
+        if not _has_reset(mod):
+            continue
+        subtree = [m for _n, m, _s in order[start : index + 1]]
+        reached = [
+            p for m in subtree for p in m._parameters.values() if p is not None and p in pending
+        ]
+        has_meta_buffer = any(
+            b is not None and b.is_meta for m in subtree for b in m._buffers.values()
+        )
+        if not reached and not has_meta_buffer:
+            continue  # nothing of this subtree was on the meta device: keep it as is
+        scratch = [
+            attr
+            for attr, p in mod._parameters.items()
+            if p is not None and (p not in pending or owner[p] != index)
+        ]
+        swapped = {id(mod._parameters[attr]) for attr in scratch}
+        touches: list[nn.Parameter] = []
+        for p in reached:
+            if id(p) not in swapped:
+                swapped.add(id(p))  # also dedups: a tied parameter is reached twice
+                touches.append(p)
+        covered.update(touches)
+        covered_buffer_modules.update(id(m) for m in subtree)
+        plan.resets.append(_Reset(index, name, mod, scratch, touches))
+
+    missing = [
+        f"{plan.param_names[p]} ({type(order[owner[p]][1]).__name__})"
+        for p in plan.param_names
+        if p not in covered
+    ]
+    missing += [
+        f"{full} (buffer of {type(mod).__name__})"
+        for mod, _attr, full in plan.meta_buffers
+        if id(mod) not in covered_buffer_modules
+    ]
+    if missing:
+        raise ValueError(
+            f"meta-device initialization cannot initialize {missing[:10]}"
+            f"{f' and {len(missing) - 10} more' if len(missing) > 10 else ''}: neither the "
+            f"module that owns them nor any module above it defines reset_parameters(). "
+            f"fsdp materializes a meta model by calling reset_parameters() on its modules "
+            f"(as PyTorch FSDP does); values set in __init__ (nn.Parameter(torch.ones(n)), "
+            f"torch.randn(...)) are not recorded on the meta device. Define "
+            f"reset_parameters() on those modules to initialize them, or build them on a "
+            f"real device before wrapping (tensors not on the meta device keep their values)."
+        )
+    return plan
+
+
+# ---- materializing groups -------------------------------------------------------------------
+@dataclass(eq=False)
+class _OpenGroup:
+    """A group being initialized: ``flat`` holds all of it, and ``views`` are where its
+    parameters' ``.data`` point meanwhile."""
+
+    gid: int
+    flat: torch.Tensor
+    views: dict[nn.Parameter, torch.Tensor]
+    bucket_views: dict[nn.Parameter, torch.Tensor]  # to restore (sharded groups only)
+
+
+class _Materializer:
+    def __init__(self, buffer: ParamAndGradBuffer, plan: _Plan) -> None:
+        self.buffer = buffer
+        self.plan = plan
+        self.open: dict[int, _OpenGroup] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0  # temporary bytes this code holds (logged; tests measure)
+
+    def _track(self, nbytes: int) -> None:
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def open_group(self, gid: int) -> None:
+        group = self.buffer.groups[gid]
+        buf = group.model_weight_buffer
+        assert buf is not None
+        views: dict[nn.Parameter, torch.Tensor] = {}
+        bucket_views: dict[nn.Parameter, torch.Tensor] = {}
+        if buf.is_data_distributed:
+            flat = torch.zeros(buf.layout.total_numel, dtype=buf.dtype, device=buf.device)
+            self._track(flat.numel() * buf.element_size)
+            for i, p in enumerate(group.params):
+                bucket_views[p] = p.data
+                views[p] = buf.param_view(flat, i)
+                p.data = views[p]
+        else:
+            flat = buf.data
+            for i, p in enumerate(group.params):
+                views[p] = buf.param_view(flat, i)
+        if buf.dtype.is_floating_point or buf.dtype.is_complex:
+            for p in group.params:
+                if getattr(p, META_INIT_PENDING_ATTR, False):
+                    views[p].fill_(float("nan"))  # "not initialized", checked on close
+        self.open[gid] = _OpenGroup(gid, flat, views, bucket_views)
+
+    def close_group(self, gid: int) -> None:
+        og = self.open.pop(gid)
+        group = self.buffer.groups[gid]
+        buf = group.model_weight_buffer
+        assert buf is not None
+        with torch.no_grad():
+            for p in group.params:
+                value = getattr(p, _VALUE_ATTR, None)
+                if value is not None:
+                    og.views[p].copy_(value)
+            if buf.dtype.is_floating_point or buf.dtype.is_complex:
+                bad = [
+                    self.plan.param_names.get(p, "?")
+                    for p in group.params
+                    if getattr(p, META_INIT_PENDING_ATTR, False) and _any_nan(og.views[p])
+                ]
+                if bad:
+                    raise ValueError(
+                        f"meta-device initialization: reset_parameters() ran but left "
+                        f"parameter(s) {bad} uninitialized (they would silently stay "
+                        f"zero). Make the reset_parameters() of the module that owns "
+                        f"them initialize every parameter it owns, or build that module "
+                        f"on a real device before wrapping."
+                    )
+            start, end = buf.layout.shard_bounds(buf.shard_rank)
+            if buf.is_data_distributed:
+                buf.data.copy_(og.flat[start:end])
+            main = group.main_weight_buffer
+            if main is not None:
+                main.data.copy_(og.flat[start:end] if main.is_data_distributed else og.flat)
+        for p, bucket_view in og.bucket_views.items():
+            p.data = bucket_view
+        if buf.is_data_distributed:
+            self._track(-og.flat.numel() * buf.element_size)
+
+    def run_reset(self, reset: _Reset) -> None:
+        mod = reset.module
+        originals = {attr: mod._parameters[attr] for attr in mod._parameters}
+        expected = {
+            attr: self._view_of(p)
+            for attr, p in originals.items()
+            if p is not None and attr not in reset.scratch
+        }
+        scratch_bytes = 0
+        try:
+            for attr in reset.scratch:
+                p = originals[attr]
+                assert p is not None
+                tensor = torch.empty(p.shape, dtype=p.dtype, device=self.buffer.device)
+                scratch_bytes += tensor.numel() * tensor.element_size()
+                mod._parameters[attr] = copy_param_attributes(
+                    p, nn.Parameter(tensor, requires_grad=p.requires_grad)
+                )
+            self._track(scratch_bytes)
+            try:
+                with torch.no_grad(), torch.device(self.buffer.device):
+                    mod.reset_parameters()  # type: ignore[operator]
+            except Exception as e:
+                raise RuntimeError(
+                    f"reset_parameters() of module {reset.name or '<root>'!r} "
+                    f"({type(mod).__name__}) failed during meta-device initialization: {e}"
+                ) from e
+            # A reset may assign new Parameter objects or new .data: keep the buffers'.
+            for attr, view in expected.items():
+                p = originals[attr]
+                assert p is not None
+                now = mod._parameters.get(attr)
+                if now is not p and now is not None:
+                    with torch.no_grad():
+                        view.copy_(now.detach())
+                elif p.data.data_ptr() != view.data_ptr() or p.shape != view.shape:
+                    with torch.no_grad():
+                        view.copy_(p.detach())
+                    p.data = view
+        finally:
+            for attr, p in originals.items():
+                mod._parameters[attr] = p
+            self._track(-scratch_bytes)
+
+    def _view_of(self, p: nn.Parameter) -> torch.Tensor:
+        for og in self.open.values():
+            view = og.views.get(p)
+            if view is not None:
+                return view
+        return p.data
+
+
+def _any_nan(t: torch.Tensor) -> bool:
+    flat = t.reshape(-1)
+    return any(
+        bool(torch.isnan(flat[i : i + _NAN_CHECK_CHUNK]).any())
+        for i in range(0, flat.numel(), _NAN_CHECK_CHUNK)
+    )
+
+
+# ---- the entry point ----------------------------------------------------------------------
+def initialize_from_meta(wrapper: MegatronFSDP) -> None:
+    """Initialize ``wrapper.module``'s meta parameters and buffers by running
+    ``reset_parameters()``, one FSDP unit at a time, into this rank's shards (see the
+    module note). Called by ``MegatronFSDP`` after its buffers exist, when
+    ``init_model_with_meta_device=True``; ``prepare_meta_init`` must have run first."""
+    buffer: ParamAndGradBuffer = wrapper.buffer
+    module = wrapper.module
+    params = list(buffer.param_index)
+    pending = {p for p in params if getattr(p, META_INIT_PENDING_ATTR, False)}
+    try:
+        with annotate("fsdp.meta_init"):
+            plan = _make_plan(module, pending)
+            if plan.resets:
+                _check_same_rng_state(wrapper)
+            _materialize_buffers(module, plan, buffer.device)
+            _run(buffer, plan)
+            _check_buffers(plan)
+    finally:
+        for p in params:
+            for attr in (META_INIT_PENDING_ATTR, _VALUE_ATTR):
+                if hasattr(p, attr):
+                    delattr(p, attr)
+
+
+def _run(buffer: ParamAndGradBuffer, plan: _Plan) -> None:
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for reset in plan.resets:
+        for p in reset.touches:
+            gid = buffer.group_of(p)[0]
+            first.setdefault(gid, reset.index)
+            last[gid] = reset.index
+    opens: dict[int, list[int]] = {}
+    closes: dict[int, list[int]] = {}
+    for gid in sorted(first):
+        opens.setdefault(first[gid], []).append(gid)
+        closes.setdefault(last[gid], []).append(gid)
+    mat = _Materializer(buffer, plan)
+    for reset in plan.resets:
+        units = {buffer.groups[buffer.group_of(p)[0]].fsdp_unit_id for p in reset.touches}
+        units.discard(None)
+        if len(units) > 1:
+            warn_once(
+                f"fsdp.meta_init.wide_reset.{type(reset.module).__qualname__}",
+                f"meta-device initialization: reset_parameters() of "
+                f"{reset.name or '<root>'!r} ({type(reset.module).__name__}) reaches "
+                f"{len(units)} FSDP units, which are all materialized at once for it; "
+                f"keep each reset_parameters() to its own module's parameters to hold "
+                f"one unit at a time",
+            )
+        with annotate("fsdp.meta_init.reset"):
+            for gid in opens.get(reset.index, ()):
+                mat.open_group(gid)
+            mat.run_reset(reset)
+            for gid in closes.get(reset.index, ()):
+                mat.close_group(gid)
+    # Groups no reset touches hold only real parameters: copy their values in.
+    for gid in range(len(buffer.groups)):
+        if gid not in first:
+            mat.open_group(gid)
+            mat.close_group(gid)
+    logger.debug(
+        "meta init: %d resets, %d groups, peak temporary %.1f MiB",
+        len(plan.resets),
+        len(buffer.groups),
+        mat.peak_bytes / 2**20,
+    )
+
+
+def _materialize_buffers(module: nn.Module, plan: _Plan, device: torch.device) -> None:
+    """Meta buffers get (NaN-filled) storage on ``device``, shared ones once; real
+    buffers move to ``device`` like ``module.to(device)`` would move them."""
+    made: dict[int, torch.Tensor] = {}
+    for mod in module.modules():
+        for attr, b in mod._buffers.items():
+            if b is None:
+                continue
+            if b.is_meta:
+                new = made.get(id(b))
+                if new is None:
+                    new = torch.empty(b.shape, dtype=b.dtype, device=device)
+                    if new.is_floating_point() or new.is_complex():
+                        new.fill_(float("nan"))
+                    else:
+                        new.zero_()
+                    made[id(b)] = new
+                mod._buffers[attr] = new
+            elif b.device != device:
+                mod._buffers[attr] = made.setdefault(id(b), b.to(device))
+
+
+def _check_buffers(plan: _Plan) -> None:
+    bad = [
+        full
+        for mod, attr, full in plan.meta_buffers
+        if (b := mod._buffers.get(attr)) is not None
+        and (b.is_floating_point() or b.is_complex())
+        and _any_nan(b)
+    ]
+    if bad:
+        raise ValueError(
+            f"meta-device initialization: reset_parameters() ran but left buffer(s) "
+            f"{bad} uninitialized (values computed in __init__ are not recorded on the "
+            f"meta device). Compute them in reset_parameters(), or create those buffers "
+            f"on a real device before wrapping."
+        )
+
+
+def _rng_state(device: torch.device) -> torch.Tensor | None:
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return None
+
+
+def _check_same_rng_state(wrapper: MegatronFSDP) -> None:
+    """Every data-parallel rank must draw the same random numbers, or their shards would
+    come from different models."""
+    if not dist.is_initialized():
+        return
+    group = wrapper.dist_index.get_dp_group()
+    if dist.get_world_size(group) == 1:
+        return
+    state = _rng_state(wrapper.buffer.device)
+    if state is None:
+        return
+    digest = hashlib.sha256(bytes(state.cpu().tolist())).digest()
+    value = int.from_bytes(digest[:7], "little")
+    comm_device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if wrapper.dist_index.device_type == "cuda"
+        else torch.device("cpu")
+    )
+    mine = torch.tensor([value], dtype=torch.int64, device=comm_device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    values = [int(t.item()) for t in everyone]
+    if len(set(values)) > 1:
+        differ = [r for r, v in enumerate(values) if v != values[0]]
+        raise ValueError(
+            f"meta-device initialization: the {wrapper.buffer.device.type} random generator "
+            f"differs across data-parallel ranks (group ranks {differ} differ from group "
+            f"rank 0), so their shards would come from different models. Seed every rank "
+            f"the same (torch.manual_seed(seed)) before wrapping; seed per rank afterwards "
+            f"if you want different dropout streams."
+        )
