@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_buffers import collectives
 from fsdp_buffers.collectives import CommStats, PendingCollective
@@ -48,6 +47,7 @@ from fsdp_buffers.data_parallel_buffer import (
     DoubleBufferAllocator,
     TemporaryBucketAllocator,
 )
+from fsdp_buffers.dtensor_views import DTensorViews
 from fsdp_buffers.layout import DEFAULT_ALIGNMENT, FlatLayout, compute_layout
 from fsdp_buffers.mixed_precision import MixedPrecisionPolicy
 from fsdp_buffers.param_group import (
@@ -79,8 +79,9 @@ class GradState(enum.Enum):
     REDUCED = enum.auto()  # reduced gradients, ready for the optimizer
 
 
-class ParamAndGradBuffer:
-    """The buffers of every parameter group of ``module`` and the operations on them."""
+class ParamAndGradBuffer(DTensorViews):
+    """The buffers of every parameter group of ``module`` and the operations on them
+    (their DTensor face, for optimizers and checkpoints, is ``DTensorViews``)."""
 
     def __init__(
         self,
@@ -458,149 +459,6 @@ class ParamAndGradBuffer:
         if gbuf is None:
             raise RuntimeError(f"group {gid} has no gradient buffer")
         return gbuf.local_shard
-
-    # ---- optimizer view -------------------------------------------------------------
-    def _dtensor(self, gid: int, local: torch.Tensor, shape: torch.Size) -> DTensor:
-        placement = Shard(0) if self.sharding[gid].main_weights else Replicate()
-        return DTensor.from_local(
-            local,
-            self.shard_mesh(gid),
-            [placement],
-            run_check=False,
-            shape=shape,
-            stride=torch.empty(shape, device="meta").stride(),
-        )
-
-    def _optimizer_view(self, gid: int, index: int, buf: DataParallelBuffer) -> torch.Tensor:
-        """What the optimizer sees of parameter ``index``: its local rows when the
-        optimizer state is sharded, the whole parameter when it is replicated."""
-        if self.sharding[gid].main_weights:
-            return buf.local_param_view(index)
-        return buf.param_view(buf.data, index)
-
-    def optimizer_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """The sharded main weights as DTensor parameters, one per trainable original
-        parameter, under its name; each ``.grad`` is a DTensor over its main-grad rows.
-        Built once: in-place updates by an optimizer land in the main-weight buffers."""
-        if self._optimizer_params is None:
-            params: list[tuple[str, nn.Parameter]] = []
-            for name, gid, i, p in self.named_params():
-                group = self.groups[gid]
-                if not group.requires_grad:
-                    continue
-                local = self._optimizer_view(gid, i, self.main_weight_buffer(gid))
-                dparam = nn.Parameter(self._dtensor(gid, local, p.shape), requires_grad=True)
-                dparam._fsdp_group_index = (gid, i)  # type: ignore[attr-defined]
-                dparam._fsdp_row_partition = self._row_partition(gid, i)  # type: ignore[attr-defined]
-                params.append((name, dparam))
-            self._optimizer_params = params
-            self.attach_grads()
-        return self._optimizer_params
-
-    def attach_grads(self) -> None:
-        """(Re)point every optimizer parameter's ``.grad`` at its main-grad rows, e.g.
-        after ``optimizer.zero_grad(set_to_none=True)`` dropped them."""
-        for _name, dparam in self._optimizer_params or ():
-            gid, i = dparam._fsdp_group_index  # type: ignore[attr-defined]
-            gbuf = self.groups[gid].main_grad_buffer
-            assert gbuf is not None
-            dparam.grad = self._dtensor(gid, self._optimizer_view(gid, i, gbuf), dparam.shape)
-
-    def distributed_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """A DTensor parameter for every original parameter, under its name: the
-        optimizer's main-weight parameters for trainable ones, and views of the
-        model-weight shards (``requires_grad=False``) for frozen or integer ones."""
-        if self._distributed_params is None:
-            trainable = dict(self.optimizer_named_parameters())
-            frozen = self.local_shard_dtensors()
-            out: list[tuple[str, nn.Parameter]] = []
-            for name, _gid, _i, _p in self.named_params():
-                if name in trainable:
-                    out.append((name, trainable[name]))
-                else:
-                    dparam = nn.Parameter(frozen[name], requires_grad=False)
-                    dparam._fsdp_row_partition = frozen[name]._fsdp_row_partition  # type: ignore[attr-defined]
-                    out.append((name, dparam))
-            self._distributed_params = out
-        return self._distributed_params
-
-    def local_shard_dtensors(self) -> dict[str, DTensor]:
-        """Every parameter's local shard as a DTensor under its name, without
-        communication: main weights where they exist, model weights otherwise."""
-        out: dict[str, DTensor] = {}
-        for name, gid, i, p in self.named_params():
-            group = self.groups[gid]
-            buf = self.main_weight_buffer(gid) if group.requires_grad else group.model_weight_buffer
-            assert buf is not None
-            sharded = buf.is_data_distributed or (
-                group.requires_grad and self.sharding[gid].main_weights
-            )
-            placement = Shard(0) if sharded else Replicate()
-            local = buf.local_param_view(i) if sharded else buf.param_view(buf.data, i)
-            out[name] = DTensor.from_local(
-                local,
-                self.shard_mesh(gid),
-                [placement],
-                run_check=False,
-                shape=p.shape,
-                stride=torch.empty(p.shape, device="meta").stride(),
-            )
-            out[name]._fsdp_row_partition = self._row_partition(gid, i) if sharded else None  # type: ignore[attr-defined]
-        return out
-
-    def _row_partition(self, gid: int, index: int) -> tuple[tuple[int, int], ...] | None:
-        """Rows [start, end) of the parameter on each shard-group rank, or None when it
-        is replicated. Checkpoints use it: the shards are whole rows but not
-        ``torch.chunk``-sized, so DTensor alone cannot say where a shard starts."""
-        if not self.sharding[gid].main_weights and not self.sharding[gid].model_weights:
-            return None
-        return self.layouts[gid].row_partition(index)
-
-    def index_of(self, name: str) -> tuple[int, int]:
-        """(bucket, position) of the parameter named ``name``."""
-        if self._name_index is None:
-            self._name_index = {n: (gid, i) for n, gid, i, _p in self.named_params()}
-        try:
-            return self._name_index[name]
-        except KeyError:
-            raise KeyError(f"no parameter named {name!r} in this buffer") from None
-
-    def local_rows(self, name: str) -> tuple[int, int]:
-        """The global rows [start, end) of parameter ``name`` this rank holds."""
-        gid, i = self.index_of(name)
-        return self.layouts[gid].local_rows(i, self.shard_group_rank(gid))
-
-    def full_parameter(self, name: str) -> torch.Tensor:
-        """The whole parameter ``name`` (main weights where they exist), gathered from
-        its row shards. A collective: every rank of the shard group must call it.
-
-        Use this, not ``DTensor.full_tensor()``: the shards are whole rows but not
-        ``torch.chunk``-sized, which DTensor's redistribution assumes."""
-        gid, i = self.index_of(name)
-        group = self.groups[gid]
-        buf = self.main_weight_buffer(gid) if group.requires_grad else group.model_weight_buffer
-        assert buf is not None
-        slot = buf.layout.slots[i]
-        sharded = buf.is_data_distributed or (
-            group.requires_grad and self.sharding[gid].main_weights
-        )
-        if not sharded:
-            return buf.param_view(buf.data, i).clone()
-        partition = buf.layout.row_partition(i)
-        width = max(r1 - r0 for r0, r1 in partition)
-        local = (
-            buf.local_param_view(i).reshape(-1, *slot.shape[1:])
-            if slot.shape
-            else buf.local_param_view(i)
-        )
-        padded = torch.zeros((width, *slot.shape[1:]), dtype=buf.dtype, device=buf.device)
-        padded[: local.shape[0]] = local
-        out = torch.empty(
-            (len(partition) * width, *slot.shape[1:]), dtype=buf.dtype, device=buf.device
-        )
-        dist.all_gather_into_tensor(out, padded, group=self.shard_group(gid))
-        parts = [out[k * width : k * width + (r1 - r0)] for k, (r0, r1) in enumerate(partition)]
-        return torch.cat(parts).view(slot.shape)
 
     # ---- accounting ----------------------------------------------------------------
     def persistent_bytes(self) -> int:
