@@ -2,11 +2,18 @@
 
 The ``MegatronFSDP`` wrapper and its hooks (gather before use, release after, reduce
 as gradients arrive), ``TrainingState``, and the ``fully_shard`` API that takes
-Megatron-FSDP's keyword arguments.
+Megatron-FSDP's keyword arguments, and the Megatron-Core style adapters
+``FullyShardedDataParallel`` and ``DistributedDataParallel`` with
+``finalize_model_grads``.
 """
 
 from importlib.metadata import version as _version
 
+from fsdp_hooks.adapters import (
+    DistributedDataParallel,
+    FullyShardedDataParallel,
+    finalize_model_grads,
+)
 from fsdp_hooks.backward import RegisterFSDPBackwardFunction
 from fsdp_hooks.config import DistributedDataParallelConfig
 from fsdp_hooks.fully_shard import fully_shard, fully_shard_model, fully_shard_optimizer
@@ -18,12 +25,15 @@ from fsdp_hooks.training_state import TrainingState
 __version__ = _version("fsdp-hooks")
 
 __all__ = [
+    "DistributedDataParallel",
     "DistributedDataParallelConfig",
     "FSDPUnit",
+    "FullyShardedDataParallel",
     "MegatronFSDP",
     "RegisterFSDPBackwardFunction",
     "TrainingState",
     "__version__",
+    "finalize_model_grads",
     "fully_shard",
     "fully_shard_model",
     "fully_shard_optimizer",

@@ -1,0 +1,121 @@
+"""``fsdp-demo`` end to end: it trains on 2 CPU ranks, saves a checkpoint, plots, and
+resumes (here at another strategy, so that the checkpoint is resharded); bad arguments
+fail before any rank starts, with a message saying what is wrong."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp.demo.cli import main
+from fsdp.demo.options import CHECKPOINT_DIR
+from fsdp.demo.plot import PLOT_FILE
+from fsdp.demo.train import METRICS_FILE
+
+STEPS = 5
+RESUME_STEPS = 3
+RUN_TIMEOUT_S = 280
+
+
+def _demo(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the installed ``fsdp-demo`` command (its console script next to Python)."""
+    script = Path(sys.executable).with_name("fsdp-demo")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "fsdp.demo"]
+    done = subprocess.run(
+        [*command, *args], capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
+    )
+    assert done.returncode == 0, f"fsdp-demo {args} failed:\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def _history(out: Path) -> list[dict]:
+    return json.loads((out / METRICS_FILE).read_text())["history"]
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("demo")
+    done = _demo("--steps", str(STEPS), "--out", str(out))
+    return out, done.stdout
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+def test_demo_trains_checkpoints_and_plots(first_run):
+    out, stdout = first_run
+    checkpoint, plot = out / CHECKPOINT_DIR, out / PLOT_FILE
+    assert f"checkpoint: {checkpoint}" in stdout and f"plot:       {plot}" in stdout, stdout
+    assert (checkpoint / "fsdp_manifest.json").is_file()
+    assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    history = _history(out)
+    assert [h["step"] for h in history] == list(range(1, STEPS + 1))
+    losses = [h["loss"] for h in history]
+    assert all(math.isfinite(x) for x in losses), losses
+    assert losses[-1] < losses[0], f"the loss did not fall: {losses}"
+    for h in history:
+        assert len(h["memory_mb"]) == 2 and min(h["memory_mb"]) > 0
+        assert h["tokens_per_s"] > 0
+    comm = [h["comm_mb"] for h in history]
+    assert comm == sorted(comm) and comm[0] > 0, comm  # ZeRO-3 communicates every step
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT_S)
+def test_demo_resumes_at_another_strategy(first_run):
+    out, _ = first_run
+    before = _history(out)
+    done = _demo("--resume", "--steps", str(RESUME_STEPS), "--strategy", "optim", "--out", str(out))
+    assert f"steps {STEPS}..{STEPS + RESUME_STEPS}" in done.stdout, done.stdout
+    history = _history(out)
+    assert [h["step"] for h in history] == list(range(1, STEPS + RESUME_STEPS + 1))
+    assert history[:STEPS] == before
+    assert all(math.isfinite(h["loss"]) for h in history)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nproc", "0"], "--nproc must be at least 1"),
+        (["--strategy", "zero4"], "Invalid sharding strategy 'zero4'"),
+        (["--steps", "0"], "--steps must be positive"),
+        (["--resume", "--out", "/nonexistent/fsdp-demo"], "no checkpoint at"),
+        (["--nproc", "two"], "invalid int value"),
+        (["--device", "tpu"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_fail_clearly(args, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message when CUDA is absent")
+def test_cuda_requested_but_absent(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--device", "cuda"])
+    assert info.value.code == 2
+    assert "no CUDA device is available" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("uv") is None, reason="builds the wheel with uv")
+def test_wheel_ships_the_corpus_and_the_command(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run(
+        ["uv", "build", "--wheel", "--out-dir", str(tmp_path), str(root)],
+        check=True,
+        capture_output=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    (wheel,) = tmp_path.glob("fsdp-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        entry_points = z.read(next(n for n in names if n.endswith("entry_points.txt")))
+    assert "fsdp/demo/data/fables.txt" in names
+    assert b"fsdp-demo = fsdp.demo.cli:main" in entry_points

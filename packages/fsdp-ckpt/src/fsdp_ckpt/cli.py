@@ -1,0 +1,49 @@
+"""``fsdp-consolidate``: a sharded checkpoint directory to one full model file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from fsdp_ckpt.consolidate import consolidate_checkpoint
+from fsdp_ckpt.errors import CheckpointError
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fsdp-consolidate",
+        description=(
+            "Convert a checkpoint directory written by fsdp_ckpt.save_checkpoint (any world "
+            "size) into one unsharded model state dict file that "
+            "nn.Module.load_state_dict accepts. Runs in this process; no ranks needed."
+        ),
+    )
+    p.add_argument("checkpoint", help="the checkpoint directory")
+    p.add_argument("output", help="the file to write (.safetensors selects safetensors)")
+    p.add_argument(
+        "--format",
+        choices=("torch", "safetensors"),
+        default=None,
+        help="file format (default: from the output's suffix; torch.save otherwise)",
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        summary = consolidate_checkpoint(args.checkpoint, args.output, args.format)
+    except (CheckpointError, FileNotFoundError) as exc:
+        print(f"fsdp-consolidate: error: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"wrote {summary['tensors']} tensors ({summary['bytes'] / 2**20:.1f} MiB) to {args.output}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""One-file, unsharded model state dicts: gathered from a running model, or read from
+a checkpoint directory without launching ranks. The file (``torch.save`` or
+safetensors) loads into the plain ``nn.Module`` with ``load_state_dict``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from fsdp_ckpt import _dist
+from fsdp_ckpt.atomic import resolve_for_load
+from fsdp_ckpt.errors import CheckpointError
+from fsdp_ckpt.manifest import Manifest
+from fsdp_ckpt.names import param_by_state_key, partition_of
+from fsdp_ckpt.row_shards import RowLayout, resolve_row_layouts
+
+__all__ = [
+    "Format",
+    "consolidate_checkpoint",
+    "get_full_model_state_dict",
+    "load_full_state_dict",
+    "save_full_model_state_dict",
+    "write_state_dict_file",
+]
+
+Format = Literal["torch", "safetensors"]
+
+
+def _gather_rows(dt: DTensor, layout: RowLayout) -> torch.Tensor:
+    """The whole tensor from its row shards: a padded all-gather along the shard
+    dimension of its mesh (DTensor's own ``full_tensor`` assumes chunk sizes)."""
+    local = dt.to_local()
+    width = max(r1 - r0 for r0, r1 in layout.partition)
+    rest = tuple(dt.shape[1:])
+    padded = local.new_zeros((width, *rest))
+    padded[: local.shape[0]] = local
+    out = local.new_empty((len(layout.partition) * width, *rest))
+    group = dt.device_mesh.get_group(layout.mesh_dim)
+    dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+    parts = [out[k * width : k * width + (r1 - r0)] for k, (r0, r1) in enumerate(layout.partition)]
+    return torch.cat(parts)  # other mesh dimensions are Replicate
+
+
+def get_full_model_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, Any]:
+    """The unsharded state dict of ``model`` on CPU, under its state dict names. A
+    collective: every rank calls it; with ``rank0_only`` the other ranks get ``{}``.
+    Tied parameters are gathered once."""
+    sd = model.state_dict()
+    params = param_by_state_key(model, sd.keys())
+    layouts = resolve_row_layouts({k: (v, partition_of(params.get(k))) for k, v in sd.items()})
+    keep = not rank0_only or _dist.rank() == 0
+    out: dict[str, Any] = {}
+    done: dict[int, torch.Tensor] = {}
+    for key, value in sd.items():
+        param = params.get(key)
+        if param is not None and id(param) in done:
+            if keep:
+                out[key] = done[id(param)]
+            continue
+        if isinstance(value, DTensor):
+            layout = layouts.get(key)
+            full = _gather_rows(value, layout) if layout is not None else value.full_tensor()
+        else:
+            full = value
+        full = full.detach().cpu() if isinstance(full, torch.Tensor) else full
+        if param is not None:
+            done[id(param)] = full
+        if keep:
+            out[key] = full
+    return out
+
+
+def _infer_format(path: Path, format: Format | None) -> Format:
+    if format is not None:
+        if format not in ("torch", "safetensors"):
+            raise ValueError(f"format must be 'torch' or 'safetensors'; got {format!r}")
+        return format
+    return "safetensors" if path.suffix == ".safetensors" else "torch"
+
+
+def write_state_dict_file(
+    state_dict: dict[str, Any], path: str | os.PathLike[str], format: Format | None = None
+) -> Path:
+    """Write a full state dict to one file: safetensors when ``format`` says so or the
+    name ends in ``.safetensors``, else ``torch.save``. Written to a temporary name and
+    renamed, so the file is either complete or absent."""
+    path = Path(path)
+    fmt = _infer_format(path, format)
+    tmp = path.with_name(f".{path.name}.tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        bad = sorted(k for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
+        if bad:
+            raise CheckpointError(
+                f"safetensors holds only tensors; these entries are not: {bad}; use format='torch'"
+            )
+        # Tied weights share storage, which safetensors refuses: give each its own.
+        seen: set[tuple[int, int]] = set()
+        tensors = {}
+        for k, v in state_dict.items():
+            ident = (v.untyped_storage().data_ptr(), v.storage_offset())
+            tensors[k] = v.clone().contiguous() if ident in seen and v.numel() else v.contiguous()
+            seen.add(ident)
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    else:
+        torch.save(state_dict, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load_full_state_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a file written by ``write_state_dict_file``: safetensors when the name ends
+    in ``.safetensors``, else ``torch.load`` (tensors only, ``weights_only=True``)."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def save_full_model_state_dict(
+    model: nn.Module, path: str | os.PathLike[str], format: Format | None = None
+) -> Path:
+    """Gather ``model``'s full state dict and write it to one file on rank 0. A
+    collective; returns the path on every rank."""
+    sd = get_full_model_state_dict(model, rank0_only=True)
+    error: BaseException | None = None
+    if _dist.rank() == 0:
+        try:
+            write_state_dict_file(sd, path, format)
+        except Exception as exc:
+            error = CheckpointError(f"cannot write the full state dict to {path}: {exc!r}")
+    error = _dist.broadcast_object(error)
+    if error is not None:
+        raise error
+    return Path(path)
+
+
+def consolidate_checkpoint(
+    checkpoint: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    format: Format | None = None,
+    *,
+    prefix: str = "model.",
+) -> dict[str, int]:
+    """Turn a checkpoint directory of ``save_checkpoint`` into one full model state
+    dict file, in this process alone (no process group, no ranks). Verifies the
+    manifest first. Returns ``{"tensors": n, "bytes": b}``."""
+    directory = resolve_for_load(Path(checkpoint).absolute())
+    Manifest.read(directory).verify(directory)
+    metadata = FileSystemReader(directory).read_metadata()
+    sd: dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(prefix):
+            sd[key] = (
+                torch.empty(md.size, dtype=md.properties.dtype)
+                if isinstance(md, TensorStorageMetadata)
+                else None
+            )
+    if not sd:
+        raise CheckpointError(f"{directory} has no entries under {prefix!r}")
+    with _dist.quiet_single_process():
+        dcp.load(sd, storage_reader=FileSystemReader(directory), no_dist=True)
+    full = {k[len(prefix) :]: v for k, v in sd.items()}
+    write_state_dict_file(full, output, format)
+    tensors = [v for v in full.values() if isinstance(v, torch.Tensor)]
+    return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors)}

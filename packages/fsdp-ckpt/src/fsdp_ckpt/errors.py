@@ -1,0 +1,28 @@
+"""The exceptions this package raises. All are ``RuntimeError``s, so code that caught
+DCP's own errors keeps working; the subclasses say which way a checkpoint is wrong."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """The directory has no manifest: a save was interrupted, or it is not an fsdp
+    checkpoint."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A file listed in the manifest is missing or has the wrong size."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint's keys or shapes do not match the state being loaded."""

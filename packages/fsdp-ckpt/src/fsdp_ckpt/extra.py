@@ -1,0 +1,67 @@
+"""What a checkpoint holds besides tensors: the user's data and the RNG states.
+
+Each rank writes ``extra/rank_<r>.pt`` (``torch.save``): the ``extra`` dict it was given
+(the training step, data-loader positions, anything picklable) and its RNG states
+(torch's CPU generator, every CUDA device's when CUDA is initialised, Python's
+``random``, and NumPy's global one when NumPy is imported). Loading at the same world
+size gives each rank its own file back; at another world size every rank gets rank 0's
+(RNG streams are per rank and cannot be resharded).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["EXTRA_DIR", "capture_rng_state", "read_extra", "restore_rng_state", "write_extra"]
+
+EXTRA_DIR = "extra"
+
+
+def capture_rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        state["numpy"] = numpy.random.get_state()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "python" in state:
+        random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda_states = state["cuda"]
+        if len(cuda_states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda_states)
+    numpy = sys.modules.get("numpy")
+    if "numpy" in state and numpy is not None:
+        numpy.random.set_state(state["numpy"])
+
+
+def _rank_file(directory: Path, rank: int) -> Path:
+    return directory / EXTRA_DIR / f"rank_{rank:05d}.pt"
+
+
+def write_extra(directory: Path, rank: int, extra: dict[str, Any] | None) -> None:
+    path = _rank_file(directory, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        torch.save({"user": dict(extra or {}), "rng": capture_rng_state()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_extra(directory: Path, rank: int, same_world: bool) -> dict[str, Any]:
+    """The saved ``{"user": ..., "rng": ...}`` for ``rank`` (see the module note).
+    Checkpoints are trusted input: the file is unpickled."""
+    path = _rank_file(directory, rank if same_world else 0)
+    return torch.load(path, map_location="cpu", weights_only=False)

@@ -1,0 +1,139 @@
+"""The manifest: written last, it marks a checkpoint directory complete.
+
+``fsdp_manifest.json`` lists every file of the checkpoint with its size, the world size
+and the format version. A directory without it is an interrupted save (or not an fsdp
+checkpoint) and is refused; a listed file that is missing or has another size is
+refused too, so a truncated shard is never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdp_ckpt.errors import CorruptCheckpointError, IncompleteCheckpointError
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "fsync_dir"]
+
+MANIFEST_NAME = "fsdp_manifest.json"
+FORMAT_NAME = "fsdp-ckpt"
+FORMAT_VERSION = 1
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in ``path`` durable (best effort where directories
+    cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    world_size: int
+    files: dict[str, int]  # path relative to the checkpoint directory -> bytes
+    has_optimizer: bool
+    format_version: int = FORMAT_VERSION
+    created: float = 0.0
+    torch_version: str = ""
+
+    @classmethod
+    def of_directory(cls, directory: Path, *, world_size: int, has_optimizer: bool) -> Manifest:
+        import torch
+
+        files = {}
+        for path in sorted(directory.rglob("*")):
+            if path.is_file() and path.name != MANIFEST_NAME:
+                files[path.relative_to(directory).as_posix()] = path.stat().st_size
+        return cls(
+            world_size=world_size,
+            files=files,
+            has_optimizer=has_optimizer,
+            created=time.time(),
+            torch_version=torch.__version__,
+        )
+
+    def write(self, directory: Path) -> None:
+        """Write durably: to a temporary name, fsync, rename."""
+        payload: dict[str, Any] = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "world_size": self.world_size,
+            "has_optimizer": self.has_optimizer,
+            "created": self.created,
+            "torch_version": self.torch_version,
+            "files": self.files,
+        }
+        tmp = directory / f"{MANIFEST_NAME}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(payload, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / MANIFEST_NAME)
+        fsync_dir(directory)
+
+    @classmethod
+    def read(cls, directory: Path) -> Manifest:
+        path = directory / MANIFEST_NAME
+        if not path.is_file():
+            raise IncompleteCheckpointError(
+                f"{directory} has no {MANIFEST_NAME}: it is an interrupted save or not an "
+                f"fsdp checkpoint (complete checkpoints get their manifest last); load an "
+                f"earlier checkpoint"
+            )
+        try:
+            payload = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise CorruptCheckpointError(f"cannot read {path}: {exc}") from exc
+        if payload.get("format") != FORMAT_NAME:
+            raise CorruptCheckpointError(
+                f"{path} is not an {FORMAT_NAME} manifest (format={payload.get('format')!r})"
+            )
+        version = payload.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise CorruptCheckpointError(
+                f"{directory} has format version {version!r}; this fsdp-ckpt reads versions "
+                f"up to {FORMAT_VERSION}: upgrade fsdp-ckpt"
+            )
+        return cls(
+            world_size=int(payload["world_size"]),
+            files={str(k): int(v) for k, v in payload["files"].items()},
+            has_optimizer=bool(payload.get("has_optimizer", False)),
+            format_version=version,
+            created=float(payload.get("created", 0.0)),
+            torch_version=str(payload.get("torch_version", "")),
+        )
+
+    def problems(self, directory: Path) -> list[str]:
+        """Every listed file that is missing or has a size other than the listed one."""
+        out = []
+        for rel, size in self.files.items():
+            path = directory / rel
+            try:
+                actual = path.stat().st_size
+            except OSError:
+                out.append(f"{rel}: missing (expected {size} bytes)")
+                continue
+            if actual != size:
+                out.append(
+                    f"{rel}: {actual} bytes, the manifest says {size} (truncated or changed)"
+                )
+        return out
+
+    def verify(self, directory: Path) -> None:
+        problems = self.problems(directory)
+        if problems:
+            raise CorruptCheckpointError(
+                f"checkpoint {directory} is damaged; refusing to load it: " + "; ".join(problems)
+            )

@@ -1,0 +1,52 @@
+"""Parameter names as the model's state dict spells them.
+
+A wrapper may put a prefix in front of ``named_parameters()`` that its ``state_dict()``
+does not have (fsdp's ``MegatronFSDP`` and DDP keep the wrapped module as ``module``;
+fsdp's wrapper returns the wrapped module's state dict, DDP does not). Names here are
+the state dict's keys, so that model and optimizer entries match across wrappers, and
+a plain module reads them unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from torch import nn
+
+from fsdp_ckpt.row_shards import PARTITION_ATTR, Partition
+
+__all__ = ["param_by_state_key", "param_fqns", "partition_of"]
+
+_WRAPPER_PREFIX = "module."
+
+
+def _state_key(name: str, keys: Collection[str]) -> str | None:
+    while name not in keys and name.startswith(_WRAPPER_PREFIX):
+        name = name[len(_WRAPPER_PREFIX) :]
+    return name if name in keys else None
+
+
+def param_by_state_key(model: nn.Module, keys: Collection[str]) -> dict[str, nn.Parameter]:
+    """The parameter behind each state dict key that is a parameter (tied parameters
+    under every name they have)."""
+    out: dict[str, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        key = _state_key(name, keys)
+        if key is not None:
+            out[key] = p
+    return out
+
+
+def param_fqns(model: nn.Module, keys: Collection[str]) -> dict[nn.Parameter, str]:
+    """One name per distinct parameter: the first one ``named_parameters()`` gives (as
+    a plain module of the same architecture would), in state dict spelling."""
+    out: dict[nn.Parameter, str] = {}
+    for name, p in model.named_parameters():
+        key = _state_key(name, keys)
+        out[p] = key if key is not None else name
+    return out
+
+
+def partition_of(param: object) -> Partition | None:
+    """The fsdp row partition a parameter carries, if any."""
+    return getattr(param, PARTITION_ATTR, None)

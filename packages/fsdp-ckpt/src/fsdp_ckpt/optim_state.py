@@ -1,0 +1,167 @@
+"""Optimizer state dicts keyed by parameter name, not position.
+
+``optimizer.state_dict()`` numbers parameters by their position in the param groups,
+which changes with the wrapper, the strategy and tied-parameter handling. Here state
+is ``{"state": {fqn: {"exp_avg": ..., "step": ...}}, "param_groups": [{..., "params":
+[fqn, ...]}]}`` (the layout of ``torch.distributed.checkpoint.state_dict``), so a
+checkpoint of a ZeRO-3 model loads into a plain module's plain optimizer.
+
+Why not ``torch.distributed.checkpoint.state_dict.get_state_dict``: it names
+parameters by ``model.named_parameters()`` (fsdp's wrapper adds ``module.``, its
+``state_dict()`` does not), and its lazy state initialisation (one ``step()`` with zero
+gradients) is skipped when gradients are attached, which fsdp's DTensor parameters
+always are, so a fresh optimizer would silently load nothing. ``init_optimizer_state``
+does that step on the optimizer class's own ``step`` (not an instance-level wrapper
+that would also sync gradients and install weights), only for parameters that lack
+state, with the learning rate at zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_ckpt.errors import CheckpointMismatchError
+from fsdp_ckpt.names import param_fqns, partition_of
+from fsdp_ckpt.row_shards import add_row_offsets, strip_row_offsets
+
+__all__ = [
+    "get_optimizer_state_dict",
+    "init_optimizer_state",
+    "optimizer_param_fqns",
+    "set_optimizer_state_dict",
+]
+
+
+def _ordered_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def optimizer_param_fqns(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of each of the optimizer's parameters, in its param-group order."""
+    names = param_fqns(model, model.state_dict().keys())
+    out: list[str] = []
+    unknown: list[str] = []
+    for p in _ordered_params(optimizer):
+        name = names.get(p)
+        if name is None:
+            unknown.append(f"{type(p).__name__}{tuple(p.shape)}")
+        else:
+            out.append(name)
+    if unknown:
+        raise ValueError(
+            f"the optimizer holds {len(unknown)} parameter(s) that are not the model's "
+            f"(e.g. {unknown[:3]}); build the optimizer over model.parameters(), after "
+            f"wrapping when the wrapper replaces parameters"
+        )
+    return out
+
+
+def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name, ready for DCP: state tensors are
+    the live ones, and those shaped like an fsdp parameter carry its row offsets, so
+    ``dcp.load`` into the result writes into the optimizer's state. Parameters with no
+    state yet (never stepped) are absent from ``"state"``."""
+    fqns = optimizer_param_fqns(model, optimizer)
+    params = _ordered_params(optimizer)
+    osd = optimizer.state_dict()
+    entries: dict[tuple[str, str], tuple[Any, Any]] = {}
+    for index, state in osd["state"].items():
+        param = params[index]
+        for key, value in state.items():
+            partition = None
+            if isinstance(value, DTensor) and value.shape == param.shape:
+                partition = partition_of(param)
+            entries[(fqns[index], key)] = (value, partition)
+    flat = add_row_offsets({f"{fqn}\x00{key}": v for (fqn, key), v in entries.items()})
+    state_out: dict[str, dict[str, Any]] = {}
+    for flat_key, value in flat.items():
+        fqn, key = flat_key.split("\x00")
+        state_out.setdefault(fqn, {})[key] = value
+    groups = []
+    for group in osd["param_groups"]:
+        saved = {k: v for k, v in group.items() if k != "params"}
+        saved["params"] = [fqns[i] for i in group["params"]]
+        groups.append(saved)
+    return {"state": state_out, "param_groups": groups}
+
+
+def set_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
+) -> None:
+    """Load a name-keyed optimizer state dict (from ``get_optimizer_state_dict``, maybe
+    of another world size, strategy or wrapper). Param groups are matched by position
+    and must hold the same names; their hyperparameters come from ``state_dict``
+    (keys it lacks keep their current values). State replaces the current state."""
+    fqns = optimizer_param_fqns(model, optimizer)
+    index_of = {fqn: i for i, fqn in enumerate(fqns)}
+    saved_groups = list(state_dict.get("param_groups", []))
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise CheckpointMismatchError(
+            f"the saved optimizer state has {len(saved_groups)} param group(s), this "
+            f"optimizer {len(optimizer.param_groups)}; build the optimizer with the same "
+            f"groups as the one that was saved"
+        )
+    groups = []
+    start = 0
+    for g, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
+        mine = fqns[start : start + len(group["params"])]
+        theirs = list(saved.get("params", []))
+        if set(mine) != set(theirs):
+            raise CheckpointMismatchError(
+                f"param group {g} holds different parameters: only in the checkpoint "
+                f"{sorted(set(theirs) - set(mine))}, only in this optimizer "
+                f"{sorted(set(mine) - set(theirs))}"
+            )
+        merged = {k: v for k, v in group.items() if k != "params"}
+        merged.update({k: v for k, v in saved.items() if k != "params"})
+        merged["params"] = list(range(start, start + len(mine)))
+        groups.append(merged)
+        start += len(mine)
+    unknown = sorted(set(state_dict.get("state", {})) - set(index_of))
+    if unknown:
+        raise CheckpointMismatchError(
+            f"the saved optimizer state has entries for parameters this model does not "
+            f"have: {unknown}"
+        )
+    state = {
+        index_of[fqn]: strip_row_offsets(dict(values))
+        for fqn, values in state_dict.get("state", {}).items()
+    }
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def init_optimizer_state(
+    optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter] | None = None
+) -> None:
+    """Create the state of ``params`` (default: every parameter) that has none, by one
+    ``step`` of the optimizer's class with zero gradients and learning rate zero, so
+    that ``dcp.load`` has tensors to load into. Parameters that already have state,
+    and their gradients, are left as they were."""
+    wanted = list(_ordered_params(optimizer) if params is None else params)
+    todo = {p for p in wanted if not optimizer.state.get(p)}
+    if not todo:
+        return
+    saved_grads = {}
+    saved_lrs = []
+    try:
+        for p in _ordered_params(optimizer):
+            saved_grads[p] = p.grad
+            p.grad = torch.zeros_like(p) if p in todo else None
+        for group in optimizer.param_groups:
+            saved_lrs.append(group.get("lr"))
+            if "lr" in group:
+                lr = group["lr"]
+                group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+        with torch.no_grad():
+            type(optimizer).step(optimizer)
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved_lrs, strict=False):
+            if "lr" in group:
+                group["lr"] = lr
+        for p, grad in saved_grads.items():
+            p.grad = grad

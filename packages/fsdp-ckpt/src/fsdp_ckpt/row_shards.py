@@ -1,0 +1,252 @@
+"""Uneven row shards in DCP: which rows each rank holds, and telling DCP about them.
+
+Note on uneven shards. DCP places a DTensor's local shard at the offset that DTensor's
+metadata implies, and DTensor assumes ``torch.chunk`` sizes. fsdp's parameters are
+``Shard(0)`` DTensors whose local shards are whole dim-0 row ranges chosen by the flat
+layout, not chunk-sized, so by default they would be written at wrong offsets. Each
+such parameter carries ``_fsdp_row_partition`` (one ``(row_start, row_end)`` per
+coordinate of its shard mesh). For DCP we rebuild the DTensor around a
+``RowShards`` local tensor (torch's ``LocalShardsWrapper``, which DTensor delegates
+``__create_write_items__``/``__create_chunk_list__``/``__get_tensor_shard__`` to)
+holding the *same* local tensor, not a copy, at its explicit row offset: DCP then
+writes each shard where it belongs and loads in place into the live storage. A rank
+whose range is empty takes part in no write or read (an empty chunk at offset 0 would
+be deduplicated against rank 0's real one). DTensors without the attribute (other
+libraries') are left alone when every local shard is chunk-sized; otherwise one
+``all_gather_object`` of local row counts gives each rank its offset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from fsdp_ckpt import _dist
+from fsdp_ckpt.errors import CheckpointError
+
+__all__ = [
+    "Partition",
+    "RowLayout",
+    "RowShards",
+    "add_row_offsets",
+    "resolve_row_layouts",
+    "strip_row_offsets",
+]
+
+Partition = tuple[tuple[int, int], ...]
+"""``(row_start, row_end)`` for each coordinate of the shard mesh dimension."""
+
+PARTITION_ATTR = "_fsdp_row_partition"
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How a DTensor's dim 0 is split: along mesh dimension ``mesh_dim``, coordinate
+    ``k`` holds rows ``partition[k]``."""
+
+    mesh_dim: int
+    partition: Partition
+
+    def rows_of(self, dt: DTensor) -> tuple[int, int]:
+        coord = dt.device_mesh.get_coordinate()
+        assert coord is not None
+        return self.partition[coord[self.mesh_dim]]
+
+
+class RowShards(LocalShardsWrapper):
+    """A ``LocalShardsWrapper`` of one row range that stays silent when it is empty.
+
+    ``DTensor.from_local`` stores ``local.view_as(local)``; ``handle_view`` keeps that
+    view a ``RowShards`` (the base class would return a plain ``LocalShardsWrapper``,
+    losing the empty-shard rule). The view shares the shard's storage."""
+
+    @staticmethod
+    def handle_view(args: Any, kwargs: Any) -> RowShards:
+        out = LocalShardsWrapper.handle_view(args, kwargs)
+        return RowShards(out.local_shards(), out.local_offsets())
+
+    def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
+        if all(s.numel() == 0 for s in self.local_shards()):
+            return []
+        return super().__create_write_items__(fqn, object)
+
+    def __create_chunk_list__(self) -> list[Any]:
+        return [
+            chunk
+            for shard, chunk in zip(self.local_shards(), self.local_chunks, strict=True)
+            if shard.numel() > 0
+        ]
+
+
+def _row_shard_dim(dt: DTensor) -> int | None:
+    """The mesh dimension of ``dt``'s ``Shard(0)`` when that is its only sharding,
+    None when it is replicated everywhere; raises for layouts this module cannot
+    describe (they are fine for DCP when chunk-sized, see ``resolve_row_layouts``)."""
+    shard_dims = [i for i, p in enumerate(dt.placements) if not isinstance(p, Replicate)]
+    if not shard_dims:
+        return None
+    if len(shard_dims) == 1 and dt.placements[shard_dims[0]] == Shard(0):
+        return shard_dims[0]
+    return -1  # something else: Shard(d>0), several shardings, Partial
+
+
+def _local(dt: DTensor) -> torch.Tensor:
+    with torch.no_grad():
+        return dt.to_local()
+
+
+def _chunk_sized(dt: DTensor) -> bool:
+    if dt.device_mesh.get_coordinate() is None:
+        return True
+    shape, _ = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    return tuple(_local(dt).shape) == tuple(shape)
+
+
+def resolve_row_layouts(
+    entries: Mapping[str, tuple[Any, Partition | None]],
+) -> dict[str, RowLayout]:
+    """The ``RowLayout`` of every row-sharded DTensor in ``entries`` (key -> (value,
+    known partition or None)) that DCP's chunk arithmetic would misplace, plus every
+    one whose partition is known. Collective when some sharded DTensor has no known
+    partition (one ``all_gather_object`` over the default group); every rank must
+    call it with the same keys."""
+    layouts: dict[str, RowLayout] = {}
+    unknown: list[str] = []
+    for key, (value, partition) in entries.items():
+        if not isinstance(value, DTensor):
+            continue
+        dim = _row_shard_dim(value)
+        if dim is None:
+            continue
+        if partition is not None:
+            if dim < 0:
+                raise CheckpointError(
+                    f"{key!r} carries an fsdp row partition but its placements are "
+                    f"{value.placements}; expected Shard(0) on one mesh dimension"
+                )
+            _check_partition(key, value, dim, partition)
+            layouts[key] = RowLayout(dim, tuple(partition))
+        else:
+            unknown.append(key)
+    if not unknown:
+        return layouts
+    # Which ranks hold which rows: only the ranks themselves know.
+    mine = {k: (_local(entries[k][0]).shape[0], _chunk_sized(entries[k][0])) for k in unknown}
+    if _dist.is_distributed():
+        everyone: list[dict[str, tuple[int, bool]]] = [{}] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    else:
+        everyone = [mine]
+    for key in unknown:
+        value = entries[key][0]
+        if all(rank_rows[key][1] for rank_rows in everyone):
+            continue  # chunk-sized everywhere: DCP's own arithmetic is right
+        dim = _row_shard_dim(value)
+        if dim is None or dim < 0:
+            raise CheckpointError(
+                f"{key!r} has uneven local shards with placements {value.placements}; only "
+                f"uneven Shard(0) on one mesh dimension (others Replicate) can be checkpointed"
+            )
+        layouts[key] = RowLayout(dim, _partition_from_counts(key, value, dim, everyone))
+    return layouts
+
+
+def _partition_from_counts(
+    key: str, dt: DTensor, dim: int, everyone: list[dict[str, tuple[int, bool]]]
+) -> Partition:
+    coord = dt.device_mesh.get_coordinate()
+    assert coord is not None
+    index = list(coord)
+    parts: list[tuple[int, int]] = []
+    start = 0
+    for k in range(dt.device_mesh.size(dim)):
+        index[dim] = k
+        global_rank = int(dt.device_mesh.mesh[tuple(index)].item())
+        rows = everyone[global_rank][key][0]
+        parts.append((start, start + rows))
+        start += rows
+    if start != dt.shape[0]:
+        raise CheckpointError(
+            f"the local shards of {key!r} hold {start} rows in all along mesh dimension "
+            f"{dim}, but the tensor has {dt.shape[0]}: they do not tile it"
+        )
+    return tuple(parts)
+
+
+def _check_partition(key: str, dt: DTensor, dim: int, partition: Partition) -> None:
+    size = dt.device_mesh.size(dim)
+    if len(partition) != size:
+        raise CheckpointError(
+            f"the row partition of {key!r} has {len(partition)} parts but its shard mesh "
+            f"dimension has {size} ranks"
+        )
+    coord = dt.device_mesh.get_coordinate()
+    if coord is None:
+        return
+    r0, r1 = partition[coord[dim]]
+    rows = _local(dt).shape[0] if dt.ndim else 1
+    if r1 - r0 != rows:
+        raise CheckpointError(
+            f"{key!r}: this rank holds {rows} rows but its row partition says "
+            f"[{r0}, {r1}); the partition does not describe this tensor"
+        )
+
+
+def with_offset(dt: DTensor, layout: RowLayout) -> DTensor:
+    """``dt`` over a ``RowShards`` local tensor that is ``dt``'s own local tensor."""
+    if dt.device_mesh.get_coordinate() is None:
+        return dt
+    local = _local(dt)
+    r0, _ = layout.rows_of(dt)
+    shards = RowShards([local], [(r0,) + (0,) * (local.ndim - 1)])
+    return DTensor.from_local(
+        shards,
+        dt.device_mesh,
+        dt.placements,
+        run_check=False,
+        shape=dt.shape,
+        stride=dt.stride(),
+    )
+
+
+def add_row_offsets(
+    entries: Mapping[str, tuple[Any, Partition | None]],
+) -> dict[str, Any]:
+    """Every value of ``entries``, with row-sharded DTensors that need it rebuilt over
+    ``RowShards`` (see the module note). Collective only as ``resolve_row_layouts``."""
+    layouts = resolve_row_layouts(entries)
+    out: dict[str, Any] = {}
+    for key, (value, _partition) in entries.items():
+        layout = layouts.get(key)
+        out[key] = value if layout is None or value.numel() == 0 else with_offset(value, layout)
+    return out
+
+
+def strip_row_offsets(value: Any) -> Any:
+    """``value`` (recursively through dicts and lists) with every DTensor over
+    ``RowShards`` turned back into one over its plain local tensor, the same storage:
+    what optimizers and ``load_state_dict`` can compute with."""
+    if isinstance(value, DTensor):
+        local = value._local_tensor
+        if isinstance(local, LocalShardsWrapper):
+            return DTensor.from_local(
+                local.local_shards()[0],
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
+        return value
+    if isinstance(value, Mapping):
+        return {k: strip_row_offsets(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [strip_row_offsets(v) for v in value]
+    return value

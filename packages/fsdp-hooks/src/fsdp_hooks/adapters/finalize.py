@@ -1,0 +1,61 @@
+"""``finalize_model_grads``: Megatron-Core's last step before ``optimizer.step()``.
+
+It finishes the gradient reduction of every model chunk and, for a per-token loss,
+divides the gradients by the number of tokens in the global batch. Tensor-, pipeline-
+and expert-parallel gradient syncs (layer norms under sequence parallelism, embeddings
+across pipeline stages) have nothing to do here: those parallelisms are not
+implemented yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["finalize_model_grads"]
+
+
+def _dp_group(chunk: nn.Module) -> dist.ProcessGroup:
+    index = getattr(chunk, "dist_index", None)
+    if index is None:
+        raise TypeError(
+            f"finalize_model_grads: {type(chunk).__name__} is not an fsdp model (no "
+            "dist_index); pass models built by DistributedDataParallel, "
+            "FullyShardedDataParallel or fully_shard"
+        )
+    return index.get_dp_group()
+
+
+def finalize_model_grads(
+    model: Sequence[nn.Module] | nn.Module, num_tokens: torch.Tensor | None = None
+) -> None:
+    """Finish gradient sync of every chunk of ``model`` (a list of model chunks, or one
+    model). With ``num_tokens`` (this rank's token count, a tensor), the counts are
+    summed over the data-parallel group and every gradient is divided by the total,
+    as with ``config.calculate_per_token_loss``."""
+    chunks = [model] if isinstance(model, nn.Module) else list(model)
+    if not chunks:
+        raise ValueError("finalize_model_grads: got no model chunks")
+    for chunk in chunks:
+        if not callable(getattr(chunk, "finish_grad_sync", None)):
+            raise TypeError(
+                f"finalize_model_grads: {type(chunk).__name__} has no finish_grad_sync(); "
+                "pass models built by DistributedDataParallel, FullyShardedDataParallel "
+                "or fully_shard"
+            )
+        chunk.finish_grad_sync()
+    if num_tokens is None:
+        return
+    if not isinstance(num_tokens, torch.Tensor):
+        raise TypeError(
+            f"finalize_model_grads: num_tokens must be a tensor (this rank's token count); "
+            f"got {type(num_tokens).__name__}"
+        )
+    total = num_tokens.detach().clone()
+    dist.all_reduce(total, group=_dp_group(chunks[0]))
+    if total.item() > 0:
+        for chunk in chunks:
+            chunk.scale_gradients(1.0 / total.item())

@@ -1,0 +1,196 @@
+"""``FullyShardedDataParallel``: the Megatron-Core style entry point to ``MegatronFSDP``.
+
+Megatron-Core builds its models as ``FullyShardedDataParallel(config, ddp_config,
+module)``; this adapter takes the same arguments, validates them as Megatron-FSDP does
+(``fsdp_checks.py``), builds the ``FSDPDistributedIndex`` over the whole world unless
+one is given, and wraps ``module`` in ``MegatronFSDP`` as ``self.module`` (so the
+original module is ``model.module.module``, as in Megatron-Core).
+
+The optimizer contract is ``fully_shard``'s: ``model.parameters()`` are DTensors holding
+this rank's shard of the main weights, with ``.grad`` on the main-grad shard. Step them
+with any torch optimizer made by ``fully_shard_optimizer(optimizer)`` (which finishes
+gradient sync before the step and installs the new weights after), or call
+``finalize_model_grads([model])``, ``optimizer.step()`` and
+``model.install_optimized_model_weights()`` yourself, as Megatron-Core's training loop
+does.
+
+Gradient reduction follows ``MegatronFSDP``'s default: replicated gradients
+(``no_shard``, ``optim``) are reduced by ``finish_grad_sync`` (which
+``finalize_model_grads`` calls); sharded ones are reduce-scattered during backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
+from fsdp_hooks.adapters._common import coerce_ddp_config, dist_index_over, transformer_option
+from fsdp_hooks.adapters.fsdp_checks import check_fsdp_config
+from fsdp_hooks.megatron_fsdp import MegatronFSDP
+from fsdp_mesh import FSDPDistributedIndex
+
+__all__ = ["FullyShardedDataParallel"]
+
+# Megatron-Core's default FSDP unit under optim_grads_params, found by class name so
+# that Megatron-Core itself need not be installed.
+_DEFAULT_UNIT_CLASS_NAME = "TransformerLayer"
+
+
+def _default_units(module: nn.Module, strategy: ShardingStrategy) -> list[type[nn.Module]]:
+    if strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS:
+        return []
+    found = {type(m) for m in module.modules() if type(m).__name__ == _DEFAULT_UNIT_CLASS_NAME}
+    return sorted(found, key=lambda c: f"{c.__module__}.{c.__qualname__}")
+
+
+def _index_from_pg_collection(pg_collection: Any) -> FSDPDistributedIndex:
+    for name in ("tp", "ep", "pp", "cp", "expt_tp"):
+        group = getattr(pg_collection, name, None)
+        if group is not None and dist.get_world_size(group) > 1:
+            raise NotImplementedError(
+                f"FullyShardedDataParallel: pg_collection.{name} has "
+                f"{dist.get_world_size(group)} ranks; tensor, pipeline, context and expert "
+                "parallel groups are not implemented yet (only data parallelism is)"
+            )
+    group = getattr(pg_collection, "dp_cp", None) or getattr(pg_collection, "dp", None)
+    return dist_index_over(group, "FullyShardedDataParallel", "pg_collection.dp_cp")
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Megatron-Core's ``FullyShardedDataParallel(config, ddp_config, module, ...)``.
+
+    Args:
+        config: a transformer config (any object, or None). Read:
+            ``calculate_per_token_loss`` (sum gradients instead of averaging them) and
+            ``init_model_with_meta_device`` (materialize a meta-device model shard by
+            shard); both default to False.
+        ddp_config: ``DistributedDataParallelConfig`` (fsdp's or Megatron-Core's), a
+            dict of its fields, or None. ``data_parallel_sharding_strategy`` picks the
+            strategy ('no_shard', 'optim', 'optim_grads', 'optim_grads_params').
+        module: the model to wrap.
+        fsdp_unit_modules: classes (or dotted class paths) whose instances are gathered
+            and released as a unit. Default: classes named ``TransformerLayer`` under
+            'optim_grads_params' (Megatron-Core's), none otherwise.
+        disable_bucketing: one bucket for the parameters outside FSDP units.
+        device: the compute device; default: the mesh's (this rank's GPU, or CPU).
+        pg_collection: Megatron-Core's ProcessGroupCollection; its ``dp_cp`` group is
+            the data-parallel group. Other parallel groups must have one rank.
+        dist_index: an ``FSDPDistributedIndex`` to use instead of building one.
+        mixed_precision_policy: overrides the ``megatron_fsdp_*_dtype`` fields.
+    """
+
+    def __init__(
+        self,
+        config: object,
+        ddp_config: object,
+        module: nn.Module,
+        fsdp_unit_modules: Iterable[type[nn.Module] | str] | None = None,
+        disable_bucketing: bool = False,
+        device: torch.device | str | None = None,
+        pg_collection: Any = None,
+        *,
+        dist_index: FSDPDistributedIndex | None = None,
+        mixed_precision_policy: MixedPrecisionPolicy | None = None,
+    ) -> None:
+        super().__init__()
+        who = "FullyShardedDataParallel"
+        cfg = coerce_ddp_config(ddp_config, who)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"{who}: module must be an nn.Module; got {type(module).__name__}")
+        meta_init = bool(transformer_option(config, "init_model_with_meta_device"))
+        strategy = check_fsdp_config(cfg, meta_init)
+        cfg.data_parallel_sharding_strategy = strategy.megatron_name
+        if dist_index is None:
+            dist_index = (
+                _index_from_pg_collection(pg_collection)
+                if pg_collection is not None
+                else dist_index_over(None, who)
+            )
+        units = (
+            list(fsdp_unit_modules)
+            if fsdp_unit_modules is not None
+            else _default_units(module, strategy)
+        )
+        self.config = config
+        self.ddp_config = cfg
+        self.megatron_fsdp_dist_index = dist_index
+        self.fsdp_unit_modules = units
+        self.module = MegatronFSDP(
+            module,
+            dist_index,
+            ddp_config=cfg,
+            fsdp_unit_modules=units,
+            disable_bucketing=disable_bucketing,
+            device=torch.device(device) if device is not None else None,
+            calculate_per_token_loss=bool(transformer_option(config, "calculate_per_token_loss")),
+            init_model_with_meta_device=meta_init,
+            mixed_precision_policy=mixed_precision_policy,
+        )
+        self.param_and_grad_buffer = self.module.buffer
+
+    # ---- forward ------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.module(*inputs, **kwargs)
+
+    @property
+    def dist_index(self) -> FSDPDistributedIndex:
+        return self.megatron_fsdp_dist_index
+
+    # ---- gradient and parameter sync (Megatron-Core's _BaseDataParallel methods) ---------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside do not reduce replicated gradients (they accumulate)."""
+        with self.module.no_sync():
+            yield
+
+    def start_grad_sync(self, *unused: Any) -> None:
+        self.module.start_grad_sync()
+
+    def finish_grad_sync(self) -> None:
+        """Reduce what is still unreduced, wait, check NaN/Inf when asked, and attach the
+        main-grad shards to the parameters."""
+        self.module.finish_grad_sync()
+
+    def start_param_sync(self, *unused: Any, force_sync: bool = False) -> None:
+        self.module.start_param_sync(force_sync=force_sync)
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        self.module.scale_gradients(scaling_factor)
+
+    def zero_grad_buffer(self) -> None:
+        self.module.zero_grad_buffer()
+
+    def broadcast_params(self) -> None:
+        self.module.broadcast_params()
+
+    def install_optimized_model_weights(self) -> None:
+        self.module.install_optimized_model_weights()
+
+    def stop_communication(self) -> None:
+        self.module.synchronize_gradient_reduce()
+        self.module.synchronize_param_gather()
+
+    def sync_rng_states_across_tp_group(self) -> None:
+        """No-op: tensor parallelism is not implemented yet, so there is no TP group."""
+
+    def comm_stats(self, reset: bool = False) -> dict[str, dict[str, float]]:
+        return self.module.comm_stats(reset=reset)
+
+    # ---- state dicts -------------------------------------------------------------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped module's state dict under its own names (DTensor shards)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def state_dict_for_save_checkpoint(
+        self, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)

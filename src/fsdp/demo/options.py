@@ -1,0 +1,127 @@
+"""The demo's command line: parsed and checked before any rank starts.
+
+Everything that can be wrong with the arguments is an argparse error (usage, the
+problem, exit status 2) in the launching process, so no rank ever starts on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fsdp_buffers import ShardingStrategy
+
+__all__ = ["CHECKPOINT_DIR", "DemoOptions", "build_parser", "parse_args"]
+
+CHECKPOINT_DIR = "checkpoint"
+DEFAULT_OUT = Path("runs") / "fsdp-demo"
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    nproc: int
+    device: str
+    strategy: str  # the Megatron name, e.g. "optim_grads_params"
+    steps: int
+    out: Path
+    resume: bool
+    batch_size: int  # sequences per rank per step
+    seq_len: int
+    lr: float
+    seed: int
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.out / CHECKPOINT_DIR
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.nproc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fsdp-demo",
+        description=(
+            "Train a small character-level GPT on a text shipped with fsdp, on several "
+            "ranks launched in this process by torch's elastic launcher, with a progress "
+            "bar (loss, tokens/s, memory per rank, bytes communicated); then save a "
+            "checkpoint and plot loss and memory per step."
+        ),
+    )
+    p.add_argument("--nproc", type=int, default=None, help="ranks (default: 2 on CPU, every GPU)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default: cpu")
+    p.add_argument(
+        "--strategy",
+        default="optim_grads_params",
+        help="no_shard, optim, optim_grads or optim_grads_params (ZeRO-3, the default); "
+        "0..3 and zero1..zero3 are accepted too",
+    )
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps to run (default 100)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default: ./{DEFAULT_OUT}")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help=f"continue from OUT/{CHECKPOINT_DIR} (at any --nproc and --strategy) for --steps more",
+    )
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of AdamW")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _positive(parser: argparse.ArgumentParser, name: str, value: float) -> None:
+    if value <= 0:
+        parser.error(f"{name} must be positive; got {value}")
+
+
+def parse_args(argv: list[str] | None = None) -> DemoOptions:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        strategy = ShardingStrategy.parse(a.strategy.strip()).megatron_name
+    except ValueError as err:
+        parser.error(f"--strategy: {err}")
+    if a.device == "cuda":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus == 0:
+            parser.error(
+                f"--device cuda: no CUDA device is available (torch {torch.__version__}, "
+                f"built for CUDA {torch.version.cuda or 'none'}); use --device cpu"
+            )
+        nproc = gpus if a.nproc is None else a.nproc
+        if nproc > gpus:
+            parser.error(f"--nproc {nproc} on --device cuda needs {nproc} GPUs; found {gpus}")
+    else:
+        nproc = 2 if a.nproc is None else a.nproc
+    if nproc < 1:
+        parser.error(f"--nproc must be at least 1; got {nproc}")
+    for name, value in (
+        ("--steps", a.steps),
+        ("--batch-size", a.batch_size),
+        ("--seq-len", a.seq_len),
+        ("--lr", a.lr),
+    ):
+        _positive(parser, name, value)
+    out = a.out.expanduser().absolute()
+    if a.resume and not (out / CHECKPOINT_DIR).is_dir():
+        parser.error(
+            f"--resume: no checkpoint at {out / CHECKPOINT_DIR}; run once without --resume "
+            "(or pass the --out of an earlier run)"
+        )
+    return DemoOptions(
+        nproc=nproc,
+        device=a.device,
+        strategy=strategy,
+        steps=a.steps,
+        out=out,
+        resume=a.resume,
+        batch_size=a.batch_size,
+        seq_len=a.seq_len,
+        lr=a.lr,
+        seed=a.seed,
+    )
