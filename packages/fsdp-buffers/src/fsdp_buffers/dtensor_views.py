@@ -10,6 +10,17 @@ The shards are whole dim-0 rows, but not ``torch.chunk``-sized (the flat layout
 decides them), which DTensor's redistribution and ``full_tensor()`` assume. So every
 sharded DTensor made here carries ``_fsdp_row_partition`` (rows per rank, known from
 the layout) for checkpoints, and ``full_parameter`` gathers whole parameters correctly.
+
+Hybrid sharding: with the outer dim replicating, the DTensors are the same as without
+it, on the shard mesh (each outer replica is one consistent DTensor world; DCP writes
+a chunk once, whichever replica offers it). Fully-sharded hybrid main weights (and their
+grads and optimizer state) are ``Shard(0)`` on the 1-D mesh over the hybrid group
+(``ParamAndGradBuffer.optimizer_mesh``): ``clip_grad_norm_`` then reduces the norm
+over every data-parallel rank, each holding a disjoint chunk. Coordinate c of that
+mesh holds fine chunk ``logical[c]`` (shard-major, see Note [hybrid rank conventions]
+in ``fsdp_mesh.distributed_index``), so ``_fsdp_row_partition`` lists, per coordinate,
+the rows of that chunk: not in increasing order, which checkpoints handle since they
+place each shard by its own row offset.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ class DTensorViews:
         placement = Shard(0) if self.sharding[gid].main_weights else Replicate()
         return DTensor.from_local(
             local,
-            self.shard_mesh(gid),
+            self.optimizer_mesh(gid),
             [placement],
             run_check=False,
             shape=shape,
@@ -69,12 +80,24 @@ class DTensorViews:
 
     def attach_grads(self) -> None:
         """(Re)point every optimizer parameter's ``.grad`` at its main-grad rows, e.g.
-        after ``optimizer.zero_grad(set_to_none=True)`` dropped them."""
+        after ``optimizer.zero_grad(set_to_none=True)`` dropped them.
+
+        It runs twice a step (end of backward, optimizer step), so each gradient
+        DTensor is made once and cached with the storage it views
+        (``DTensor.from_local`` costs tens of microseconds a parameter); it is made
+        anew only if that buffer's storage was replaced."""
+        cache: dict[tuple[int, int], tuple[torch.Tensor, DTensor]] = self.__dict__.setdefault(
+            "_grad_dtensor_cache", {}
+        )
         for _name, dparam in self._optimizer_params or ():
             gid, i = dparam._fsdp_group_index  # type: ignore[attr-defined]
-            gbuf = self.groups[gid].main_grad_buffer
-            assert gbuf is not None
-            dparam.grad = self._dtensor(gid, self._optimizer_view(gid, i, gbuf), dparam.shape)
+            gbuf = self.optimizer_grad_buffer(gid)
+            cached = cache.get((gid, i))
+            if cached is None or cached[0] is not gbuf.data:
+                grad = self._dtensor(gid, self._optimizer_view(gid, i, gbuf), dparam.shape)
+                cached = cache[(gid, i)] = (gbuf.data, grad)
+            if dparam.grad is not cached[1]:
+                dparam.grad = cached[1]
 
     def distributed_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """A DTensor parameter for every original parameter, under its name: the
@@ -109,7 +132,7 @@ class DTensorViews:
             local = buf.local_param_view(i) if sharded else buf.param_view(buf.data, i)
             out[name] = DTensor.from_local(
                 local,
-                self.shard_mesh(gid),
+                self.optimizer_mesh(gid) if group.requires_grad else self.shard_mesh(gid),
                 [placement],
                 run_check=False,
                 shape=p.shape,
@@ -124,6 +147,11 @@ class DTensorViews:
         ``torch.chunk``-sized, so DTensor alone cannot say where a shard starts."""
         if not self.sharding[gid].main_weights and not self.sharding[gid].model_weights:
             return None
+        if self.outer_sharded[gid]:
+            fine = self.outer_layouts[gid]
+            assert fine is not None
+            logical = self._hybrid_logical[self.groups[gid].is_expert_param]
+            return tuple(fine.local_rows(index, k) for k in logical)
         return self.layouts[gid].row_partition(index)
 
     def index_of(self, name: str) -> tuple[int, int]:
@@ -138,6 +166,9 @@ class DTensorViews:
     def local_rows(self, name: str) -> tuple[int, int]:
         """The global rows [start, end) of parameter ``name`` this rank holds."""
         gid, i = self.index_of(name)
+        if self.outer_sharded[gid]:
+            buf = self.main_weight_buffer(gid)
+            return buf.layout.local_rows(i, buf.shard_rank)
         return self.layouts[gid].local_rows(i, self.shard_group_rank(gid))
 
     def full_parameter(self, name: str) -> torch.Tensor:
@@ -157,6 +188,10 @@ class DTensorViews:
         if not sharded:
             return buf.param_view(buf.data, i).clone()
         partition = buf.layout.row_partition(i)
+        pg = self.shard_group(gid)
+        if self.outer_sharded[gid] and group.requires_grad:
+            partition = self._row_partition(gid, i)
+            pg = self.dist_index.get_dp_group(is_expert_parallel=group.is_expert_param)
         width = max(r1 - r0 for r0, r1 in partition)
         local = (
             buf.local_param_view(i).reshape(-1, *slot.shape[1:])
@@ -168,6 +203,8 @@ class DTensorViews:
         out = torch.empty(
             (len(partition) * width, *slot.shape[1:]), dtype=buf.dtype, device=buf.device
         )
-        dist.all_gather_into_tensor(out, padded, group=self.shard_group(gid))
-        parts = [out[k * width : k * width + (r1 - r0)] for k, (r0, r1) in enumerate(partition)]
+        dist.all_gather_into_tensor(out, padded, group=pg)
+        # In row order: fully-sharded hybrid coordinates do not hold increasing rows.
+        order = sorted(range(len(partition)), key=lambda k: partition[k])
+        parts = [out[k * width : k * width + (partition[k][1] - partition[k][0])] for k in order]
         return torch.cat(parts).view(slot.shape)

@@ -7,6 +7,11 @@ collectives matched across ranks even when ranks complete buckets in different o
 or some parameters get no gradient on some ranks (``finish`` launches whatever is left,
 with zeros standing in for missing gradients). At most ``max_inflight`` reductions are
 in flight; launching one more first waits for the oldest.
+
+Hybrid sharding: the reduction across the outer dim (``reduce_outer``) runs at the end
+of a backward that syncs (``sync_grads``), else once per optimizer step from
+``reduce_accumulated`` (which ``finish_grad_sync`` calls); see Note [hybrid sharding]
+in ``hybrid_sharding``.
 """
 
 from __future__ import annotations
@@ -106,6 +111,8 @@ class GradReducePipeline:
             self._complete.update(self._expected)
             self._launch_in_order()
             self.wait_all()
+            if self.sync_grads:
+                self.reduce_outer()
             self._begin_backward()
 
     def reduce_accumulated(self) -> None:
@@ -116,6 +123,18 @@ class GradReducePipeline:
                 while len(self._inflight) >= self.max_inflight:
                     self._inflight.popleft().wait()
                 self._inflight.append(self.buffer.start_grad_reduce(gid))
+        self.wait_all()
+        self.reduce_outer()
+
+    def reduce_outer(self) -> None:
+        """Hybrid sharding: reduce across the outer group, in order, every bucket whose
+        shard-reduced gradients have not been yet, and wait. No-op otherwise."""
+        for gid in self.reduce_order:
+            pending = self.buffer.start_outer_grad_reduce(gid)
+            if pending is not None:
+                while len(self._inflight) >= self.max_inflight:
+                    self._inflight.popleft().wait()
+                self._inflight.append(pending)
         self.wait_all()
 
     def wait_all(self) -> None:

@@ -26,6 +26,8 @@ a buffer already holds reduced values R when a second backward reduces again bef
 the optimizer step, R is first rebased to the unreduced value that reduces back to R
 (R/(N·f) on every rank for all-reduce; R/f on the owning rank and 0 elsewhere for
 reduce-scatter), so syncing every microbatch never double-counts.
+
+Hybrid sharding (an outer data-parallel dim): ``hybrid_sharding.HybridSharding``.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from fsdp_buffers.data_parallel_buffer import (
     TemporaryBucketAllocator,
 )
 from fsdp_buffers.dtensor_views import DTensorViews
-from fsdp_buffers.layout import DEFAULT_ALIGNMENT, FlatLayout, compute_layout
+from fsdp_buffers.hybrid_sharding import HybridSharding
+from fsdp_buffers.layout import DEFAULT_ALIGNMENT, FlatLayout
 from fsdp_buffers.mixed_precision import MixedPrecisionPolicy
 from fsdp_buffers.param_group import (
     ParameterGroup,
@@ -79,9 +82,10 @@ class GradState(enum.Enum):
     REDUCED = enum.auto()  # reduced gradients, ready for the optimizer
 
 
-class ParamAndGradBuffer(DTensorViews):
+class ParamAndGradBuffer(HybridSharding, DTensorViews):
     """The buffers of every parameter group of ``module`` and the operations on them
-    (their DTensor face, for optimizers and checkpoints, is ``DTensorViews``)."""
+    (their DTensor face, for optimizers and checkpoints, is ``DTensorViews``; the
+    outer dim of hybrid sharding, ``HybridSharding``)."""
 
     def __init__(
         self,
@@ -105,6 +109,14 @@ class ParamAndGradBuffer(DTensorViews):
         self.module = module
         self.dist_index = dist_index
         self.strategy = ShardingStrategy.parse(strategy)
+        if dist_index.hsdp_outer_dp_shard and self.strategy is not (
+            ShardingStrategy.OPTIM_GRADS_PARAMS
+        ):
+            raise ValueError(
+                "ParamAndGradBuffer: fully-sharded hybrid sharding (hsdp_outer_dp_shard=True, "
+                "outer strategy 'optim') requires strategy 'optim_grads_params'; got "
+                f"{self.strategy.megatron_name!r}."
+            )
         self.policy = mixed_precision_policy or MixedPrecisionPolicy()
         self.average_in_collective = average_in_collective
         self.stats = CommStats()
@@ -120,8 +132,12 @@ class ParamAndGradBuffer(DTensorViews):
         self.gradient_scaling_factor = (
             1.0 / dist_index.dp_size if gradient_scaling_factor is None else gradient_scaling_factor
         )
+        # Experts too are scaled by 1/(dense data-parallel size), as Megatron-Core does:
+        # an expert's local gradient already sums the tokens of every expert-parallel
+        # rank (through the token exchange), so summing it over the expert data-parallel
+        # ranks counts every rank's loss once, and the mean is over all of them.
         self.expert_gradient_scaling_factor = (
-            1.0 / dist_index.expt_dp_size
+            1.0 / dist_index.dp_size
             if expert_gradient_scaling_factor is None
             else expert_gradient_scaling_factor
         )
@@ -134,13 +150,34 @@ class ParamAndGradBuffer(DTensorViews):
         self.sharding: list[GroupSharding] = []
         self.grad_state: list[GradState] = []
         self._rebased: list[bool] = []
+        # Hybrid sharding (Note [hybrid sharding]).
+        self.outer_sharded: list[bool] = []
+        self.outer_layouts: list[FlatLayout | None] = []
+        self._outer_main: list[DataParallelBuffer | None] = []
+        self._outer_grad: list[DataParallelBuffer | None] = []
+        self.outer_pending: list[bool] = []  # shard-reduced, not yet across the outer group
+        self.outer_reduced: list[bool] = []  # reduced across the outer group too
+        # Each group's parameters become views into its buffers as soon as they are
+        # built, so that the group's original tensors are freed before the next group's
+        # buffers are allocated (wrapping then holds the model plus one group, not the
+        # model twice, and the allocator can reuse the freed memory). Views last with a
+        # DoubleBufferAllocator: it sizes its slots once all are registered.
+        views_early = not isinstance(self.allocator, DoubleBufferAllocator)
         for gid, group in enumerate(self.groups):
             for i, p in enumerate(group.params):
                 self.param_index[p] = (gid, i)
             self._build_group(gid, group, alignment, load=not allow_meta)
-        # Views last: a DoubleBufferAllocator sizes its slots once all are registered.
-        for group in self.groups:
-            self._point_params_at_buffers(group)
+            if views_early:
+                self._point_params_at_buffers(group)
+        if not views_early:
+            for group in self.groups:
+                self._point_params_at_buffers(group)
+        self._hybrid_meshes: dict[bool, DeviceMesh] = {}
+        self._hybrid_logical: dict[bool, list[int]] = {}
+        for expert in sorted(
+            {self.groups[g].is_expert_param for g, o in enumerate(self.outer_sharded) if o}
+        ):
+            self._init_hybrid_mesh(expert)
         self._optimizer_params: list[tuple[str, nn.Parameter]] | None = None
         self._distributed_params: list[tuple[str, nn.Parameter]] | None = None
         self._name_index: dict[str, tuple[int, int]] | None = None
@@ -148,10 +185,16 @@ class ParamAndGradBuffer(DTensorViews):
     # ---- construction -------------------------------------------------------------
     def _build_group(self, gid: int, group: ParameterGroup, alignment: int, load: bool) -> None:
         size, rank = self.shard_group_size(gid), self.shard_group_rank(gid)
-        layout = compute_layout([tuple(p.shape) for p in group.params], size, alignment)
-        self.layouts.append(layout)
+        shapes = [tuple(p.shape) for p in group.params]
         shardable = size > 1 and not group.fsdp_no_shard
         s = self.strategy
+        layout, fine = self._hybrid_layouts(gid, shapes, shardable, alignment)
+        outer_sharded = fine is not None
+        self.layouts.append(layout)
+        self.outer_sharded.append(outer_sharded)
+        self.outer_layouts.append(fine)
+        self.outer_pending.append(False)
+        self.outer_reduced.append(False)
         sharding = GroupSharding(
             model_weights=shardable and s.shards_model_weights,
             main_weights=shardable and s.shards_main_weights,
@@ -188,14 +231,28 @@ class ParamAndGradBuffer(DTensorViews):
         group.model_weight_buffer = make("model_weight", group.dtype, sharding.model_weights)
         if load:
             group.model_weight_buffer.load_params(sources)
+        outer_main: DataParallelBuffer | None = None
+        outer_grad: DataParallelBuffer | None = None
         if group.requires_grad:
             main_dtype = self.policy.main_params_dtype_for(group.dtype)
-            if main_dtype != group.dtype:
+            if fine is not None:
+                # Main weights sharded over shard x outer (Note [hybrid sharding]).
+                outer_main = self._fine_buffer(gid, fine, main_dtype, "outer_main_weight")
+                if main_dtype == group.dtype:
+                    outer_main.data = self._fine_slice(group.model_weight_buffer.data, gid)
+                elif load:
+                    outer_main.load_params(sources)
+            elif main_dtype != group.dtype:
                 group.main_weight_buffer = make("main_weight", main_dtype, sharding.main_weights)
                 if load:
                     group.main_weight_buffer.load_params(sources)
             grad_dtype = self.policy.main_grads_dtype_for(group.dtype)
             group.main_grad_buffer = make("main_grad", grad_dtype, sharding.grads)
+            if fine is not None:
+                outer_grad = self._fine_buffer(gid, fine, grad_dtype, "outer_main_grad")
+                outer_grad.data = self._fine_slice(group.main_grad_buffer.data, gid)
+        self._outer_main.append(outer_main)
+        self._outer_grad.append(outer_grad)
 
     def _point_params_at_buffers(self, group: ParameterGroup) -> None:
         # Compute parameters become views into the (possibly not yet gathered) bucket.
@@ -256,8 +313,16 @@ class ParamAndGradBuffer(DTensorViews):
     def main_weight_buffer(self, gid: int) -> DataParallelBuffer:
         """Where the group's main weights live: their own buffer, or the model weights."""
         group = self.groups[gid]
-        buf = group.main_weight_buffer or group.model_weight_buffer
+        buf = self._outer_main[gid] or group.main_weight_buffer or group.model_weight_buffer
         assert buf is not None
+        return buf
+
+    def optimizer_grad_buffer(self, gid: int) -> DataParallelBuffer:
+        """Where the optimizer's gradients of the group live: the main-grad buffer, or
+        its fine slice when main weights are sharded over shard x outer."""
+        buf = self._outer_grad[gid] or self.groups[gid].main_grad_buffer
+        if buf is None:
+            raise RuntimeError(f"group {gid} has no gradient buffer")
         return buf
 
     def main_weight_is_sharded(self, gid: int) -> bool:
@@ -295,6 +360,9 @@ class ParamAndGradBuffer(DTensorViews):
                 assert model is not None
                 if model.is_data_distributed:
                     model.free_bucket()  # any gathered copy is now stale
+                if self.outer_sharded[gid]:
+                    pending.append(self._start_outer_param_gather(gid))
+                    continue
                 if group.main_weight_buffer is not None:
                     main = group.main_weight_buffer
                     if main.is_data_distributed or model.is_data_distributed:
@@ -335,6 +403,7 @@ class ParamAndGradBuffer(DTensorViews):
                 assert model is not None
                 if main is not None and main.is_data_distributed and not model.is_data_distributed:
                     main.local_shard.copy_(model.local_shard)
+                self._broadcast_outer(gid)
 
     # ---- gradients ----------------------------------------------------------------
     def grad_target(self, gid: int) -> torch.Tensor:
@@ -346,6 +415,8 @@ class ParamAndGradBuffer(DTensorViews):
             raise RuntimeError(f"group {gid} ({group.names[:3]}...) has no gradient buffer")
         if self.grad_state[gid] is GradState.REDUCED and not gbuf.is_data_distributed:
             self._rebase_reduced(gid)
+        elif self.outer_reduced[gid]:
+            self._rebase_outer(gid)
         if gbuf.is_data_distributed and not gbuf.has_unsharded_data:
             gbuf.fetch_bucket().zero_()
         if self.grad_state[gid] is not GradState.ACCUMULATING:
@@ -382,6 +453,8 @@ class ParamAndGradBuffer(DTensorViews):
         reduction maps to R again (see the module note)."""
         gbuf = self.groups[gid].main_grad_buffer
         assert gbuf is not None and not gbuf.is_data_distributed
+        if self.outer_reduced[gid]:
+            self._rebase_outer(gid)
         n = self.shard_group_size(gid)
         f = self._scale_and_op(gid, n)[0] / (n if self.average_in_collective else 1)
         with torch.no_grad():
@@ -392,6 +465,12 @@ class ParamAndGradBuffer(DTensorViews):
             elif abs(n * f - 1.0) > 1e-12:
                 gbuf.data.div_(n * f)
         self.grad_state[gid] = GradState.ACCUMULATING
+
+    def _shard_reduced(self, gid: int) -> None:
+        # Outer-group reduction (hybrid) still to come: ``start_outer_grad_reduce``.
+        self.grad_state[gid] = GradState.REDUCED
+        if self.outer_group_size(gid) > 1:
+            self.outer_pending[gid] = True
 
     def start_grad_reduce(self, gid: int) -> PendingCollective:
         """Scale and reduce this backward's gradients of group ``gid``. Every rank must
@@ -418,7 +497,7 @@ class ParamAndGradBuffer(DTensorViews):
                     def finish() -> None:
                         gbuf.data.add_(out)
                         gbuf.free_bucket()
-                        self.grad_state[gid] = GradState.REDUCED
+                        self._shard_reduced(gid)
 
                 else:
 
@@ -426,7 +505,7 @@ class ParamAndGradBuffer(DTensorViews):
                         # Only the local shard is meaningful after a reduce-scatter.
                         gbuf.data.zero_()
                         gbuf.local_shard.copy_(out)
-                        self.grad_state[gid] = GradState.REDUCED
+                        self._shard_reduced(gid)
 
                 return PendingCollective(work, finish, keepalive=(send, out))
             work = collectives.all_reduce(send, pg, op, self.stats, label)
@@ -434,7 +513,7 @@ class ParamAndGradBuffer(DTensorViews):
             def finish_all_reduce() -> None:
                 if send is not unsharded:
                     unsharded.copy_(send)
-                self.grad_state[gid] = GradState.REDUCED
+                self._shard_reduced(gid)
 
             return PendingCollective(work, finish_all_reduce, keepalive=(send,))
 
@@ -451,6 +530,7 @@ class ParamAndGradBuffer(DTensorViews):
                     group.main_grad_buffer.data.zero_()
                     group.main_grad_buffer.free_bucket()
                 self.grad_state[gid] = GradState.EMPTY
+                self.outer_pending[gid] = self.outer_reduced[gid] = False
                 for p in group.params:
                     p.grad = None
 
@@ -472,6 +552,15 @@ class ParamAndGradBuffer(DTensorViews):
             ):
                 if buf is not None:
                     total += buf.nbytes
+        for gid, fine in enumerate(self._outer_main):
+            model = self.groups[gid].model_weight_buffer
+            aliased = (
+                fine is None
+                or model is None
+                or fine.data.data_ptr() == self._fine_slice(model.data, gid).data_ptr()
+            )
+            if fine is not None and not aliased:
+                total += fine.nbytes
         return total
 
 

@@ -16,6 +16,7 @@ from fsdp_hooks.adapters import (
 )
 from fsdp_hooks.backward import RegisterFSDPBackwardFunction
 from fsdp_hooks.config import DistributedDataParallelConfig
+from fsdp_hooks.experts import DEFAULT_EXPERT_PATTERN, default_is_expert_param, mark_expert_params
 from fsdp_hooks.fully_shard import fully_shard, fully_shard_model, fully_shard_optimizer
 from fsdp_hooks.hooks import FSDPUnit
 from fsdp_hooks.megatron_fsdp import MegatronFSDP
@@ -25,6 +26,7 @@ from fsdp_hooks.training_state import TrainingState
 __version__ = _version("fsdp-hooks")
 
 __all__ = [
+    "DEFAULT_EXPERT_PATTERN",
     "DistributedDataParallel",
     "DistributedDataParallelConfig",
     "FSDPUnit",
@@ -33,9 +35,11 @@ __all__ = [
     "RegisterFSDPBackwardFunction",
     "TrainingState",
     "__version__",
+    "default_is_expert_param",
     "finalize_model_grads",
     "fully_shard",
     "fully_shard_model",
     "fully_shard_optimizer",
+    "mark_expert_params",
     "unit_summary",
 ]

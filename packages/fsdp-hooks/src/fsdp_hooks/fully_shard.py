@@ -8,13 +8,29 @@ for it runs unchanged. Differences a user may notice:
   place by its DTensor main-weight parameter. Megatron-FSDP rebuilds a single group.
 - With no ``device_mesh``, the default is a 1-D mesh over the whole world, named
   ``"dp_shard"``, on CUDA when NCCL is the default backend, else on CPU.
-- Hybrid sharding (``dp_outer_dim``), expert and tensor-parallel meshes are accepted by
-  name but not implemented yet: they raise NotImplementedError.
+- Hybrid sharding: ``dp_outer_dim`` names the outer (replica) dim of ``device_mesh``;
+  ``outer_dp_sharding_strategy="optim"`` (needs ``zero_dp_strategy`` 3) also shards
+  main weights and optimizer state across it (fully-sharded HSDP). See Note [hybrid
+  sharding] in ``fsdp_buffers.hybrid_sharding``. With
+  ``sync_model_each_microbatch=False`` the outer gradient reduction runs once per step,
+  in ``optimizer.step()`` (``finish_grad_sync``): call ``model.finish_grad_sync()``
+  first if you read gradients before the step (``clip_grad_norm_``), or run the last
+  microbatch's backward under ``model.sync()``.
+- Expert parallelism: ``expt_device_mesh`` (see ``fsdp_mesh.build_device_mesh``) with
+  expert parameters recognised as ``fsdp_hooks.experts`` documents (markers, the
+  default name rule ``experts.``, or the extra keyword ``is_expert_param``): they get
+  their own buckets, sharded and reduced over the expert mesh's ``dp_shard`` dim, with
+  gradients scaled by 1/(dense data-parallel size) as in Megatron-Core. Not yet: with
+  hybrid sharding, state dicts of models whose experts differ across ranks, and
+  ``torch.nn.utils.clip_grad_norm_`` over them (it cannot see other ranks' experts).
+- A tensor-parallel dim of more than one rank is accepted by name but not implemented
+  yet: it raises NotImplementedError. A ``tp_dim`` of size 1 (as ``build_device_mesh``
+  makes) is fine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
 from fsdp_hooks.config import DistributedDataParallelConfig
 from fsdp_hooks.megatron_fsdp import MegatronFSDP
+from fsdp_hooks.validation import check_outer_strategy
 from fsdp_mesh import FSDPDistributedIndex, warn_once
 
 __all__ = ["fully_shard", "fully_shard_model", "fully_shard_optimizer"]
@@ -79,24 +96,15 @@ def fully_shard_model(
     use_decoupled_grad: bool = False,
     cuda_graph_mode: bool = False,
     maxpool_double_buffer: bool = False,
+    is_expert_param: Callable[[str, nn.Parameter], bool] | str | None = None,
 ) -> MegatronFSDP:
     """Shard ``module`` and return the ``MegatronFSDP`` wrapper (the original module is
     ``wrapper.module``). Its parameters are then DTensors: this rank's shard of the
     main weights."""
     strategy = ShardingStrategy.parse(zero_dp_strategy)
     outer = ShardingStrategy.parse(outer_dp_sharding_strategy)
-    if dp_outer_dim is not None or outer is not ShardingStrategy.NO_SHARD:
-        raise NotImplementedError(
-            "hybrid sharding (dp_outer_dim / outer_dp_sharding_strategy) is not implemented "
-            "yet; use a 1-D shard mesh"
-        )
-    if expt_device_mesh is not None or tp_dim is not None:
-        raise NotImplementedError(
-            "expert-parallel and tensor-parallel meshes are not implemented yet"
-        )
+    check_outer_strategy(strategy, outer, dp_outer_dim is not None, "fully_shard")
     for name, value in (
-        ("hybrid_fsdp_group", hybrid_fsdp_group),
-        ("hybrid_fsdp_expt_group", hybrid_fsdp_expt_group),
         ("fsdp_group_ag", fsdp_group_ag),
         ("expt_fsdp_group_ag", expt_fsdp_group_ag),
     ):
@@ -116,7 +124,16 @@ def fully_shard_model(
         dp_shard_dim = dp_shard_dim or DEFAULT_SHARD_DIM
     if dp_shard_dim is None and device_mesh.ndim == 1 and device_mesh.mesh_dim_names:
         dp_shard_dim = device_mesh.mesh_dim_names[0]
-    dist_index = FSDPDistributedIndex(device_mesh, dp_shard_dim=dp_shard_dim)
+    dist_index = FSDPDistributedIndex(
+        device_mesh,
+        dp_shard_dim=dp_shard_dim,
+        dp_outer_dim=dp_outer_dim,
+        tp_dim=tp_dim,
+        hybrid_fsdp_group=hybrid_fsdp_group,
+        hsdp_outer_dp_shard=outer is ShardingStrategy.OPTIM,
+        expt_device_mesh=expt_device_mesh,
+        hybrid_fsdp_expt_group=hybrid_fsdp_expt_group,
+    )
     policy = mixed_precision_policy or MixedPrecisionPolicy()
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=overlap_grad_reduce,
@@ -148,6 +165,7 @@ def fully_shard_model(
         fsdp_double_buffer=fsdp_double_buffer,
         disable_symmetric_registration=disable_symmetric_registration,
         mixed_precision_policy=policy,
+        is_expert_param=is_expert_param,
     )
 
 

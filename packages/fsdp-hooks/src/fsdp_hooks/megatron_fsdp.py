@@ -29,10 +29,16 @@ from fsdp_buffers import (
     ShardingStrategy,
 )
 from fsdp_hooks.config import DistributedDataParallelConfig
+from fsdp_hooks.experts import resolve_is_expert_param
 from fsdp_hooks.hooks import FSDPHooks
 from fsdp_hooks.summary import log_unit_summary
 from fsdp_hooks.training_state import TrainingState
-from fsdp_hooks.validation import check_cuda_only_options, check_not_wrapped, check_same_model
+from fsdp_hooks.validation import (
+    check_cuda_only_options,
+    check_hybrid_index,
+    check_not_wrapped,
+    check_same_model,
+)
 
 __all__ = ["MegatronFSDP"]
 
@@ -67,7 +73,7 @@ class MegatronFSDP(nn.Module):
         disable_symmetric_registration: bool = False,
         *,
         mixed_precision_policy: MixedPrecisionPolicy | None = None,
-        is_expert_param: Callable[[str, nn.Parameter], bool] | None = None,
+        is_expert_param: Callable[[str, nn.Parameter], bool] | str | None = None,
     ) -> None:
         super().__init__()
         check_not_wrapped(module)
@@ -84,6 +90,10 @@ class MegatronFSDP(nn.Module):
             or ddp_config.keep_fp8_transpose_cache,
         )
         self.strategy = ShardingStrategy.parse(ddp_config.data_parallel_sharding_strategy)
+        self.outer_strategy = ShardingStrategy.parse(ddp_config.outer_dp_sharding_strategy)
+        check_hybrid_index(
+            dist_index, self.strategy, self.outer_strategy, init_model_with_meta_device
+        )
         self.calculate_per_token_loss = calculate_per_token_loss
         self.init_model_with_meta_device = init_model_with_meta_device
         self.report_nan_in_param_grad = ddp_config.check_for_nan_in_grad
@@ -125,7 +135,9 @@ class MegatronFSDP(nn.Module):
             gradient_scaling_factor=1.0 if calculate_per_token_loss else None,
             expert_gradient_scaling_factor=1.0 if calculate_per_token_loss else None,
             average_in_collective=ddp_config.average_in_collective,
-            is_expert_param=is_expert_param,
+            is_expert_param=resolve_is_expert_param(
+                is_expert_param, dist_index.expt_device_mesh is not dist_index.device_mesh
+            ),
             allow_meta=init_model_with_meta_device,
         )
         self.all_gather_pipeline = AllGatherPipeline(self.buffer)
@@ -265,16 +277,29 @@ class MegatronFSDP(nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict, under its own names (no ``module.``
         prefix): DTensors holding this rank's shard of the main weights."""
+        self._check_checkpointable()
         self.hooks.use_distributed_params()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load into the main weights (DTensors of the same placement), then refresh the
         compute weights from them."""
+        self._check_checkpointable()
         self.hooks.use_distributed_params()
         result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
         self.install_optimized_model_weights()
         return result
+
+    def _check_checkpointable(self) -> None:
+        idx = self.dist_index
+        split = idx.expt_dp_size != idx.dp_size  # experts differ across expert-parallel ranks
+        if split and any(g.is_expert_param for g in self.buffer.groups):
+            raise NotImplementedError(
+                "state dicts of expert-parallel models are not implemented yet: each "
+                "expert-parallel rank holds different experts under the same local names, "
+                "so a checkpoint would mix them up. Save the dense and expert parameters "
+                "yourself (e.g. renaming local experts to global indices)."
+            )
 
     # ---- accounting -------------------------------------------------------------------
     def comm_stats(self, reset: bool = False) -> dict[str, dict[str, float]]:

@@ -10,7 +10,72 @@ from torch import nn
 
 from fsdp_mesh import warn_once
 
-__all__ = ["check_cuda_only_options", "check_not_wrapped", "check_same_model"]
+__all__ = [
+    "check_cuda_only_options",
+    "check_hybrid_index",
+    "check_not_wrapped",
+    "check_outer_strategy",
+    "check_same_model",
+]
+
+
+def check_outer_strategy(strategy, outer, has_outer_dim: bool, where: str) -> None:
+    """Megatron-FSDP's rules for ``outer_dp_sharding_strategy`` (``ShardingStrategy``
+    values): ``no_shard`` (replicate across the outer dim, HSDP) or ``optim`` (shard
+    main weights and optimizer state across it too), the latter only over an outer dim
+    and with ``optim_grads_params`` inside. Local information only: same on every rank."""
+    from fsdp_buffers import ShardingStrategy
+
+    if outer not in (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM):
+        raise ValueError(
+            f"{where}: outer_dp_sharding_strategy={outer.megatron_name!r} is not supported; "
+            "across the outer data-parallel dim use 'no_shard' (replicate, HSDP) or "
+            "'optim' (fully-sharded HSDP)."
+        )
+    if outer is ShardingStrategy.OPTIM and not has_outer_dim:
+        raise ValueError(
+            f"{where}: outer_dp_sharding_strategy='optim' shards across the outer "
+            "data-parallel dim, but no outer dim was given; pass dp_outer_dim (a dim of "
+            "device_mesh) or use outer_dp_sharding_strategy='no_shard'."
+        )
+    if outer is ShardingStrategy.OPTIM and strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS:
+        raise ValueError(
+            f"{where}: outer_dp_sharding_strategy='optim' requires "
+            "data_parallel_sharding_strategy (zero_dp_strategy) 'optim_grads_params' (3); "
+            f"got {strategy.megatron_name!r}."
+        )
+
+
+def check_hybrid_index(dist_index, strategy, outer, init_model_with_meta_device: bool) -> None:
+    """The wrapper's strategies against its ``FSDPDistributedIndex``, and the mesh
+    features not implemented yet (a clear error rather than a wrong result)."""
+    from fsdp_buffers import ShardingStrategy
+
+    check_outer_strategy(strategy, outer, dist_index.use_hybrid_fsdp, "MegatronFSDP")
+    wants = outer is ShardingStrategy.OPTIM
+    if wants != dist_index.hsdp_outer_dp_shard:
+        raise ValueError(
+            f"MegatronFSDP: ddp_config.outer_dp_sharding_strategy={outer.megatron_name!r} "
+            f"but the FSDPDistributedIndex has hsdp_outer_dp_shard="
+            f"{dist_index.hsdp_outer_dp_shard}; build the index with hsdp_outer_dp_shard="
+            f"{wants} (True exactly when the outer strategy is 'optim')."
+        )
+    if wants and init_model_with_meta_device:
+        raise NotImplementedError(
+            "meta-device initialization with fully-sharded hybrid sharding "
+            "(outer_dp_sharding_strategy='optim') is not implemented yet; materialize the "
+            "model first or use outer_dp_sharding_strategy='no_shard'."
+        )
+    if dist_index.tp_size > 1 or dist_index.expt_tp_size > 1:
+        raise NotImplementedError(
+            f"tensor parallelism (tp_dim={dist_index.tp_dim!r} of {dist_index.tp_size} "
+            "ranks) is not implemented yet in fsdp; use a tp dim of size 1 or none."
+        )
+    if dist_index.expt_device_mesh is not dist_index.device_mesh and dist_index.use_hybrid_fsdp:
+        raise NotImplementedError(
+            "expert-parallel meshes (expt_device_mesh) together with hybrid sharding "
+            "(dp_outer_dim) are not implemented yet in fsdp; use one or the other."
+        )
 
 
 def check_not_wrapped(module: nn.Module) -> None:
