@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn import functional as F
 
 from fsdp_hooks import (
@@ -305,16 +306,32 @@ def test_ddp_broadcast_and_state_dict():
 # ---- FullyShardedDataParallel versus fully_shard ----------------------------------------
 
 
-def _train_fsdp(strategy: str, adapter: bool) -> dict[str, Any]:
+def _train_fsdp(strategy: str, adapter: bool, outer: str | None = None) -> dict[str, Any]:
+    """Train under the adapter or ``fully_shard``; ``outer`` (``"no_shard"`` or
+    ``"optim"``) makes it hybrid: 2 replicas of a shard group of consecutive ranks."""
     module = build_gpt()
     if adapter:
-        cfg = DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy)
+        hybrid = {}
+        if outer is not None:
+            hybrid = {"num_distributed_optimizer_instances": 2, "outer_dp_sharding_strategy": outer}
+        cfg = DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy, **hybrid)
         model = FullyShardedDataParallel(None, cfg, module, fsdp_unit_modules=[Block])
         optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR))
     else:
+        mesh = {}
+        if outer is not None:
+            world = dist.get_world_size()
+            mesh = {
+                "device_mesh": init_device_mesh(
+                    "cpu", (2, world // 2), mesh_dim_names=("dp_outer", "dp_shard")
+                ),
+                "dp_shard_dim": "dp_shard",
+                "dp_outer_dim": "dp_outer",
+                "outer_dp_sharding_strategy": outer,
+            }
         optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
         model, optimizer = fully_shard(
-            module, optimizer, fsdp_unit_modules=[Block], zero_dp_strategy=strategy
+            module, optimizer, fsdp_unit_modules=[Block], zero_dp_strategy=strategy, **mesh
         )
     losses = []
     for step in range(STEPS):
@@ -344,6 +361,35 @@ def test_fsdp_adapter_matches_fully_shard():
         for strategy in STRATEGIES:
             got, ref = out[strategy]["adapter"], out[strategy]["fully_shard"]
             where = f"rank={rank} strategy={strategy}"
+            assert got["losses"] == ref["losses"], where
+            for name, value in ref["params"].items():
+                torch.testing.assert_close(got["params"][name], value, rtol=0, atol=0, msg=where)
+
+
+HYBRID = (
+    ("optim_grads_params", "no_shard"),
+    ("optim", "no_shard"),
+    ("optim_grads_params", "optim"),
+)
+
+
+def _fsdp_hybrid_parity() -> dict[str, Any]:
+    return {
+        case: {
+            "adapter": _train_fsdp(*case[:1], True, case[1]),
+            "fully_shard": _train_fsdp(*case[:1], False, case[1]),
+        }
+        for case in HYBRID
+    }
+
+
+def test_fsdp_adapter_hybrid_matches_fully_shard():
+    """num_distributed_optimizer_instances=2 at 4 ranks is HSDP (outer 'no_shard') or
+    fully-sharded HSDP (outer 'optim') over 2 shard groups of consecutive ranks."""
+    for rank, out in enumerate(run_distributed(_fsdp_hybrid_parity, 4, timeout=240)):
+        for case in HYBRID:
+            got, ref = out[case]["adapter"], out[case]["fully_shard"]
+            where = f"rank={rank} (inner, outer)={case}"
             assert got["losses"] == ref["losses"], where
             for name, value in ref["params"].items():
                 torch.testing.assert_close(got["params"][name], value, rtol=0, atol=0, msg=where)
@@ -400,8 +446,8 @@ def _fsdp(ddp_config: object, config: object = None) -> None:
                 "num_distributed_optimizer_instances": 2,
             },
             None,
-            NotImplementedError,
-            ["hybrid sharding", "not implemented yet"],
+            RuntimeError,
+            ["torch.distributed is not initialized"],
         ),
         ({"no_such_field": 1}, None, ValueError, ["unknown ddp_config fields", "no_such_field"]),
         (nn.Linear(2, 2), None, TypeError, ["(config, ddp_config, module"]),

@@ -27,10 +27,12 @@ __all__ = [
     "TRANSFORMER_OPTIONS",
     "coerce_ddp_config",
     "dist_index_over",
+    "hybrid_dist_index",
     "transformer_option",
 ]
 
 DP_DIM = "dp_shard"
+OUTER_DIM = "dp_outer"
 
 # Transformer-config attributes the adapters read, with Megatron-Core's defaults.
 TRANSFORMER_OPTIONS: dict[str, Any] = {
@@ -109,3 +111,27 @@ def dist_index_over(
         )
     mesh = DeviceMesh.from_group(group, _device_type(), mesh_dim_names=(DP_DIM,))
     return FSDPDistributedIndex(mesh, dp_shard_dim=DP_DIM)
+
+
+def hybrid_dist_index(instances: int, outer_optim: bool, who: str) -> FSDPDistributedIndex:
+    """Megatron-Core's ``num_distributed_optimizer_instances > 1`` over the whole world:
+    ``instances`` replicas of a shard group of consecutive ranks (Megatron-Core's
+    intra-instance group), i.e. a ``(dp_outer, dp_shard)`` mesh; ``outer_optim`` shards
+    main weights and optimizer state across the replicas too (fully-sharded HSDP)."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{who}: torch.distributed is not initialized; call "
+            "dist.init_process_group() (or launch with torchrun) first"
+        )
+    world = dist.get_world_size()
+    if world % instances != 0:
+        raise ValueError(
+            f"{who}: num_distributed_optimizer_instances={instances} does not divide the "
+            f"{world} data-parallel ranks; use a divisor of {world}"
+        )
+    mesh = init_device_mesh(
+        _device_type(), (instances, world // instances), mesh_dim_names=(OUTER_DIM, DP_DIM)
+    )
+    return FSDPDistributedIndex(
+        mesh, dp_shard_dim=DP_DIM, dp_outer_dim=OUTER_DIM, hsdp_outer_dp_shard=outer_optim
+    )

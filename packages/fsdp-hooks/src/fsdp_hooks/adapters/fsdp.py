@@ -30,7 +30,12 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
-from fsdp_hooks.adapters._common import coerce_ddp_config, dist_index_over, transformer_option
+from fsdp_hooks.adapters._common import (
+    coerce_ddp_config,
+    dist_index_over,
+    hybrid_dist_index,
+    transformer_option,
+)
 from fsdp_hooks.adapters.fsdp_checks import check_fsdp_config
 from fsdp_hooks.megatron_fsdp import MegatronFSDP
 from fsdp_mesh import FSDPDistributedIndex
@@ -62,6 +67,16 @@ def _index_from_pg_collection(pg_collection: Any) -> FSDPDistributedIndex:
     return dist_index_over(group, "FullyShardedDataParallel", "pg_collection.dp_cp")
 
 
+def _check_given_index(dist_index: FSDPDistributedIndex, instances: int) -> None:
+    outer = dist_index.outer_size if dist_index.use_hybrid_fsdp else 1
+    if instances > 1 and outer != instances:
+        raise ValueError(
+            "FullyShardedDataParallel: ddp_config.num_distributed_optimizer_instances="
+            f"{instances} but dist_index has {outer} outer (replica) ranks; they must agree "
+            "(an index with dp_outer_dim of that size, or num_distributed_optimizer_instances=1)"
+        )
+
+
 class FullyShardedDataParallel(nn.Module):
     """Megatron-Core's ``FullyShardedDataParallel(config, ddp_config, module, ...)``.
 
@@ -73,6 +88,10 @@ class FullyShardedDataParallel(nn.Module):
         ddp_config: ``DistributedDataParallelConfig`` (fsdp's or Megatron-Core's), a
             dict of its fields, or None. ``data_parallel_sharding_strategy`` picks the
             strategy ('no_shard', 'optim', 'optim_grads', 'optim_grads_params').
+            ``num_distributed_optimizer_instances`` > 1 is hybrid sharding over the
+            world: that many replicas of a shard group of consecutive ranks, gradients
+            all-reduced across them (``outer_dp_sharding_strategy='no_shard'``) or main
+            weights and optimizer state sharded across them too ('optim').
         module: the model to wrap.
         fsdp_unit_modules: classes (or dotted class paths) whose instances are gathered
             and released as a unit. Default: classes named ``TransformerLayer`` under
@@ -81,7 +100,8 @@ class FullyShardedDataParallel(nn.Module):
         device: the compute device; default: the mesh's (this rank's GPU, or CPU).
         pg_collection: Megatron-Core's ProcessGroupCollection; its ``dp_cp`` group is
             the data-parallel group. Other parallel groups must have one rank.
-        dist_index: an ``FSDPDistributedIndex`` to use instead of building one.
+        dist_index: an ``FSDPDistributedIndex`` to use instead of building one (its
+            outer dim, if any, must have ``num_distributed_optimizer_instances`` ranks).
         mixed_precision_policy: overrides the ``megatron_fsdp_*_dtype`` fields.
     """
 
@@ -106,12 +126,25 @@ class FullyShardedDataParallel(nn.Module):
         meta_init = bool(transformer_option(config, "init_model_with_meta_device"))
         strategy = check_fsdp_config(cfg, meta_init)
         cfg.data_parallel_sharding_strategy = strategy.megatron_name
-        if dist_index is None:
-            dist_index = (
-                _index_from_pg_collection(pg_collection)
-                if pg_collection is not None
-                else dist_index_over(None, who)
+        instances = cfg.num_distributed_optimizer_instances
+        outer_optim = ShardingStrategy.parse(cfg.outer_dp_sharding_strategy) is (
+            ShardingStrategy.OPTIM
+        )
+        if dist_index is not None:
+            _check_given_index(dist_index, instances)
+        elif instances > 1 and pg_collection is not None:
+            raise NotImplementedError(
+                f"{who}: num_distributed_optimizer_instances={instances} together with "
+                "pg_collection is not implemented yet; pass dist_index (an "
+                "FSDPDistributedIndex with dp_outer_dim) or no pg_collection (the world, "
+                f"as {instances} replicas of consecutive-rank shard groups)"
             )
+        elif instances > 1:
+            dist_index = hybrid_dist_index(instances, outer_optim, who)
+        elif pg_collection is not None:
+            dist_index = _index_from_pg_collection(pg_collection)
+        else:
+            dist_index = dist_index_over(None, who)
         units = (
             list(fsdp_unit_modules)
             if fsdp_unit_modules is not None

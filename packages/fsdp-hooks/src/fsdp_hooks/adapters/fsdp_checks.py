@@ -65,10 +65,4 @@ def check_fsdp_config(
             "data_parallel_sharding_strategy='no_shard'; use a sharded strategy ('optim', "
             "'optim_grads', 'optim_grads_params') or materialize the model first"
         )
-    if instances > 1:
-        raise NotImplementedError(
-            "FullyShardedDataParallel: hybrid sharding (num_distributed_optimizer_instances="
-            f"{instances}, outer_dp_sharding_strategy={outer.megatron_name!r}) is not "
-            "implemented yet; use num_distributed_optimizer_instances=1"
-        )
     return inner
