@@ -1,0 +1,160 @@
+"""What each rank measures, and what it is compared with.
+
+:class:`CollectiveCounter` counts the elements and bytes of torch.distributed's
+collectives, :class:`MemoryProbe` the peak memory over a baseline;
+:func:`expected_fsdp_elements` is what fsdp's buckets imply per step and
+:func:`theory_elements` DESIGN.md's bound on the per-rank traffic.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CollectiveCounter",
+    "MemoryProbe",
+    "expected_fsdp_elements",
+    "theory_elements",
+]
+
+
+# ---- counting collectives -------------------------------------------------------------
+class CollectiveCounter:
+    """Wraps torch.distributed's collectives in this process and counts the unsharded
+    elements and bytes each covers (outermost call only: a wrapper calling another is
+    counted once)."""
+
+    _NAMES: ClassVar[
+        dict[str, tuple[str, tuple[str, int]]]
+    ] = {  # name -> (kind, (keyword, position) of the unsharded tensor(s))
+        "all_gather_into_tensor": ("all_gather", ("output_tensor", 0)),
+        "all_gather_single": ("all_gather", ("output_tensor", 0)),
+        "_all_gather_base": ("all_gather", ("output_tensor", 0)),
+        "all_gather": ("all_gather", ("tensor_list", 0)),
+        "reduce_scatter_tensor": ("reduce_scatter", ("input", 1)),
+        "reduce_scatter_single": ("reduce_scatter", ("input", 1)),
+        "_reduce_scatter_base": ("reduce_scatter", ("input", 1)),
+        "reduce_scatter": ("reduce_scatter", ("input_list", 1)),
+        "all_reduce": ("all_reduce", ("tensor", 0)),
+    }
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self.reset()
+        for name, (kind, where) in self._NAMES.items():
+            original = getattr(dist, name, None)
+            if original is not None:
+                setattr(dist, name, self._wrap(original, kind, where))
+
+    def reset(self) -> None:
+        self.numel = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        self.bytes = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        self.calls = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+
+    def _wrap(self, original: Callable, kind: str, where: tuple[str, int]) -> Callable:
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            depth = getattr(self._local, "depth", 0)
+            if depth == 0:
+                keyword, position = where
+                tensors = kwargs[keyword] if keyword in kwargs else args[position]
+                if isinstance(tensors, torch.Tensor):
+                    tensors = [tensors]
+                self.calls[kind] += 1
+                for t in tensors:
+                    self.numel[kind] += t.numel()
+                    self.bytes[kind] += t.numel() * t.element_size()
+            self._local.depth = depth + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._local.depth = depth
+
+        return wrapper
+
+
+# ---- memory -----------------------------------------------------------------------------
+def _proc_status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+class MemoryProbe:
+    """Peak memory over a baseline: RSS on CPU, allocated bytes on CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.baseline = self.current()
+
+    def current(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.memory_allocated(self.device)
+        return _proc_status_kb("VmRSS") * 1024
+
+    def reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        # Writing 5 to clear_refs resets VmHWM (the peak RSS) to the current RSS.
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+    def peak_increase(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self.baseline
+        return _proc_status_kb("VmHWM") * 1024 - self.baseline
+
+
+# ---- expected bytes --------------------------------------------------------------------
+def expected_fsdp_elements(model: Any) -> dict[str, int]:
+    """Unsharded elements per step that fsdp's buckets imply (padding included).
+
+    ZeRO-3: a unit's sharded bucket is gathered in forward and again in backward; a root
+    bucket (outside units, or tied across the boundary) once, kept until the end of
+    backward; a frozen bucket once (forward only: it assumes no gradient flows through
+    frozen units, true for an encoder at the input). Below ZeRO-3, each trainable bucket
+    whose main weights are sharded but compute weights replicated is gathered once after
+    the optimizer step. Every trainable bucket is reduce-scattered (sharded grads or main
+    weights) or all-reduced (replicated)."""
+    buffer = model.buffer
+    root = set(model.hooks.root_groups)
+    out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    for gid, group in enumerate(buffer.groups):
+        total = buffer.layouts[gid].total_numel
+        weights = group.model_weight_buffer
+        sharding = buffer.sharding[gid]
+        if weights is not None and weights.is_data_distributed:
+            if gid in root or not group.requires_grad:
+                out["all_gather"] += total
+            else:
+                out["all_gather"] += 2 * total
+        elif group.requires_grad and sharding.main_weights:
+            out["all_gather"] += total
+        if group.requires_grad:
+            if sharding.grads or sharding.main_weights:
+                out["reduce_scatter"] += total
+            elif buffer.shard_group_size(gid) > 1:
+                out["all_reduce"] += total
+    return out
+
+
+def theory_elements(
+    strategy: int, trainable: int, frozen_sharded: int, world: int
+) -> tuple[float, str]:
+    """DESIGN.md's bound on the per-rank ring traffic, in elements per step."""
+    ring = (world - 1) / world
+    if strategy == 3:
+        return (3 * trainable + frozen_sharded) * ring, "3·Ψ·(N−1)/N" + (
+            " + Ψ_frozen·(N−1)/N" if frozen_sharded else ""
+        )
+    return 2 * trainable * ring, "2·Ψ·(N−1)/N"
