@@ -458,6 +458,44 @@ def test_cuda_only_options_accepted_on_cpu_with_one_warning_each():
     assert run_distributed(_options_body, WORLD) == [True, True]
 
 
+# ---- a released unit's parameters --------------------------------------------------------
+
+
+def _released_body():
+    """Between a ZeRO-3 unit's post-forward and its pre-backward its gathered bucket is
+    freed: its modules then hold the DTensor shards, so reading them is safe (the
+    compute views would read freed memory), and training is unchanged by it."""
+    rank = dist.get_rank()
+    runs = {}
+    for read in (False, True):
+        module = _gpt()
+        model, opt = fully_shard(module, _sgd(module), fsdp_unit_modules=[Block])
+        losses = []
+        for step in range(STEPS):
+            loss = _loss(model, *_data(step, rank))
+            if read:
+                block = model.module.blocks[0]
+                for name, p in block.named_parameters():
+                    assert isinstance(p, DTensor), name
+                    assert torch.isfinite(p.to_local()).all(), name
+                # Outside every unit: gathered until the end of backward, plain tensors.
+                assert not isinstance(model.module.tok.weight, DTensor)
+                assert torch.isfinite(model.module.tok.weight.sum())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs[read] = (losses, {n: p.to_local().clone() for n, p in model.state_dict().items()})
+    assert runs[True][0] == runs[False][0]
+    for name, value in runs[False][1].items():
+        assert torch.equal(runs[True][1][name], value), name
+    return True
+
+
+def test_released_unit_params_are_dtensor_shards():
+    assert run_distributed(_released_body, WORLD) == [True, True]
+
+
 def test_fully_shard_needs_an_initialized_process_group():
     if dist.is_initialized():
         pytest.skip("a process group is initialized in this process")

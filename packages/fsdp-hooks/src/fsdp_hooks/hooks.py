@@ -9,7 +9,11 @@ Note on one step under ZeRO-3 (see DESIGN.md's data flow):
    and route the unit's inputs through ``RegisterFSDPBackwardFunction`` so that the
    unit's post-backward runs once the gradients of its inputs exist.
 3. Unit post-forward: release the unit's buckets, and hook its outputs so that the first
-   gradient reaching them runs the unit's pre-backward.
+   gradient reaching them runs the unit's pre-backward. While a unit's buckets are
+   released its modules hold the DTensor parameters (this rank's shard), as in FSDP2:
+   the compute parameters are views into freed storage, and reading one would read
+   freed memory (a crash, not an error). Its pre-forward and pre-backward swap the
+   compute parameters back; autograd itself never looks them up by attribute.
 4. Unit pre-backward: gather again and prefetch in backward order. The first backward
    event of a step also queues the end-of-backward callback on the outer graph task.
 5. Post-accumulate-grad hooks feed each gradient to the ``GradReducePipeline``, which
@@ -62,6 +66,9 @@ class FSDPUnit:
     release_groups: list[int]  # of those, the ones this unit releases (not root buckets)
     state: TrainingState = TrainingState.IDLE
     handles: list[Any] = field(default_factory=list)
+    # (module, attr, compute, distributed) of the parameters whose gathered bucket this
+    # unit releases: swapped to the DTensor shard while released (see the module note).
+    locations: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = field(default_factory=list)
 
 
 class FSDPHooks:
@@ -131,6 +138,7 @@ class FSDPHooks:
                     self._locations.append((sub, attr, p, by_param[p]))
         self._using_compute = True
         self.distributed_by_compute = by_param
+        self._assign_unit_locations()
 
     @property
     def wrapper(self) -> MegatronFSDP:
@@ -150,6 +158,28 @@ class FSDPHooks:
             for module, attr, _compute, dparam in self._locations:
                 module._parameters[attr] = dparam
             self._using_compute = False
+
+    def _assign_unit_locations(self) -> None:
+        """Give each unit the parameter locations it frees: those of modules inside it
+        (the innermost unit, when units nest) whose bucket it releases and whose compute
+        weights are sharded (else the bucket is never freed)."""
+        owner: dict[nn.Module, FSDPUnit] = {}
+        for unit in sorted(self.units, key=lambda u: u.name.count(".") + bool(u.name)):
+            for sub in unit.module.modules():
+                owner[sub] = unit  # deeper units come later and win
+        for module, attr, compute, dparam in self._locations:
+            unit = owner.get(module)
+            if unit is None:
+                continue
+            gid = self.buffer.group_of(compute)[0]
+            if gid in unit.release_groups and self.buffer.sharding[gid].model_weights:
+                unit.locations.append((module, attr, compute, dparam))
+
+    def _unit_use(self, unit: FSDPUnit, compute: bool) -> None:
+        # Outside the compute phase every location already holds its DTensor.
+        if self._using_compute:
+            for module, attr, cparam, dparam in unit.locations:
+                module._parameters[attr] = cparam if compute else dparam
 
     def group_of_any(self, param: nn.Parameter) -> int:
         """Bucket of a compute parameter or of its DTensor counterpart."""
@@ -204,6 +234,7 @@ class FSDPHooks:
                 PrefetchOrder.BACKWARD_PASS_ORDER if recompute else PrefetchOrder.FORWARD_PASS_ORDER
             )
             self.gather.all_gather_params(unit.groups, prefetch=True, prefetch_order=order)
+            self._unit_use(unit, compute=True)
             if torch.is_grad_enabled():
                 post = functools.partial(self._unit_post_backward, unit)
                 args, kwargs = wrap_inputs_for_post_backward(post, args, kwargs)
@@ -215,6 +246,7 @@ class FSDPHooks:
         with annotate("fsdp.post_forward"):
             for gid in unit.release_groups:
                 self.gather.release_bucket(gid)
+            self._unit_use(unit, compute=False)
             unit.state = TrainingState.IDLE
             if torch.is_grad_enabled():
                 register_pre_backward(output, functools.partial(self._unit_pre_backward, unit))
@@ -228,6 +260,7 @@ class FSDPHooks:
             self.gather.all_gather_params(
                 unit.groups, prefetch=True, prefetch_order=PrefetchOrder.BACKWARD_PASS_ORDER
             )
+            self._unit_use(unit, compute=True)
             for gid in unit.groups:
                 self.reduce.prepare(gid)
 
@@ -236,6 +269,7 @@ class FSDPHooks:
             unit.state = TrainingState.POST_BACKWARD
             for gid in unit.release_groups:
                 self.gather.release_bucket(gid)
+            self._unit_use(unit, compute=False)
 
     # ---- gradients ------------------------------------------------------------------
     def _on_param_grad(self, param: torch.Tensor) -> None:
