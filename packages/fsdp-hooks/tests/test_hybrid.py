@@ -398,8 +398,13 @@ def _bad_inputs():
             ddp_config=DistributedDataParallelConfig(data_parallel_sharding_strategy=3),
         )
     )
-    tp_mesh = build_device_mesh(dp_shard=2, tp=2).device_mesh
-    out["tp"] = _error_of(lambda: wrap(device_mesh=tp_mesh, dp_shard_dim="dp_shard", tp_dim="tp"))
+    # Tensor parallelism with hybrid sharding is not implemented yet.
+    tp_mesh = build_device_mesh(dp_outer=2, dp_shard=1, tp=2).device_mesh
+    out["tp"] = _error_of(
+        lambda: wrap(
+            device_mesh=tp_mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer", tp_dim="tp"
+        )
+    )
     # A size-1 tp dim (what build_device_mesh always has) is fine.
     wrap(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer", tp_dim="tp")
     return out

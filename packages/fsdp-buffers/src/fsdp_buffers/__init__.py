@@ -41,6 +41,7 @@ from fsdp_buffers.param_group import (
 )
 from fsdp_buffers.profiling import annotate
 from fsdp_buffers.strategy import ShardingStrategy
+from fsdp_buffers.tensor_parallel import TPKind, TPSpec, tensor_parallel_specs
 
 __version__ = _version("fsdp-buffers")
 
@@ -67,6 +68,8 @@ __all__ = [
     "PendingCollective",
     "PrefetchOrder",
     "ShardingStrategy",
+    "TPKind",
+    "TPSpec",
     "TemporaryBucketAllocator",
     "__version__",
     "annotate",
@@ -79,5 +82,6 @@ __all__ = [
     "is_fsdp_no_shard",
     "module_is_fully_no_shard",
     "resolve_unit_classes",
+    "tensor_parallel_specs",
     "tied_parameter_names",
 ]

@@ -21,6 +21,9 @@ mesh holds fine chunk ``logical[c]`` (shard-major, see Note [hybrid rank convent
 in ``fsdp_mesh.distributed_index``), so ``_fsdp_row_partition`` lists, per coordinate,
 the rows of that chunk: not in increasing order, which checkpoints handle since they
 place each shard by its own row offset.
+
+Tensor parallelism: the views live on the 2-D mesh (dp_shard, tp) and carry
+``_fsdp_tp_partition`` too; see Note [tensor parallelism] in ``tensor_parallel``.
 """
 
 from __future__ import annotations
@@ -41,16 +44,9 @@ __all__ = ["DTensorViews"]
 class DTensorViews:
     """Mixed into ``ParamAndGradBuffer``; uses its groups, layouts and sharding."""
 
-    def _dtensor(self, gid: int, local: torch.Tensor, shape: torch.Size) -> DTensor:
+    def _dtensor(self, gid: int, index: int, local: torch.Tensor) -> DTensor:
         placement = Shard(0) if self.sharding[gid].main_weights else Replicate()
-        return DTensor.from_local(
-            local,
-            self.optimizer_mesh(gid),
-            [placement],
-            run_check=False,
-            shape=shape,
-            stride=torch.empty(shape, device="meta").stride(),
-        )
+        return self._view_dtensor(gid, index, local, placement, self.optimizer_mesh(gid))
 
     def _optimizer_view(self, gid: int, index: int, buf: DataParallelBuffer) -> torch.Tensor:
         """What the optimizer sees of parameter ``index``: its local rows when the
@@ -65,14 +61,15 @@ class DTensorViews:
         Built once: in-place updates by an optimizer land in the main-weight buffers."""
         if self._optimizer_params is None:
             params: list[tuple[str, nn.Parameter]] = []
-            for name, gid, i, p in self.named_params():
+            for name, gid, i, _p in self.named_params():
                 group = self.groups[gid]
                 if not group.requires_grad:
                     continue
                 local = self._optimizer_view(gid, i, self.main_weight_buffer(gid))
-                dparam = nn.Parameter(self._dtensor(gid, local, p.shape), requires_grad=True)
+                dparam = nn.Parameter(self._dtensor(gid, i, local), requires_grad=True)
                 dparam._fsdp_group_index = (gid, i)  # type: ignore[attr-defined]
                 dparam._fsdp_row_partition = self._row_partition(gid, i)  # type: ignore[attr-defined]
+                dparam._fsdp_tp_partition = self.tp_partition(gid, i)  # type: ignore[attr-defined]
                 params.append((name, dparam))
             self._optimizer_params = params
             self.attach_grads()
@@ -94,7 +91,7 @@ class DTensorViews:
             gbuf = self.optimizer_grad_buffer(gid)
             cached = cache.get((gid, i))
             if cached is None or cached[0] is not gbuf.data:
-                grad = self._dtensor(gid, self._optimizer_view(gid, i, gbuf), dparam.shape)
+                grad = self._dtensor(gid, i, self._optimizer_view(gid, i, gbuf))
                 cached = cache[(gid, i)] = (gbuf.data, grad)
             if dparam.grad is not cached[1]:
                 dparam.grad = cached[1]
@@ -113,6 +110,7 @@ class DTensorViews:
                 else:
                     dparam = nn.Parameter(frozen[name], requires_grad=False)
                     dparam._fsdp_row_partition = frozen[name]._fsdp_row_partition  # type: ignore[attr-defined]
+                    dparam._fsdp_tp_partition = frozen[name]._fsdp_tp_partition  # type: ignore[attr-defined]
                     out.append((name, dparam))
             self._distributed_params = out
         return self._distributed_params
@@ -121,7 +119,7 @@ class DTensorViews:
         """Every parameter's local shard as a DTensor under its name, without
         communication: main weights where they exist, model weights otherwise."""
         out: dict[str, DTensor] = {}
-        for name, gid, i, p in self.named_params():
+        for name, gid, i, _p in self.named_params():
             group = self.groups[gid]
             buf = self.main_weight_buffer(gid) if group.requires_grad else group.model_weight_buffer
             assert buf is not None
@@ -130,15 +128,10 @@ class DTensorViews:
             )
             placement = Shard(0) if sharded else Replicate()
             local = buf.local_param_view(i) if sharded else buf.param_view(buf.data, i)
-            out[name] = DTensor.from_local(
-                local,
-                self.optimizer_mesh(gid) if group.requires_grad else self.shard_mesh(gid),
-                [placement],
-                run_check=False,
-                shape=p.shape,
-                stride=torch.empty(p.shape, device="meta").stride(),
-            )
+            mesh = self.optimizer_mesh(gid) if group.requires_grad else self.shard_mesh(gid)
+            out[name] = self._view_dtensor(gid, i, local, placement, mesh)
             out[name]._fsdp_row_partition = self._row_partition(gid, i) if sharded else None  # type: ignore[attr-defined]
+            out[name]._fsdp_tp_partition = self.tp_partition(gid, i)  # type: ignore[attr-defined]
         return out
 
     def _row_partition(self, gid: int, index: int) -> tuple[tuple[int, int], ...] | None:
@@ -173,7 +166,8 @@ class DTensorViews:
 
     def full_parameter(self, name: str) -> torch.Tensor:
         """The whole parameter ``name`` (main weights where they exist), gathered from
-        its row shards. A collective: every rank of the shard group must call it.
+        its row shards (and, when it is tensor-parallel, from its tp pieces). A
+        collective: every rank of the shard group (and the tp group) must call it.
 
         Use this, not ``DTensor.full_tensor()``: the shards are whole rows but not
         ``torch.chunk``-sized, which DTensor's redistribution assumes."""
@@ -186,7 +180,7 @@ class DTensorViews:
             group.requires_grad and self.sharding[gid].main_weights
         )
         if not sharded:
-            return buf.param_view(buf.data, i).clone()
+            return self._tp_full(gid, i, buf.param_view(buf.data, i).clone())
         partition = buf.layout.row_partition(i)
         pg = self.shard_group(gid)
         if self.outer_sharded[gid] and group.requires_grad:
@@ -207,4 +201,4 @@ class DTensorViews:
         # In row order: fully-sharded hybrid coordinates do not hold increasing rows.
         order = sorted(range(len(partition)), key=lambda k: partition[k])
         parts = [out[k * width : k * width + (partition[k][1] - partition[k][0])] for k in order]
-        return torch.cat(parts).view(slot.shape)
+        return self._tp_full(gid, i, torch.cat(parts).view(slot.shape))

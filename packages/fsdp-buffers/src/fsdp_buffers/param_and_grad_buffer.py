@@ -27,7 +27,8 @@ the optimizer step, R is first rebased to the unreduced value that reduces back 
 (R/(N·f) on every rank for all-reduce; R/f on the owning rank and 0 elsewhere for
 reduce-scatter), so syncing every microbatch never double-counts.
 
-Hybrid sharding (an outer data-parallel dim): ``hybrid_sharding.HybridSharding``.
+Hybrid sharding (an outer data-parallel dim): ``hybrid_sharding.HybridSharding``; tensor
+parallelism (tp-local parameters): ``tensor_parallel.TensorParallelViews``.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from fsdp_buffers.param_group import (
 )
 from fsdp_buffers.profiling import annotate
 from fsdp_buffers.strategy import ShardingStrategy
+from fsdp_buffers.tensor_parallel import TensorParallelViews
 
 __all__ = ["GradState", "GroupSharding", "ParamAndGradBuffer"]
 
@@ -82,10 +84,11 @@ class GradState(enum.Enum):
     REDUCED = enum.auto()  # reduced gradients, ready for the optimizer
 
 
-class ParamAndGradBuffer(HybridSharding, DTensorViews):
+class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
     """The buffers of every parameter group of ``module`` and the operations on them
     (their DTensor face, for optimizers and checkpoints, is ``DTensorViews``; the
-    outer dim of hybrid sharding, ``HybridSharding``)."""
+    outer dim of hybrid sharding, ``HybridSharding``; tensor parallelism,
+    ``TensorParallelViews``)."""
 
     def __init__(
         self,
@@ -121,6 +124,7 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews):
         self.average_in_collective = average_in_collective
         self.stats = CommStats()
         self.device = _check_devices(module, device, allow_meta)
+        self._init_tensor_parallel(module)
         unit_classes = resolve_unit_classes(fsdp_unit_modules, module)
         self.groups, self.unit_names = group_parameters(
             module,
@@ -185,7 +189,7 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews):
     # ---- construction -------------------------------------------------------------
     def _build_group(self, gid: int, group: ParameterGroup, alignment: int, load: bool) -> None:
         size, rank = self.shard_group_size(gid), self.shard_group_rank(gid)
-        shapes = [tuple(p.shape) for p in group.params]
+        shapes = [self.tp_local_shape(p) for p in group.params]
         shardable = size > 1 and not group.fsdp_no_shard
         s = self.strategy
         layout, fine = self._hybrid_layouts(gid, shapes, shardable, alignment)
@@ -203,7 +207,7 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews):
         self.sharding.append(sharding)
         self.grad_state.append(GradState.EMPTY)
         self._rebased.append(False)
-        sources = [p.detach() for p in group.params]
+        sources = [self.tp_local_source(p) for p in group.params]
 
         def make(kind: str, dtype: torch.dtype, sharded: bool) -> DataParallelBuffer:
             # Only units' weight buckets take turns in the double buffer's two slots: a
@@ -259,7 +263,7 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews):
         assert group.model_weight_buffer is not None
         views = group.model_weight_buffer.param_views()
         for p, view in zip(group.params, views, strict=True):
-            p.data = view
+            self._set_compute_view(p, view)
         if group.main_grad_buffer is not None:
             grad_views = group.main_grad_buffer.param_views()
             for p, view in zip(group.params, grad_views, strict=True):
@@ -435,7 +439,7 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews):
             buf = self.groups[gid].main_grad_buffer
             assert buf is not None
             with torch.no_grad():
-                buf.param_view(target, i).add_(param.grad)
+                buf.param_view(target, i).add_(self.tp_local_grad(param, param.grad))
         param.grad = None
 
     def _scale_and_op(self, gid: int, group_size: int) -> tuple[float, dist.ReduceOp.RedOpType]:

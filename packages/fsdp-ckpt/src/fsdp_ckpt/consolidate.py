@@ -20,7 +20,7 @@ from fsdp_ckpt import _dist
 from fsdp_ckpt.atomic import resolve_for_load
 from fsdp_ckpt.errors import CheckpointError
 from fsdp_ckpt.manifest import Manifest
-from fsdp_ckpt.names import param_by_state_key, partition_of
+from fsdp_ckpt.names import entry_of, param_by_state_key
 from fsdp_ckpt.row_shards import RowLayout, resolve_row_layouts
 
 __all__ = [
@@ -35,19 +35,30 @@ __all__ = [
 Format = Literal["torch", "safetensors"]
 
 
+def _gather_along(local: torch.Tensor, dim: int, ranges, group) -> torch.Tensor:
+    """The pieces of every rank of ``group`` (rank k's is ``ranges[k]`` along ``dim``),
+    joined in tensor order along ``dim``: an all-gather padded to the widest piece."""
+    width = max(r1 - r0 for r0, r1 in ranges)
+    shape = list(local.shape)
+    shape[dim] = width
+    padded = local.new_zeros(shape)
+    padded.narrow(dim, 0, local.shape[dim]).copy_(local)
+    out = [torch.empty_like(padded) for _ in ranges]
+    dist.all_gather(out, padded, group=group)
+    order = sorted(range(len(ranges)), key=lambda k: ranges[k])
+    return torch.cat([out[k].narrow(dim, 0, ranges[k][1] - ranges[k][0]) for k in order], dim)
+
+
 def _gather_rows(dt: DTensor, layout: RowLayout) -> torch.Tensor:
-    """The whole tensor from its row shards: a padded all-gather along the shard
-    dimension of its mesh (DTensor's own ``full_tensor`` assumes chunk sizes)."""
-    local = dt.to_local()
-    width = max(r1 - r0 for r0, r1 in layout.partition)
-    rest = tuple(dt.shape[1:])
-    padded = local.new_zeros((width, *rest))
-    padded[: local.shape[0]] = local
-    out = local.new_empty((len(layout.partition) * width, *rest))
-    group = dt.device_mesh.get_group(layout.mesh_dim)
-    dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
-    parts = [out[k * width : k * width + (r1 - r0)] for k, (r0, r1) in enumerate(layout.partition)]
-    return torch.cat(parts)  # other mesh dimensions are Replicate
+    """The whole tensor from its row shards (and tensor-parallel pieces): padded
+    all-gathers along the shard (and tp) dimensions of its mesh (DTensor's own
+    ``full_tensor`` assumes chunk sizes). Other mesh dimensions are Replicate."""
+    mesh = dt.device_mesh
+    full = _gather_along(dt.to_local(), 0, layout.partition, mesh.get_group(layout.mesh_dim))
+    tp = layout.tp
+    if tp is not None:
+        full = _gather_along(full, tp.tensor_dim, tp.ranges, mesh.get_group(tp.mesh_dim))
+    return full
 
 
 def get_full_model_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, Any]:
@@ -56,7 +67,7 @@ def get_full_model_state_dict(model: nn.Module, *, rank0_only: bool = True) -> d
     Tied parameters are gathered once."""
     sd = model.state_dict()
     params = param_by_state_key(model, sd.keys())
-    layouts = resolve_row_layouts({k: (v, partition_of(params.get(k))) for k, v in sd.items()})
+    layouts = resolve_row_layouts({k: entry_of(v, params.get(k)) for k, v in sd.items()})
     keep = not rank0_only or _dist.rank() == 0
     out: dict[str, Any] = {}
     done: dict[int, torch.Tensor] = {}

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from fsdp_ckpt.names import param_by_state_key, partition_of
+from fsdp_ckpt.names import entry_of, param_by_state_key
 from fsdp_ckpt.row_shards import add_row_offsets, strip_row_offsets
 
 __all__ = ["get_model_state_dict", "install_compute_weights", "set_model_state_dict"]
@@ -21,7 +21,7 @@ def get_model_state_dict(model: nn.Module) -> dict[str, Any]:
     ``all_gather_object`` when another library's DTensors could be uneven."""
     sd = model.state_dict()
     params = param_by_state_key(model, sd.keys())
-    return add_row_offsets({k: (v, partition_of(params.get(k))) for k, v in sd.items()})
+    return add_row_offsets({k: entry_of(v, params.get(k)) for k, v in sd.items()})
 
 
 def install_compute_weights(model: nn.Module) -> None:

@@ -13,9 +13,15 @@ from collections.abc import Collection
 
 from torch import nn
 
-from fsdp_ckpt.row_shards import PARTITION_ATTR, Partition
+from fsdp_ckpt.row_shards import (
+    PARTITION_ATTR,
+    TP_PARTITION_ATTR,
+    Entry,
+    Partition,
+    TensorParallelPart,
+)
 
-__all__ = ["param_by_state_key", "param_fqns", "partition_of"]
+__all__ = ["entry_of", "param_by_state_key", "param_fqns", "partition_of"]
 
 _WRAPPER_PREFIX = "module."
 
@@ -50,3 +56,13 @@ def param_fqns(model: nn.Module, keys: Collection[str]) -> dict[nn.Parameter, st
 def partition_of(param: object) -> Partition | None:
     """The fsdp row partition a parameter carries, if any."""
     return getattr(param, PARTITION_ATTR, None)
+
+
+def entry_of(value: object, param: object) -> Entry:
+    """``value`` with the row partition and tensor-parallel part of ``param`` (the
+    parameter it is, or has the shape of; None for neither)."""
+    return (
+        value,
+        partition_of(param),
+        TensorParallelPart.of(getattr(param, TP_PARTITION_ATTR, None)),
+    )

@@ -26,8 +26,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_ckpt.errors import CheckpointMismatchError
-from fsdp_ckpt.names import param_fqns, partition_of
-from fsdp_ckpt.row_shards import add_row_offsets, strip_row_offsets
+from fsdp_ckpt.names import entry_of, param_fqns
+from fsdp_ckpt.row_shards import Entry, add_row_offsets, strip_row_offsets
 
 __all__ = [
     "get_optimizer_state_dict",
@@ -69,14 +69,12 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
     fqns = optimizer_param_fqns(model, optimizer)
     params = _ordered_params(optimizer)
     osd = optimizer.state_dict()
-    entries: dict[tuple[str, str], tuple[Any, Any]] = {}
+    entries: dict[tuple[str, str], Entry] = {}
     for index, state in osd["state"].items():
         param = params[index]
         for key, value in state.items():
-            partition = None
-            if isinstance(value, DTensor) and value.shape == param.shape:
-                partition = partition_of(param)
-            entries[(fqns[index], key)] = (value, partition)
+            like_param = isinstance(value, DTensor) and value.shape == param.shape
+            entries[(fqns[index], key)] = entry_of(value, param if like_param else None)
     flat = add_row_offsets({f"{fqn}\x00{key}": v for (fqn, key), v in entries.items()})
     state_out: dict[str, dict[str, Any]] = {}
     for flat_key, value in flat.items():

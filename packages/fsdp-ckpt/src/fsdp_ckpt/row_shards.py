@@ -14,6 +14,14 @@ whose range is empty takes part in no write or read (an empty chunk at offset 0 
 be deduplicated against rank 0's real one). DTensors without the attribute (other
 libraries') are left alone when every local shard is chunk-sized; otherwise one
 ``all_gather_object`` of local row counts gives each rank its offset.
+
+Tensor parallelism (fsdp's Note [tensor parallelism]): such a parameter lives on a 2-D
+mesh (shard dim, tp dim) and also carries ``_fsdp_tp_partition`` = (tp mesh dim, tensor
+dim, ``(start, end)`` along that tensor dim per tp coordinate). Its row partition then
+counts rows of the tp piece, so a local shard sits at its tp start plus its row offset
+(both on dim 0 for a column-parallel weight: tp chunk start + row within the chunk).
+Without a row partition (fsdp replicates it) the tp pieces are ``torch.chunk``-sized,
+which DCP's own arithmetic places correctly.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_ckpt import _dist
 from fsdp_ckpt.errors import CheckpointError
@@ -35,6 +44,7 @@ __all__ = [
     "Partition",
     "RowLayout",
     "RowShards",
+    "TensorParallelPart",
     "add_row_offsets",
     "resolve_row_layouts",
     "strip_row_offsets",
@@ -44,20 +54,49 @@ Partition = tuple[tuple[int, int], ...]
 """``(row_start, row_end)`` for each coordinate of the shard mesh dimension."""
 
 PARTITION_ATTR = "_fsdp_row_partition"
+TP_PARTITION_ATTR = "_fsdp_tp_partition"
+
+
+@dataclass(frozen=True)
+class TensorParallelPart:
+    """A tensor dim split across a tensor-parallel mesh dim: coordinate ``k`` of mesh
+    dimension ``mesh_dim`` holds ``ranges[k]`` along tensor dim ``tensor_dim``."""
+
+    mesh_dim: int
+    tensor_dim: int
+    ranges: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, value: Any) -> TensorParallelPart | None:
+        """From the ``(mesh_dim, tensor_dim, ranges)`` a parameter carries."""
+        if value is None:
+            return None
+        mesh_dim, tensor_dim, ranges = value
+        return cls(int(mesh_dim), int(tensor_dim), tuple((int(a), int(b)) for a, b in ranges))
 
 
 @dataclass(frozen=True)
 class RowLayout:
     """How a DTensor's dim 0 is split: along mesh dimension ``mesh_dim``, coordinate
-    ``k`` holds rows ``partition[k]``."""
+    ``k`` holds rows ``partition[k]`` (of its tensor-parallel piece when ``tp`` is set)."""
 
     mesh_dim: int
     partition: Partition
+    tp: TensorParallelPart | None = None
 
     def rows_of(self, dt: DTensor) -> tuple[int, int]:
         coord = dt.device_mesh.get_coordinate()
         assert coord is not None
         return self.partition[coord[self.mesh_dim]]
+
+    def offset_of(self, dt: DTensor) -> tuple[int, ...]:
+        """Where this rank's local shard starts in the global tensor."""
+        offset = [self.rows_of(dt)[0]] + [0] * (dt.ndim - 1)
+        if self.tp is not None:
+            coord = dt.device_mesh.get_coordinate()
+            assert coord is not None
+            offset[self.tp.tensor_dim] += self.tp.ranges[coord[self.tp.mesh_dim]][0]
+        return tuple(offset)
 
 
 class RowShards(LocalShardsWrapper):
@@ -85,14 +124,23 @@ class RowShards(LocalShardsWrapper):
         ]
 
 
-def _row_shard_dim(dt: DTensor) -> int | None:
-    """The mesh dimension of ``dt``'s ``Shard(0)`` when that is its only sharding,
-    None when it is replicated everywhere; raises for layouts this module cannot
-    describe (they are fine for DCP when chunk-sized, see ``resolve_row_layouts``)."""
-    shard_dims = [i for i, p in enumerate(dt.placements) if not isinstance(p, Replicate)]
+def _row_shard_dim(dt: DTensor, tp: TensorParallelPart | None = None) -> int | None:
+    """The mesh dimension of ``dt``'s ``Shard(0)`` when that is its only sharding
+    (besides ``tp``'s mesh dimension, where fsdp's is ``_StridedShard(0)`` when both
+    split dim 0), None when it is replicated everywhere; -1 for layouts this module
+    cannot describe (they are fine for DCP when chunk-sized, see
+    ``resolve_row_layouts``)."""
+    skip = None if tp is None else tp.mesh_dim
+    shard_dims = [
+        i for i, p in enumerate(dt.placements) if i != skip and not isinstance(p, Replicate)
+    ]
     if not shard_dims:
         return None
-    if len(shard_dims) == 1 and dt.placements[shard_dims[0]] == Shard(0):
+    placement = dt.placements[shard_dims[0]]
+    if len(shard_dims) == 1 and (
+        placement == Shard(0)
+        or (tp is not None and isinstance(placement, _StridedShard) and placement.dim == 0)
+    ):
         return shard_dims[0]
     return -1  # something else: Shard(d>0), several shardings, Partial
 
@@ -109,20 +157,25 @@ def _chunk_sized(dt: DTensor) -> bool:
     return tuple(_local(dt).shape) == tuple(shape)
 
 
-def resolve_row_layouts(
-    entries: Mapping[str, tuple[Any, Partition | None]],
-) -> dict[str, RowLayout]:
+Entry = tuple[Any, Partition | None, TensorParallelPart | None]
+"""A state dict value, with the row partition and tensor-parallel part it is known
+to have (from the parameter it is, or has the shape of), if any."""
+
+
+def resolve_row_layouts(entries: Mapping[str, Entry]) -> dict[str, RowLayout]:
     """The ``RowLayout`` of every row-sharded DTensor in ``entries`` (key -> (value,
-    known partition or None)) that DCP's chunk arithmetic would misplace, plus every
-    one whose partition is known. Collective when some sharded DTensor has no known
-    partition (one ``all_gather_object`` over the default group); every rank must
-    call it with the same keys."""
+    known partition or None, known tp part or None)) that DCP's chunk arithmetic would
+    misplace, plus every one whose partition is known. Collective when some sharded
+    DTensor has no known partition (one ``all_gather_object`` over the default group);
+    every rank must call it with the same keys."""
     layouts: dict[str, RowLayout] = {}
     unknown: list[str] = []
-    for key, (value, partition) in entries.items():
+    for key, (value, partition, tp) in entries.items():
         if not isinstance(value, DTensor):
             continue
-        dim = _row_shard_dim(value)
+        if tp is not None and partition is None:
+            continue  # tp pieces are chunk-sized, fsdp's dim replicated: DCP's own offsets
+        dim = _row_shard_dim(value, tp)
         if dim is None:
             continue
         if partition is not None:
@@ -130,9 +183,10 @@ def resolve_row_layouts(
                 raise CheckpointError(
                     f"{key!r} carries an fsdp row partition but its placements are "
                     f"{value.placements}; expected Shard(0) on one mesh dimension"
+                    + (f" besides the tensor-parallel one ({tp.mesh_dim})" if tp else "")
                 )
             _check_partition(key, value, dim, partition)
-            layouts[key] = RowLayout(dim, tuple(partition))
+            layouts[key] = RowLayout(dim, tuple(partition), tp)
         else:
             unknown.append(key)
     if not unknown:
@@ -204,8 +258,7 @@ def with_offset(dt: DTensor, layout: RowLayout) -> DTensor:
     if dt.device_mesh.get_coordinate() is None:
         return dt
     local = _local(dt)
-    r0, _ = layout.rows_of(dt)
-    shards = RowShards([local], [(r0,) + (0,) * (local.ndim - 1)])
+    shards = RowShards([local], [layout.offset_of(dt)])
     return DTensor.from_local(
         shards,
         dt.device_mesh,
@@ -216,14 +269,12 @@ def with_offset(dt: DTensor, layout: RowLayout) -> DTensor:
     )
 
 
-def add_row_offsets(
-    entries: Mapping[str, tuple[Any, Partition | None]],
-) -> dict[str, Any]:
+def add_row_offsets(entries: Mapping[str, Entry]) -> dict[str, Any]:
     """Every value of ``entries``, with row-sharded DTensors that need it rebuilt over
     ``RowShards`` (see the module note). Collective only as ``resolve_row_layouts``."""
     layouts = resolve_row_layouts(entries)
     out: dict[str, Any] = {}
-    for key, (value, _partition) in entries.items():
+    for key, (value, _partition, _tp) in entries.items():
         layout = layouts.get(key)
         out[key] = value if layout is None or value.numel() == 0 else with_offset(value, layout)
     return out

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_buffers import PrefetchOrder, annotate, module_is_fully_no_shard
 from fsdp_hooks.backward import (
@@ -274,8 +275,10 @@ class FSDPHooks:
     # ---- gradients ------------------------------------------------------------------
     def _on_param_grad(self, param: torch.Tensor) -> None:
         if self.wrapper.report_nan_in_param_grad and param.grad is not None:
+            grad = param.grad
+            local = grad.to_local() if isinstance(grad, DTensor) else grad  # tp: no collective
             # Kept as a tensor: checking now would sync the device once per parameter.
-            self._nonfinite.append((self._param_names[param], torch.isfinite(param.grad).all()))
+            self._nonfinite.append((self._param_names[param], torch.isfinite(local).all()))
         self.reduce.mark_param_grad_ready(param)  # type: ignore[arg-type]
 
     def _end_of_backward(self) -> None:

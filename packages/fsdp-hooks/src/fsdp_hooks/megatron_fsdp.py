@@ -38,6 +38,7 @@ from fsdp_hooks.validation import (
     check_hybrid_index,
     check_not_wrapped,
     check_same_model,
+    check_tensor_parallel_replicas,
 )
 
 __all__ = ["MegatronFSDP"]
@@ -111,6 +112,7 @@ class MegatronFSDP(nn.Module):
         if not has_meta:
             module.to(self.device)
         check_same_model(module, dist_index)
+        check_tensor_parallel_replicas(module, dist_index)
         self.module = module
         if init_model_with_meta_device:
             from fsdp_hooks.meta_init import prepare_meta_init

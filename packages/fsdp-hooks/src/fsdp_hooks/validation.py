@@ -16,6 +16,7 @@ __all__ = [
     "check_not_wrapped",
     "check_outer_strategy",
     "check_same_model",
+    "check_tensor_parallel_replicas",
 ]
 
 
@@ -66,10 +67,19 @@ def check_hybrid_index(dist_index, strategy, outer, init_model_with_meta_device:
             "(outer_dp_sharding_strategy='optim') is not implemented yet; materialize the "
             "model first or use outer_dp_sharding_strategy='no_shard'."
         )
-    if dist_index.tp_size > 1 or dist_index.expt_tp_size > 1:
+    tp = dist_index.tp_size > 1 or dist_index.expt_tp_size > 1
+    if tp and (
+        dist_index.use_hybrid_fsdp or dist_index.expt_device_mesh is not dist_index.device_mesh
+    ):
         raise NotImplementedError(
             f"tensor parallelism (tp_dim={dist_index.tp_dim!r} of {dist_index.tp_size} "
-            "ranks) is not implemented yet in fsdp; use a tp dim of size 1 or none."
+            "ranks) together with hybrid sharding (dp_outer_dim) or an expert-parallel mesh "
+            "(expt_device_mesh) is not implemented yet in fsdp; use one or the other."
+        )
+    if tp and init_model_with_meta_device:
+        raise NotImplementedError(
+            "meta-device initialization with tensor parallelism is not implemented yet; "
+            "materialize (and parallelize) the model first."
         )
     if dist_index.expt_device_mesh is not dist_index.device_mesh and dist_index.use_hybrid_fsdp:
         raise NotImplementedError(
@@ -156,3 +166,40 @@ def check_same_model(module: nn.Module, dist_index) -> None:
         "requires_grad); every rank must build the same model before wrapping:\n"
         + "\n".join(problems)
     )
+
+
+def check_tensor_parallel_replicas(module: nn.Module, dist_index) -> None:
+    """Classify the parameters for tensor parallelism (``fsdp_buffers.tensor_parallel``,
+    which raises on bad input, alike on every rank), then check that the parameters
+    replicated over tp hold the same values on every tp rank: a model seeded per rank
+    would otherwise train diverging copies without a word. One all-gather of two
+    float64 checksums per replicated parameter over the tp group."""
+    from fsdp_buffers import TPKind, tensor_parallel_specs
+
+    specs = tensor_parallel_specs(module, dist_index)
+    if specs is None or dist_index.tp_size <= 1:
+        return
+    names = {p: n for n, p in module.named_parameters()}
+    replicated = [p for p, s in specs.items() if s.kind is TPKind.REPLICATED]
+    if not replicated:
+        return
+    with torch.no_grad():
+        mine = torch.stack(
+            [torch.stack([p.double().sum(), p.double().square().sum()]) for p in replicated]
+        )
+    group = dist_index.tp_group
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine.contiguous(), group=group)
+    differ = [
+        names[p]
+        for j, p in enumerate(replicated)
+        if any(not torch.equal(other[j], everyone[0][j]) for other in everyone[1:])
+    ]
+    if differ:
+        raise ValueError(
+            f"parameters {differ[:5]} are replicated over the tensor-parallel dim "
+            f"{dist_index.tp_dim!r} (plain tensors without a tensor-parallel mark) but hold "
+            "different values on its ranks; seed their initialization alike on every tp rank "
+            "(fsdp_mesh.model_parallel_seed), or mark them tensor-parallel (a DTensor on "
+            "the tp mesh, or Megatron-Core's tensor_model_parallel and partition_dim)"
+        )

@@ -61,7 +61,9 @@ def _index_from_pg_collection(pg_collection: Any) -> FSDPDistributedIndex:
             raise NotImplementedError(
                 f"FullyShardedDataParallel: pg_collection.{name} has "
                 f"{dist.get_world_size(group)} ranks; tensor, pipeline, context and expert "
-                "parallel groups are not implemented yet (only data parallelism is)"
+                "parallel groups from a pg_collection are not implemented yet (only data "
+                "parallelism is). For tensor parallelism pass dist_index= (an "
+                "FSDPDistributedIndex over a (dp_shard, tp) mesh with tp_dim) instead"
             )
     group = getattr(pg_collection, "dp_cp", None) or getattr(pg_collection, "dp", None)
     return dist_index_over(group, "FullyShardedDataParallel", "pg_collection.dp_cp")
@@ -210,7 +212,19 @@ class FullyShardedDataParallel(nn.Module):
         self.module.synchronize_param_gather()
 
     def sync_rng_states_across_tp_group(self) -> None:
-        """No-op: tensor parallelism is not implemented yet, so there is no TP group."""
+        """Give every tensor-parallel rank tp rank 0's default RNG state of the compute
+        device (Megatron-FSDP's method), so that draws outside a tracker fork agree
+        across tp; a no-op without a tp group of more than one rank."""
+        index = self.dist_index
+        if index.tp_group is None or index.tp_size <= 1:
+            return
+        cuda = self.module.device.type == "cuda"
+        state = [torch.cuda.get_rng_state() if cuda else torch.get_rng_state()]
+        dist.broadcast_object_list(state, group=index.tp_group, group_src=0)
+        if cuda:
+            torch.cuda.set_rng_state(state[0])
+        else:
+            torch.set_rng_state(state[0])
 
     def comm_stats(self, reset: bool = False) -> dict[str, dict[str, float]]:
         return self.module.comm_stats(reset=reset)

@@ -1,0 +1,297 @@
+"""``TensorParallelViews``: parameters that are already split across a tensor-parallel group.
+
+Note [tensor parallelism]. With a tensor-parallel dim (``dist_index.tp_dim``) of more
+than one rank, or any DTensor parameter, every parameter is classified once
+(``tensor_parallel_specs``), by this rule:
+
+* a DTensor on the index's tp mesh (``device_mesh[tp_dim]``, e.g. from torch's
+  ``parallelize_module``) with placement ``Shard(d)`` or ``Replicate()``: its local
+  tensor is this rank's piece (``torch.chunk`` sized, as DTensor makes them);
+* a Megatron-Core tensor-parallel parameter (a plain tensor with
+  ``tensor_model_parallel=True`` and ``partition_dim``, ``partition_stride=1``): this
+  rank's 1/tp of the global tensor along ``partition_dim``, used as-is in forward;
+* any other plain tensor (no marking, or ``tensor_model_parallel=False``): replicated
+  over tp. Every tp rank must hold the same values and compute the same gradients
+  (layer norms without sequence parallelism); ``fsdp_hooks`` checks the values at
+  wrap time.
+
+Refused with an error (on every rank: the rule reads local, rank-independent facts): a
+DTensor on any other mesh, or with a ``Partial``/strided placement or pieces that are
+not chunk-sized, DTensors without a ``tp_dim``, Megatron ``partition_stride`` > 1 and
+``sequence_parallel``/``average_gradients_across_tp_domain`` parameters (their
+gradients need a tp reduction fsdp does not do), and tp with hybrid sharding or an
+expert mesh.
+
+fsdp then works on the tp-local tensors as on any parameter: layouts, buffers and
+collectives of the shard group see local shapes only, and a shard group holds one tp
+coordinate, so its ranks agree on them. Three places translate:
+
+1. Compute parameters: a DTensor parameter stays the same object, and its local tensor
+   becomes the view into the bucket (a plain one gets ``.data``), so DTensor ops and
+   ``parallelize_module``'s hooks see the original mesh and placements (FSDP2 does the
+   same).
+2. Gradients: a DTensor gradient is redistributed to its parameter's placements (e.g.
+   ``Partial`` -> ``Replicate`` for a norm under ``SequenceParallel``: an all-reduce over
+   tp), then its local tensor is accumulated.
+3. DTensor views (optimizer, state dicts): on the 2-D mesh ``(dp_shard, tp)`` with
+   placements (fsdp's ``Shard(0)`` or ``Replicate()``, the tp placement) and the global
+   shape; when both split dim 0, fsdp's is ``_StridedShard(0, split_factor=tp)`` (fsdp
+   splits each tp chunk, FSDP2's convention). ``_fsdp_row_partition`` are rows of the
+   tp-local tensor and ``_fsdp_tp_partition`` (tp mesh dim, tensor dim, range per tp
+   coordinate) says where that tensor sits in the global one: a checkpoint puts a piece
+   at its tp start plus its fsdp row along that dim.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from fsdp_mesh import get_mcore_tensor_parallel_partition_dim, warn_once
+
+__all__ = ["TPKind", "TPSpec", "TensorParallelViews", "chunk_ranges", "tensor_parallel_specs"]
+
+Ranges = tuple[tuple[int, int], ...]
+
+
+class TPKind(enum.Enum):
+    DTENSOR = enum.auto()  # a DTensor on the tp mesh
+    MCORE = enum.auto()  # a plain local piece marked by Megatron-Core's attributes
+    REPLICATED = enum.auto()  # a plain tensor, the same on every tp rank
+
+
+@dataclass(frozen=True)
+class TPSpec:
+    """How one parameter is split across the tensor-parallel group."""
+
+    kind: TPKind
+    local_shape: torch.Size
+    global_shape: torch.Size
+    placement: Placement  # on the tp mesh: Shard(d) or Replicate()
+    ranges: Ranges | None  # [start, end) along dim d for each tp coordinate
+
+    @property
+    def tensor_dim(self) -> int | None:
+        return self.placement.dim if isinstance(self.placement, Shard) else None
+
+
+def chunk_ranges(size: int, parts: int) -> Ranges:
+    """``torch.chunk``'s pieces of ``size`` elements in ``parts`` (DTensor's sizes)."""
+    step = -(-size // parts) if parts else 0
+    return tuple((min(k * step, size), min((k + 1) * step, size)) for k in range(parts))
+
+
+def _with_dim(shape: torch.Size, dim: int, size: int) -> torch.Size:
+    out = list(shape)
+    out[dim] = size
+    return torch.Size(out)
+
+
+def _dtensor_spec(name: str, p: DTensor, tp_mesh, tp_dim: str) -> TPSpec:
+    if p.device_mesh != tp_mesh:
+        raise ValueError(
+            f"parameter {name!r} is a DTensor on {p.device_mesh}, but fsdp's tensor-parallel "
+            f"mesh is {tp_mesh} (device_mesh[{tp_dim!r}]); parallelize the model over "
+            f"device_mesh[{tp_dim!r}] (fsdp shards on top of it, over the shard dim)"
+        )
+    (placement,) = p.placements
+    if isinstance(placement, Replicate):
+        return TPSpec(TPKind.DTENSOR, p.shape, p.shape, Replicate(), None)
+    if type(placement) is not Shard:
+        raise ValueError(
+            f"parameter {name!r} is a DTensor with placement {placement!r}; fsdp supports "
+            "tensor-parallel parameters that are Shard(dim) or Replicate() on the tp mesh"
+        )
+    dim = placement.dim % p.ndim
+    ranges = chunk_ranges(p.shape[dim], tp_mesh.size())
+    start, end = ranges[tp_mesh.get_local_rank()]
+    local = p.to_local().shape
+    if local != _with_dim(p.shape, dim, end - start):
+        raise NotImplementedError(
+            f"parameter {name!r}: this rank's piece has shape {tuple(local)}, not the "
+            f"torch.chunk piece {tuple(_with_dim(p.shape, dim, end - start))} of "
+            f"{tuple(p.shape)} along dim {dim}; uneven tensor-parallel pieces are not "
+            "supported by fsdp"
+        )
+    return TPSpec(TPKind.DTENSOR, local, p.shape, Shard(dim), ranges)
+
+
+def _plain_spec(name: str, p: torch.Tensor, tp_size: int) -> TPSpec:
+    for attr in ("sequence_parallel", "average_gradients_across_tp_domain"):
+        if getattr(p, attr, False):
+            raise NotImplementedError(
+                f"parameter {name!r} has {attr}=True: its gradient must be reduced over the "
+                "tensor-parallel group, which fsdp does not do for plain tensors yet; use "
+                "DTensor parameters (SequenceParallel) or turn sequence parallelism off"
+            )
+    dim = get_mcore_tensor_parallel_partition_dim(p)
+    if dim is None:
+        return TPSpec(TPKind.REPLICATED, p.shape, p.shape, Replicate(), None)
+    if not 0 <= dim < p.ndim:
+        raise ValueError(
+            f"parameter {name!r} of shape {tuple(p.shape)} has partition_dim={dim}, which "
+            "is not one of its dims"
+        )
+    if getattr(p, "partition_stride", 1) != 1:
+        raise NotImplementedError(
+            f"parameter {name!r} has partition_stride={p.partition_stride}; strided "
+            "tensor-parallel partitions are not supported by fsdp (use partition_stride=1)"
+        )
+    size = p.shape[dim]
+    ranges = tuple((k * size, (k + 1) * size) for k in range(tp_size))
+    return TPSpec(
+        TPKind.MCORE, p.shape, _with_dim(p.shape, dim, size * tp_size), Shard(dim), ranges
+    )
+
+
+def tensor_parallel_specs(module: nn.Module, dist_index) -> dict[nn.Parameter, TPSpec] | None:
+    """Every parameter's ``TPSpec`` (Note [tensor parallelism]); None when tensor
+    parallelism is off (no tp dim of more than one rank and no DTensor parameter).
+    Local information only: the same verdict, or the same error, on every rank."""
+    params = dict(module.named_parameters())
+    dtensors = [n for n, p in params.items() if isinstance(p, DTensor)]
+    idx = dist_index
+    if idx.tp_size <= 1 and not dtensors:
+        return None
+    if idx.tp_mesh is None:
+        raise ValueError(
+            f"parameters {dtensors[:5]} are DTensors, but no tp_dim was given; pass "
+            "tp_dim naming the dim of device_mesh they are split over (their mesh must be "
+            "device_mesh[tp_dim])"
+        )
+    if idx.use_hybrid_fsdp or idx.expt_device_mesh is not idx.device_mesh:
+        raise NotImplementedError(
+            "tensor parallelism together with hybrid sharding (dp_outer_dim) or an "
+            "expert-parallel mesh (expt_device_mesh) is not implemented yet in fsdp"
+        )
+    names = list(idx.device_mesh.mesh_dim_names or ())
+    if idx.dp_shard_dim in names and names.index(idx.dp_shard_dim) > names.index(idx.tp_dim):
+        raise ValueError(
+            f"tp_dim={idx.tp_dim!r} comes before dp_shard_dim={idx.dp_shard_dim!r} in "
+            f"device_mesh {names}; put the tensor-parallel dim after the shard dim"
+        )
+    specs = {
+        p: _dtensor_spec(n, p, idx.tp_mesh, idx.tp_dim)
+        if isinstance(p, DTensor)
+        else _plain_spec(n, p, idx.tp_size)
+        for n, p in params.items()
+    }
+    if idx.tp_size > 1 and all(s.kind is TPKind.REPLICATED for s in specs.values()):
+        warn_once(
+            "fsdp.tp_all_replicated",
+            f"tp_dim={idx.tp_dim!r} has {idx.tp_size} ranks but no parameter is "
+            "tensor-parallel (no DTensor, no Megatron-Core tensor_model_parallel mark): "
+            "every tp rank holds and trains the whole model",
+        )
+    return specs
+
+
+def _gather_along(local: torch.Tensor, dim: int, ranges: Ranges, group) -> torch.Tensor:
+    """The pieces of every rank of ``group`` (rank k's is ``ranges[k]`` along ``dim``),
+    joined in order along ``dim``: an all-gather padded to the widest piece."""
+    width = max(end - start for start, end in ranges)
+    padded = local.new_zeros(_with_dim(local.shape, dim, width))
+    padded.narrow(dim, 0, local.shape[dim]).copy_(local)
+    out = [torch.empty_like(padded) for _ in ranges]
+    dist.all_gather(out, padded, group=group)
+    order = sorted(range(len(ranges)), key=lambda k: ranges[k])
+    return torch.cat([out[k].narrow(dim, 0, ranges[k][1] - ranges[k][0]) for k in order], dim)
+
+
+class TensorParallelViews:
+    """Mixed into ``ParamAndGradBuffer``: the tp side of its parameters (Note
+    [tensor parallelism]). ``tp_specs`` is None when tensor parallelism is off."""
+
+    def _init_tensor_parallel(self, module: nn.Module) -> None:
+        self.tp_specs = tensor_parallel_specs(module, self.dist_index)
+        self._tp_mesh_2d = None
+        if self.tp_specs is not None:
+            idx = self.dist_index
+            self._tp_mesh_2d = idx.get_submesh((idx.dp_shard_dim, idx.tp_dim))
+
+    def _tp_spec(self, p: nn.Parameter) -> TPSpec | None:
+        return None if self.tp_specs is None else self.tp_specs[p]
+
+    def tp_local_shape(self, p: nn.Parameter) -> tuple[int, ...]:
+        """The shape fsdp lays out and shards: the tp-local one."""
+        spec = self._tp_spec(p)
+        return tuple(p.shape if spec is None else spec.local_shape)
+
+    def tp_global_shape(self, p: nn.Parameter) -> torch.Size:
+        spec = self._tp_spec(p)
+        return p.shape if spec is None else spec.global_shape
+
+    @staticmethod
+    def tp_local_source(p: nn.Parameter) -> torch.Tensor:
+        return (p.to_local() if isinstance(p, DTensor) else p).detach()
+
+    @staticmethod
+    def _set_compute_view(p: nn.Parameter, view: torch.Tensor) -> None:
+        if isinstance(p, DTensor):
+            # The same DTensor object (hooks, autograd and the module hold it) over the
+            # bucket view: its spec (mesh, placements, global shape) is unchanged.
+            p._local_tensor = view
+        else:
+            p.data = view
+
+    @staticmethod
+    def tp_local_grad(p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+        """The tp-local gradient to accumulate: a DTensor gradient in its parameter's
+        placements (FSDP2's rule), unwrapped."""
+        if not isinstance(grad, DTensor):
+            return grad
+        if grad.placements != p.placements:
+            grad = grad.redistribute(p.device_mesh, p.placements)
+        local = grad._local_tensor
+        wait = getattr(local, "wait", None)  # AsyncCollectiveTensor from a redistribution
+        return wait() if callable(wait) else local
+
+    def _view_dtensor(
+        self, gid: int, index: int, local: torch.Tensor, placement: Placement, mesh
+    ) -> DTensor:
+        """A DTensor over ``local`` (this rank's part of parameter ``index``) with fsdp's
+        ``placement`` on ``mesh``, or, under tensor parallelism, on the 2-D mesh with the
+        tp placement too."""
+        p = self.groups[gid].params[index]
+        spec = self._tp_spec(p)
+        if spec is None:
+            shape, placements = p.shape, [placement]
+        else:
+            mesh, shape = self._tp_mesh_2d, spec.global_shape
+            if spec.tensor_dim == 0 and placement == Shard(0):
+                placement = _StridedShard(0, split_factor=self.dist_index.tp_size)
+            placements = [placement, spec.placement]
+        return DTensor.from_local(
+            local,
+            mesh,
+            placements,
+            run_check=False,
+            shape=shape,
+            stride=torch.empty(shape, device="meta").stride(),
+        )
+
+    def tp_partition(self, gid: int, index: int) -> tuple[int, int, Ranges] | None:
+        """``(tp mesh dim, tensor dim, range per tp coordinate)`` of a tp-split
+        parameter's views, None when it is not split (see the module note)."""
+        spec = self._tp_spec(self.groups[gid].params[index])
+        if spec is None or spec.ranges is None:
+            return None
+        assert spec.tensor_dim is not None
+        return (1, spec.tensor_dim, spec.ranges)
+
+    def _tp_full(self, gid: int, index: int, local_full: torch.Tensor) -> torch.Tensor:
+        """The global parameter from this rank's whole tp-local one (a collective over
+        the tp group when it is split)."""
+        spec = self._tp_spec(self.groups[gid].params[index])
+        if spec is None or spec.ranges is None:
+            return local_full
+        assert spec.tensor_dim is not None
+        return _gather_along(
+            local_full, spec.tensor_dim, spec.ranges, self.dist_index.tp_group
+        ).view(spec.global_shape)
