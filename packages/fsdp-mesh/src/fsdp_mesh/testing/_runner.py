@@ -418,10 +418,16 @@ def _collect(
         RankFailure(r, f"did not finish within {elapsed:.1f} s", "", log_tail(r)) for r in hung
     ]
     # The first failure is usually the cause; the others are peers that then lost it.
-    all_failures = [*failures.values(), *hung_failures]
+    # Except that a rank which died without a word is reported late: with forkserver its
+    # sentinel fires only once the server has reaped it, while its peers' collectives
+    # fail at once and they send their tracebacks ("connection closed") first. So a rank
+    # that died comes before ranks that raised.
+    died = [f for f in failures.values() if not f.traceback]
+    raised = [f for f in failures.values() if f.traceback]
+    all_failures = [*died, *raised, *hung_failures]
     details = "\n".join(f.describe() for f in all_failures)
     if failures:
-        first = next(iter(failures.values()))
+        first = all_failures[0]
         summary = f"rank {first.rank} of {world_size} failed first ({first.reason})"
         if len(failures) > 1:
             summary += f"; then ranks {sorted(set(failures) - {first.rank})} failed"
