@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fsdp_buffers.data_parallel_buffer import (
     DataParallelBuffer,
@@ -294,3 +296,45 @@ def test_double_buffer_registration_errors():
     bufs[0].fetch_bucket()
     with pytest.raises(RuntimeError, match="register every buffer before the first fetch"):
         alloc.register(stray, 5)
+
+
+# ---- properties over shapes, dtypes and shard counts (hypothesis) -----------------------
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    shapes=st.lists(
+        st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple), min_size=1, max_size=8
+    ),
+    shard_count=st.integers(1, 8),
+    dtype=st.sampled_from(_DTYPES),
+)
+def test_every_rank_holds_aligned_whole_rows_of_every_dtype(shapes, shard_count, dtype):
+    """In every dtype, with the default alignment: each shard starts on a 16-byte
+    boundary of the flat buffer, each element is held by exactly one rank, and a rank's
+    part of each parameter is whole rows, which joined in rank order give the parameter
+    back bit-exactly."""
+    layout = compute_layout(shapes, shard_count)
+    g = torch.Generator().manual_seed(len(shapes) * 31 + shard_count)
+    values = [(torch.randn(s, generator=g) * 50).to(dtype) for s in shapes]
+    full = _gathered(layout, values, dtype)
+    shards = []
+    for rank in range(shard_count):
+        buf = _buffer(layout, rank, sharded=True, dtype=dtype)
+        buf.load_params(values)
+        start, _ = layout.shard_bounds(rank)
+        assert (start * buf.element_size) % 16 == 0, (start, dtype)
+        assert buf.data.numel() == layout.shard_numel
+        shards.append(buf)
+    # Each element of the flat buffer is held by exactly one rank: the shards, in rank
+    # order, are the replicated buffer (padding included, which is zero everywhere).
+    assert torch.equal(torch.cat([b.data for b in shards]), full)
+    for i, value in enumerate(values):
+        pieces = [b.local_param_view(i) for b in shards]
+        if value.dim() == 0:
+            assert sum(p.numel() for p in pieces) == 1
+            continue
+        assert all(p.shape[1:] == value.shape[1:] for p in pieces)
+        assert torch.equal(torch.cat(pieces), value)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from fsdp_buffers import layout as layout_module
 from fsdp_buffers.layout import DEFAULT_ALIGNMENT, FlatLayout, ParamSlot, compute_layout
 
-ALIGNMENTS = [1, 2, 3, 4, 8, 64]
+ALIGNMENTS = [1, 2, 3, 4, 8, 16, 64]
 
 shapes_st = st.lists(
     st.lists(st.integers(0, 40), min_size=0, max_size=4).map(tuple), min_size=1, max_size=30
@@ -244,10 +244,11 @@ def test_single_row_param_larger_than_even_share_is_whole_on_one_rank():
 def test_shard_count_one_is_aligned_total_with_params_back_to_back():
     shapes = [(3, 5), (), (7,)]
     layout = compute_layout(shapes, 1)
-    assert layout.shard_numel == DEFAULT_ALIGNMENT
+    aligned_total = -(-23 // DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT  # 23 elements in all
+    assert layout.shard_numel == aligned_total
     assert [s.offset for s in layout.slots] == [0, 15, 16]
     assert layout.row_partition(0) == ((0, 3),)
-    assert layout.padding_numel == DEFAULT_ALIGNMENT - 23
+    assert layout.padding_numel == aligned_total - 23
 
 
 def test_row_aligned_boundaries_split_a_matrix_by_rows():

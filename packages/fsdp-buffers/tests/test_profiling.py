@@ -147,3 +147,27 @@ def test_profiler_starting_or_stopping_inside_an_open_range():
         inner.__enter__()
     inner.__exit__(None, None, None)  # profiler already stopped
     assert "fsdp.test.open_before_start" not in _labels(prof)
+
+
+def _profiled_standalone_step():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "standalone_loop.py"
+    spec = importlib.util.spec_from_file_location("standalone_loop_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        example.train(3, steps=1, per_rank_batch=2)
+    return sorted({label for label in _labels(prof) if label.startswith("fsdp.")})
+
+
+def test_real_gathers_releases_and_reductions_are_labelled():
+    """A ZeRO-3 step of the standalone loop (fsdp-buffers alone) on 2 ranks: every
+    gather, release, reduction and wait shows as a range, named by its bucket."""
+    from fsdp_mesh.testing import run_distributed
+
+    for labels in run_distributed(_profiled_standalone_step, 2):
+        for prefix in ("fsdp.all_gather.", "fsdp.release.", "fsdp.reduce.", "fsdp.wait"):
+            assert any(label.startswith(prefix) for label in labels), (prefix, labels)
+        assert "fsdp.install_optimized_model_weights" in labels, labels

@@ -144,7 +144,10 @@ def _global_name(name, ids):
     return ".".join(parts)
 
 
-def _train(strategy):
+def _train(strategy, own_rule=False):
+    """``own_rule``: the expert parameters are named by an ``is_expert_param`` callable
+    passed to ``fully_shard`` instead of the default rule; it must be asked about
+    every parameter and decide alone."""
     rank = dist.get_rank()
     meshes = build_device_mesh(dp_shard=WORLD, expert_parallel=EP)
     ep_mesh = meshes.expt_device_mesh["ep"]
@@ -157,13 +160,25 @@ def _train(strategy):
     net.moe.expert_ids = ids
     net.moe.group = ep_mesh.get_group()
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
+    asked = set()
+    extra = {}
+    if own_rule:
+
+        def is_expert_param(name, param):
+            asked.add(name)
+            return name.startswith("moe.experts.")
+
+        extra["is_expert_param"] = is_expert_param
     model, opt = fully_shard(
         net,
         opt,
         **meshes.fsdp_kwargs(),
         fsdp_unit_modules=[MoE],
         zero_dp_strategy=strategy,
+        **extra,
     )
+    if own_rule:
+        assert asked == {n for n, _ in model.module.named_parameters()}, asked
     buf = model.buffer
     expert_groups = [g for g, grp in enumerate(buf.groups) if grp.is_expert_param]
     assert expert_groups and all(buf.shard_group_size(g) == WORLD // EP for g in expert_groups)
@@ -190,13 +205,15 @@ def _train(strategy):
 
 
 def _train_all(strategies):
-    return {s: _train(s) for s in strategies}
+    out = {s: _train(s) for s in strategies}
+    out["own_rule"] = _train(3, own_rule=True)
+    return out
 
 
 def test_expert_parallel_parity():
     ref_losses, ref_params = _reference()
     results = run_distributed(_train_all, WORLD, args=((1, 3),), timeout=120)
-    for strategy in (1, 3):
+    for strategy in (1, 3, "own_rule"):
         merged = {}
         for losses, params in (r[strategy] for r in results):
             torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)

@@ -159,17 +159,20 @@ def _train_scenario(scenario):
         dist.all_reduce(total)
         losses.append(total.item() / WORLD)
         counts.append((before_step, after_step))
-    if not sync_each and strategy >= 2:
+    if strategy >= 2 and outer_kind != "none":
+        # Deferred, the outer reduction runs once per step; with sync_each, once per
+        # microbatch (and so does the inner one of replicated gradients).
+        m = K if sync_each else 1
         for before, after in counts:
             # Inner reductions: a sharded-grad bucket's once per microbatch, a
-            # replicated one's once per step (deferred); outer: once per bucket per step.
+            # replicated one's m times; outer: m times per bucket per step.
             rs_inner = K * nbs
             if outer_kind == "ar":
                 assert before["reduce_scatter"]["calls"] == rs_inner, before
-                assert before["all_reduce"]["calls"] == nbr + (nbs + nbr), before
+                assert before["all_reduce"]["calls"] == m * nbr + m * (nbs + nbr), before
             else:
-                assert before["reduce_scatter"]["calls"] == rs_inner + nbs, before
-                assert before["all_reduce"]["calls"] == nbr + nbr, before
+                assert before["reduce_scatter"]["calls"] == rs_inner + m * nbs, before
+                assert before["all_reduce"]["calls"] == m * nbr + m * nbr, before
                 # The outer gather of the updated weights: once per bucket, in step().
                 assert after["all_gather"]["calls"] == nbs, after
             assert after["reduce_scatter"]["calls"] == after["all_reduce"]["calls"] == 0
@@ -183,6 +186,11 @@ def _train_scenario(scenario):
             if buf.outer_sharded[gid]:
                 main = model.buffer.main_weight_buffer(gid)
                 assert 2 * main.data.numel() == group.model_weight_buffer.data.numel()
+                # Their gradients: the group's hsdp_gbuf, a half of the main-grad shard.
+                assert buf.optimizer_grad_buffer(gid) is group.hsdp_gbuf
+                assert 2 * group.hsdp_gbuf.data.numel() == group.main_grad_buffer.data.numel()
+            else:
+                assert group.hsdp_gbuf is None
     params = {name: model.buffer.full_parameter(name) for name, *_ in model.buffer.named_params()}
     return (losses, norms, params) if rank == 0 else None
 

@@ -99,12 +99,13 @@ class PendingCollective:
         if self._done:
             return
         self._done = True
-        if self._work is not None:
-            self._work.wait()
-        self._work = None
-        if self._then is not None:
-            then, self._then = self._then, None
-            then()
+        with annotate("fsdp.wait"):  # the wait and the follow-up (accumulate, free)
+            if self._work is not None:
+                self._work.wait()
+            self._work = None
+            if self._then is not None:
+                then, self._then = self._then, None
+                then()
         self.keepalive = ()
 
     @property

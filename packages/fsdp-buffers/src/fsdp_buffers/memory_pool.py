@@ -1,9 +1,11 @@
 """Named scratch allocations reused across steps, so temporary buffers are not reallocated.
 
-Collectives need temporary tensors every step (a gathered bucket, a gradient cast to
-the communication dtype). Allocating them anew each time churns the caching allocator
-and fragments memory; :class:`GlobalMemoryBuffer` keeps one flat allocation per
-``(name, dtype)`` and hands out views of it.
+Frameworks need temporary tensors every step (Megatron-Core's sequence-parallel
+gathers, a gradient cast to the communication dtype). Allocating them anew each time
+churns the caching allocator and fragments memory; :class:`GlobalMemoryBuffer` keeps one
+flat allocation per ``(name, dtype)`` and hands out views of it. fsdp's own gathered
+and staging buckets do not come from here: their lifetimes are managed by the bucket
+allocators of ``data_parallel_buffer`` (temporary, or the persistent double buffer).
 """
 
 from __future__ import annotations

@@ -158,7 +158,6 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
         self.outer_sharded: list[bool] = []
         self.outer_layouts: list[FlatLayout | None] = []
         self._outer_main: list[DataParallelBuffer | None] = []
-        self._outer_grad: list[DataParallelBuffer | None] = []
         self.outer_pending: list[bool] = []  # shard-reduced, not yet across the outer group
         self.outer_reduced: list[bool] = []  # reduced across the outer group too
         # Each group's parameters become views into its buffers as soon as they are
@@ -236,7 +235,6 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
         if load:
             group.model_weight_buffer.load_params(sources)
         outer_main: DataParallelBuffer | None = None
-        outer_grad: DataParallelBuffer | None = None
         if group.requires_grad:
             main_dtype = self.policy.main_params_dtype_for(group.dtype)
             if fine is not None:
@@ -253,10 +251,10 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
             grad_dtype = self.policy.main_grads_dtype_for(group.dtype)
             group.main_grad_buffer = make("main_grad", grad_dtype, sharding.grads)
             if fine is not None:
-                outer_grad = self._fine_buffer(gid, fine, grad_dtype, "outer_main_grad")
-                outer_grad.data = self._fine_slice(group.main_grad_buffer.data, gid)
+                # Megatron-FSDP's ``hsdp_gbuf``: the gradients of the fine main weights.
+                group.hsdp_gbuf = self._fine_buffer(gid, fine, grad_dtype, "outer_main_grad")
+                group.hsdp_gbuf.data = self._fine_slice(group.main_grad_buffer.data, gid)
         self._outer_main.append(outer_main)
-        self._outer_grad.append(outer_grad)
 
     def _point_params_at_buffers(self, group: ParameterGroup) -> None:
         # Compute parameters become views into the (possibly not yet gathered) bucket.
@@ -324,7 +322,7 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
     def optimizer_grad_buffer(self, gid: int) -> DataParallelBuffer:
         """Where the optimizer's gradients of the group live: the main-grad buffer, or
         its fine slice when main weights are sharded over shard x outer."""
-        buf = self._outer_grad[gid] or self.groups[gid].main_grad_buffer
+        buf = self.groups[gid].hsdp_gbuf or self.groups[gid].main_grad_buffer
         if buf is None:
             raise RuntimeError(f"group {gid} has no gradient buffer")
         return buf
@@ -590,7 +588,12 @@ def _check_devices(
         )
     if device is not None:
         target = torch.device(device)
-        if real and next(iter(real)) != target and next(iter(real)).type != target.type:
+        held = next(iter(real)) if real else target
+        # "cuda" and "cuda:0" may name one device; two explicit indices must agree.
+        differ = held.type != target.type or (
+            held.index is not None and target.index is not None and held.index != target.index
+        )
+        if differ:
             raise ValueError(
                 f"parameters are on {next(iter(real))} but device={target} was requested; "
                 f"move the module there first"

@@ -34,8 +34,11 @@ class ParameterGroup:
     """A bucket: parameters that share a flat buffer and move together.
 
     ``fsdp_unit_id`` is the index of the FSDP unit the parameters belong to, or None for
-    parameters outside every unit. The buffers are filled in by ``ParamAndGradBuffer``
-    according to the sharding strategy; a buffer that the strategy does not need is None.
+    parameters outside every unit. ``chunk_size_factor`` is Megatron-FSDP's field, always
+    1 here: the flat layout's alignment does its job. The buffers are filled in by ``ParamAndGradBuffer``
+    according to the sharding strategy; a buffer that the strategy does not need is None:
+    ``transpose_weight_buffer`` is for FP8 weights' transposes (none yet), ``hsdp_gbuf``
+    the gradients of main weights sharded over the outer dim too (fully-sharded hybrid).
     """
 
     params: list[nn.Parameter]

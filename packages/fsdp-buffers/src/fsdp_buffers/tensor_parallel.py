@@ -19,7 +19,8 @@ Refused with an error (on every rank: the rule reads local, rank-independent fac
 DTensor on any other mesh, or with a ``Partial``/strided placement or pieces that are
 not chunk-sized, DTensors without a ``tp_dim``, Megatron ``partition_stride`` > 1 and
 ``sequence_parallel``/``average_gradients_across_tp_domain`` parameters (their
-gradients need a tp reduction fsdp does not do), and tp with hybrid sharding or an
+gradients need a tp reduction fsdp does not do), a tp dim of several ranks over a
+model none of whose parameters is tensor-parallel, and tp with hybrid sharding or an
 expert mesh.
 
 fsdp then works on the tp-local tensors as on any parameter: layouts, buffers and
@@ -53,7 +54,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fsdp_mesh import get_mcore_tensor_parallel_partition_dim, warn_once
+from fsdp_mesh import get_mcore_tensor_parallel_partition_dim
 
 __all__ = ["TPKind", "TPSpec", "TensorParallelViews", "chunk_ranges", "tensor_parallel_specs"]
 
@@ -183,11 +184,14 @@ def tensor_parallel_specs(module: nn.Module, dist_index) -> dict[nn.Parameter, T
         for n, p in params.items()
     }
     if idx.tp_size > 1 and all(s.kind is TPKind.REPLICATED for s in specs.values()):
-        warn_once(
-            "fsdp.tp_all_replicated",
+        # Almost always a model that was never parallelized: every tp rank would train
+        # the whole model on the same data, tp times the work for nothing.
+        raise ValueError(
             f"tp_dim={idx.tp_dim!r} has {idx.tp_size} ranks but no parameter is "
-            "tensor-parallel (no DTensor, no Megatron-Core tensor_model_parallel mark): "
-            "every tp rank holds and trains the whole model",
+            "tensor-parallel: none is a DTensor on device_mesh[tp_dim] (torch's "
+            "parallelize_module) or carries Megatron-Core's tensor_model_parallel=True "
+            "with a partition_dim; parallelize the model over the tp dim first, or leave "
+            "tp_dim out (or give it size 1)"
         )
     return specs
 
