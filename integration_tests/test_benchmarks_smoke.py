@@ -5,9 +5,12 @@ import pytest
 
 from benchmarks.compare import run_benchmark
 
-# Units of Linear(128, 128): 16384 + 128 elements, no padding at world size 2 (fsdp
-# aligns each parameter's shard to 64 elements), so the per-step traffic should be
-# 3·Ψ·(N−1)/N up to rounding.
+# Units of Linear(128, 128): 128 + 1 rows of 128 elements (weight, then bias as one
+# more row). Shards are whole rows of each parameter and a parameter is one contiguous
+# piece of its bucket, so a bucket of R rows of width w takes shards of ceil(R/N)·w
+# elements: 65·128 at world size 2, padding 1/129 (+0.8%), within 1% of 3·Ψ·(N−1)/N.
+# (The real workload's Linear(64, 64) units: 65 rows of 64, +1/65 = +1.5%; see
+# docs/benchmarks.md.)
 SIZES = {
     "overhead": {"n_units": 4, "dim": 128, "batch": 2},
     "frozen": {

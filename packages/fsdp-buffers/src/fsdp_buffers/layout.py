@@ -55,8 +55,7 @@ __all__ = ["DEFAULT_ALIGNMENT", "FlatLayout", "ParamSlot", "compute_layout"]
 DEFAULT_ALIGNMENT: int = 16
 """Shard alignment in elements: every shard starts 16-byte aligned even in a 1-byte dtype
 (fp8; 32 B of bf16, 64 B of fp32), what vectorized copies and NCCL want. A larger one
-only adds padding, up to ``shard_count * (alignment - 1)`` elements a bucket: at 64,
-+1.5% of the traffic of a model of ``Linear(64, 64)`` units."""
+only adds padding, up to ``shard_count * (alignment - 1)`` elements a bucket."""
 
 # Parameter placements the exact search may spend before falling back to a size proven
 # to fit (see the module docstring). Realistic groups use a tiny fraction of it.
