@@ -22,6 +22,7 @@ from fsdp_ckpt.errors import (
     CheckpointError,
     CheckpointMismatchError,
     CorruptCheckpointError,
+    ForeignCheckpointWarning,
     IncompleteCheckpointError,
 )
 from fsdp_ckpt.model_state import get_model_state_dict, set_model_state_dict
@@ -36,6 +37,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "CorruptCheckpointError",
+    "ForeignCheckpointWarning",
     "IncompleteCheckpointError",
     "__version__",
     "consolidate_checkpoint",

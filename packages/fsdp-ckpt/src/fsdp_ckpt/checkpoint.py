@@ -8,6 +8,11 @@ Layout of a checkpoint directory::
     extra/rank_<r>.pt              user data and RNG states of rank r
     fsdp_manifest.json             written last: files and sizes, world size, version
 
+This is the layout of ``dcp.save({"model": msd, "optim": osd})`` with torch's
+``get_state_dict``, so an FSDP2 user loads it with plain ``dcp.load`` and
+``set_state_dict``; ``load_checkpoint`` in turn also loads such plain DCP checkpoints
+(see ``foreign`` and ``layout``).
+
 All ranks call both functions (they are collectives); the directory must be on a file
 system every rank sees. They also work in one process without a process group.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,28 +29,23 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 
 from fsdp_ckpt import _dist
 from fsdp_ckpt.atomic import incomplete_dir, publish, resolve_for_load
-from fsdp_ckpt.errors import CheckpointError, CheckpointMismatchError
+from fsdp_ckpt.errors import CheckpointError, CheckpointMismatchError, ForeignCheckpointWarning
 from fsdp_ckpt.extra import read_extra, restore_rng_state, write_extra
-from fsdp_ckpt.manifest import Manifest
+from fsdp_ckpt.foreign import is_foreign_dcp, verify_extents
+from fsdp_ckpt.layout import OURS, Layout, detect_layout
+from fsdp_ckpt.load_plan import nest, plan_model, plan_optimizer
+from fsdp_ckpt.manifest import MANIFEST_NAME, Manifest
 from fsdp_ckpt.model_state import get_model_state_dict, set_model_state_dict
-from fsdp_ckpt.optim_state import (
-    get_optimizer_state_dict,
-    init_optimizer_state,
-    optimizer_param_fqns,
-    set_optimizer_state_dict,
-)
-from fsdp_ckpt.validate import flatten, mismatches
+from fsdp_ckpt.optim_state import get_optimizer_state_dict, set_optimizer_state_dict
 
 __all__ = ["MODEL_KEY", "OPTIM_KEY", "load_checkpoint", "save_checkpoint"]
 
-MODEL_KEY = "model"
+MODEL_KEY = "model"  # = OURS.model_prefix without its dot
 OPTIM_KEY = "optim"
-_GROUPS_PREFIX = f"{OPTIM_KEY}.param_groups."
-_STATE_PREFIX = f"{OPTIM_KEY}.state."
 
 
 def _raise_agreed(error: BaseException | None) -> None:
@@ -106,72 +107,50 @@ def save_checkpoint(
     return path
 
 
-def _read_verified_manifest(directory: Path) -> Manifest:
+def _inspect(directory: Path) -> Manifest | None:
     """Rank 0 reads the manifest and checks every listed file; all ranks get its
-    verdict (one stat per file in all, not per rank)."""
+    verdict (one stat per file in all, not per rank). None: a plain DCP checkpoint
+    (see ``foreign``), checked as far as it can be, with one warning."""
     verdict: Manifest | BaseException | None = None
     if _dist.rank() == 0:
         try:
-            verdict = Manifest.read(directory)
-            verdict.verify(directory)
+            if is_foreign_dcp(directory):
+                verify_extents(directory)
+                warnings.warn(
+                    f"{directory} is a plain torch.distributed.checkpoint checkpoint, not "
+                    f"one of fsdp_ckpt.save_checkpoint: it has no {MANIFEST_NAME}, so its "
+                    f"file sizes cannot be verified (only that no file ends before the data "
+                    f"DCP's .metadata places in it), and it holds no extra state or RNG "
+                    f"states; loading it through DCP",
+                    ForeignCheckpointWarning,
+                    stacklevel=3,
+                )
+            else:
+                verdict = Manifest.read(directory)
+                verdict.verify(directory)
         except CheckpointError as exc:
             verdict = exc
     verdict = _dist.broadcast_object(verdict)
     if isinstance(verdict, BaseException):
         raise verdict
-    assert isinstance(verdict, Manifest)
     return verdict
 
 
-def _saved_state_fqns(metadata: Metadata, fqns: list[str]) -> set[str]:
-    """The parameters among ``fqns`` that have optimizer state in the checkpoint
-    (keys ``optim.state.<fqn>.<state name>``)."""
-    wanted = set(fqns)
-    found: set[str] = set()
-    for key in metadata.state_dict_metadata:
-        if not key.startswith(_STATE_PREFIX):
-            continue
-        rest = key[len(_STATE_PREFIX) :]
-        dot = rest.rfind(".")
-        while dot > 0:
-            if rest[:dot] in wanted:
-                found.add(rest[:dot])
-                break
-            dot = rest.rfind(".", 0, dot)
-    return found
-
-
-def _param_groups_skeleton(metadata: Metadata) -> list[dict[str, Any]]:
-    """Placeholders for every saved param-group entry, for DCP to fill in."""
-    groups: dict[int, dict[str, Any]] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if not key.startswith(_GROUPS_PREFIX):
-            continue
-        index, _, name = key[len(_GROUPS_PREFIX) :].partition(".")
-        placeholder = (
-            torch.empty(md.size, dtype=md.properties.dtype)
-            if isinstance(md, TensorStorageMetadata)
-            else None
+def _layout(
+    directory: Path,
+    manifest: Manifest | None,
+    metadata: Metadata,
+    model_keys: list[str],
+    *,
+    want_optimizer: bool,
+) -> Layout:
+    if manifest is None:
+        return detect_layout(metadata, model_keys, directory, want_optimizer=want_optimizer)
+    if want_optimizer and not manifest.has_optimizer:
+        raise CheckpointMismatchError(
+            f"{directory} holds no optimizer state; load it without an optimizer"
         )
-        groups.setdefault(int(index), {})[name] = placeholder
-    return [groups[i] for i in sorted(groups)]
-
-
-def _optimizer_state_to_load(
-    model: nn.Module, optimizer: torch.optim.Optimizer, metadata: Metadata
-) -> dict[str, Any]:
-    """The optimizer's live state (created where the checkpoint has some and the
-    optimizer has none yet) for the parameters the checkpoint has state for."""
-    fqns = optimizer_param_fqns(model, optimizer)
-    saved = _saved_state_fqns(metadata, fqns)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    init_optimizer_state(
-        optimizer, [p for p, fqn in zip(params, fqns, strict=True) if fqn in saved]
-    )
-    osd = get_optimizer_state_dict(model, optimizer)
-    osd["state"] = {fqn: v for fqn, v in osd["state"].items() if fqn in saved}
-    osd["param_groups"] = _param_groups_skeleton(metadata)
-    return osd
+    return OURS
 
 
 def load_checkpoint(
@@ -186,30 +165,29 @@ def load_checkpoint(
     wrapper) into ``model`` and ``optimizer``, in place; restore this rank's RNG
     states; return the ``extra`` dict that was saved.
 
-    Refuses, on every rank, a directory without a manifest (an interrupted save), a
-    file whose size differs from the manifest (truncated), and keys or shapes that do
-    not match (naming them; ``strict=False`` ignores model entries of the checkpoint
-    that the model does not have)."""
+    Also loads a plain DCP checkpoint (``dcp.save`` of torch's ``get_state_dict``
+    output, e.g. from FSDP2), its layout read from its keys (see ``layout``), with a
+    ``ForeignCheckpointWarning``; it returns ``{}`` and restores no RNG state.
+
+    Refuses, on every rank, a directory without a manifest that is not a complete DCP
+    checkpoint (an interrupted save), a file whose size differs from the manifest
+    (truncated), and keys or shapes that do not match (naming them; ``strict=False``
+    ignores model entries of the checkpoint that the model does not have)."""
     directory = resolve_for_load(Path(path).absolute())
-    manifest = _read_verified_manifest(directory)
+    manifest = _inspect(directory)
 
     metadata = FileSystemReader(directory).read_metadata()
-    state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
-    problems = [mismatches(flatten(state[MODEL_KEY], MODEL_KEY), metadata, "model.", strict=strict)]
-    if optimizer is not None:
-        if not manifest.has_optimizer:
-            raise CheckpointMismatchError(
-                f"{directory} holds no optimizer state; load it without an optimizer"
-            )
-        osd = _optimizer_state_to_load(model, optimizer, metadata)
-        saved_groups, groups = len(osd["param_groups"]), len(optimizer.param_groups)
-        if saved_groups != groups:
-            problems.append(
-                f"the checkpoint has {saved_groups} optimizer param group(s), this "
-                f"optimizer {groups}"
-            )
-        state[OPTIM_KEY] = osd
-        problems.append(mismatches(flatten(osd["state"], "optim.state"), metadata, _STATE_PREFIX))
+    model_sd = get_model_state_dict(model)
+    layout = _layout(
+        directory, manifest, metadata, list(model_sd), want_optimizer=optimizer is not None
+    )
+    state: dict[str, Any] = {}
+    model_node = nest(state, layout.model_prefix, model_sd)
+    problems = [plan_model(model_sd, metadata, layout, strict=strict)]
+    plan = None if optimizer is None else plan_optimizer(model, optimizer, metadata, layout)
+    if plan is not None:
+        optim_node = nest(state, plan.prefix, plan.to_load)
+        problems += plan.problems
     found = [p for p in problems if p]
     _raise_agreed(
         CheckpointMismatchError(
@@ -225,9 +203,11 @@ def load_checkpoint(
             storage_reader=FileSystemReader(directory),
             no_dist=not _dist.is_distributed(),
         )
-    set_model_state_dict(model, state[MODEL_KEY], strict=strict)
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state[OPTIM_KEY])
+    set_model_state_dict(model, {k: model_node[k] for k in model_sd}, strict=strict)
+    if optimizer is not None and plan is not None:
+        set_optimizer_state_dict(model, optimizer, plan.loaded(optim_node))
+    if manifest is None:
+        return {}
     saved = read_extra(directory, _dist.rank(), manifest.world_size == _dist.world_size())
     if restore_rng:
         restore_rng_state(saved["rng"])

@@ -7,6 +7,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "CorruptCheckpointError",
+    "ForeignCheckpointWarning",
     "IncompleteCheckpointError",
 ]
 
@@ -26,3 +27,8 @@ class CorruptCheckpointError(CheckpointError):
 
 class CheckpointMismatchError(CheckpointError):
     """The checkpoint's keys or shapes do not match the state being loaded."""
+
+
+class ForeignCheckpointWarning(UserWarning):
+    """A plain DCP checkpoint (no fsdp manifest) is being loaded: its file sizes cannot
+    be verified against a manifest, and it holds no extra state or RNG states."""

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 __all__ = ["flatten", "mismatches"]
 
@@ -16,10 +16,11 @@ _SHOWN = 20
 
 
 def flatten(tree: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    """Nested mappings as DCP names their leaves: ``prefix.key.subkey``."""
+    """Nested mappings as DCP names their leaves: ``prefix.key.subkey`` (``key.subkey``
+    for an empty prefix)."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
-        name = f"{prefix}.{key}"
+        name = f"{prefix}.{key}" if prefix else str(key)
         if isinstance(value, Mapping):
             out.update(flatten(value, name))
         else:
@@ -33,12 +34,11 @@ def _show(keys: list[str]) -> str:
 
 
 def mismatches(
-    ours: Mapping[str, Any], metadata: Metadata, scope: str, *, strict: bool = True
+    ours: Mapping[str, Any], saved: Mapping[str, Any], *, strict: bool = True
 ) -> str | None:
-    """What is wrong between ``ours`` (flat DCP keys, all starting with ``scope``) and
-    the checkpoint's entries under ``scope``; None when they match. ``strict=False``
-    tolerates checkpoint entries that ``ours`` does not have."""
-    saved = {k: v for k, v in metadata.state_dict_metadata.items() if k.startswith(scope)}
+    """What is wrong between ``ours`` (flat DCP keys) and ``saved`` (the checkpoint's
+    metadata entries of the same part, e.g. the model's); None when they match.
+    ``strict=False`` tolerates checkpoint entries that ``ours`` does not have."""
     missing = sorted(k for k in ours if k not in saved)
     unexpected = sorted(k for k in saved if k not in ours) if strict else []
     wrong: list[str] = []
