@@ -1,6 +1,8 @@
 """``fsdp-demo`` end to end: it trains on 2 CPU ranks, saves a checkpoint, plots, and
-resumes (here at another strategy, so that the checkpoint is resharded); bad arguments
-fail before any rank starts, with a message saying what is wrong."""
+resumes (here at another strategy, so that the checkpoint is resharded); under
+``torchrun`` the launcher decides the ranks and each still trains on ``--batch-size``
+sequences; bad arguments fail before any rank starts, with a message saying what is
+wrong."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from fsdp.demo.cli import main
-from fsdp.demo.options import CHECKPOINT_DIR
+from fsdp.demo.options import CHECKPOINT_DIR, parse_args
 from fsdp.demo.plot import PLOT_FILE
 from fsdp.demo.train import METRICS_FILE
 
@@ -78,6 +80,44 @@ def test_demo_resumes_at_another_strategy(first_run):
     assert all(math.isfinite(h["loss"]) for h in history)
 
 
+# torchrun, not --nproc (default 2 on CPU), decides the ranks. 3 ranks with 3 sequences
+# each: with the global batch taken as batch_size * --nproc (6), each rank would get 2.
+TORCHRUN_RANKS = 3
+TORCHRUN_BATCH = 3
+TORCHRUN_SEQ_LEN = 16
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+def test_demo_under_torchrun_trains_batch_size_per_rank(tmp_path):
+    script = Path(sys.executable).with_name("torchrun")
+    launcher = [str(script)] if script.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    launcher += ["--standalone", "--nproc-per-node", str(TORCHRUN_RANKS), "-m", "fsdp.demo"]
+    args = ["--batch-size", str(TORCHRUN_BATCH), "--seq-len", str(TORCHRUN_SEQ_LEN)]
+    args += ["--steps", "2", "--out", str(tmp_path)]
+    done = subprocess.run(
+        [*launcher, *args],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, f"torchrun fsdp-demo failed:\n{done.stdout}\n{done.stderr}"
+    global_batch = TORCHRUN_RANKS * TORCHRUN_BATCH
+    assert f"{TORCHRUN_RANKS} rank(s) on cpu" in done.stdout, done.stdout
+    assert f"global batch {global_batch}x{TORCHRUN_SEQ_LEN} ({TORCHRUN_BATCH} per rank)" in (
+        done.stdout
+    ), done.stdout
+    assert done.stdout.count("checkpoint:") == 1, "only rank 0 reports"
+    summary = json.loads((tmp_path / METRICS_FILE).read_text())
+    assert summary["world_size"] == TORCHRUN_RANKS
+    assert (summary["batch_size"], summary["global_batch"]) == (TORCHRUN_BATCH, global_batch)
+    assert [h["step"] for h in summary["history"]] == [1, 2]
+    for h in summary["history"]:
+        assert h["sequences_per_rank"] == [TORCHRUN_BATCH] * TORCHRUN_RANKS, h
+        assert len(h["memory_mb"]) == TORCHRUN_RANKS and math.isfinite(h["loss"])
+    assert (tmp_path / CHECKPOINT_DIR / "fsdp_manifest.json").is_file()
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -102,6 +142,32 @@ def test_cuda_requested_but_absent(capsys):
         main(["--device", "cuda"])
     assert info.value.code == 2
     assert "no CUDA device is available" in capsys.readouterr().err
+
+
+def _fake_torchrun_node(monkeypatch: pytest.MonkeyPatch, local_ranks: int, gpus: int) -> None:
+    """This process as one of ``local_ranks`` ranks torchrun started on a node with
+    ``gpus`` GPUs (checked by the argument parser only: nothing touches a GPU)."""
+    for name, value in {
+        "TORCHELASTIC_RUN_ID": "test",
+        "RANK": "0",
+        "WORLD_SIZE": str(2 * local_ranks),
+        "LOCAL_WORLD_SIZE": str(local_ranks),
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+
+
+def test_torchrun_decides_the_ranks_not_nproc(monkeypatch, capsys):
+    """Under torchrun --nproc is ignored (a stale --nproc 16 on an 8-GPU node is no
+    error), but more ranks on a node than it has GPUs is."""
+    _fake_torchrun_node(monkeypatch, local_ranks=8, gpus=8)
+    assert parse_args(["--device", "cuda", "--nproc", "16"]).batch_size == 8
+    _fake_torchrun_node(monkeypatch, local_ranks=8, gpus=4)
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--device", "cuda"])
+    assert info.value.code == 2
+    assert "torchrun started 8 ranks on this node, which has 4 GPUs" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(shutil.which("uv") is None, reason="builds the wheel with uv")

@@ -9,11 +9,15 @@
   trains like the same plain module under torch DDP.
 - ``FullyShardedDataParallel`` trains exactly like ``fully_shard`` for every
   ``data_parallel_sharding_strategy``.
-- Wrong configurations raise clear errors, before any collective.
+- Wrong configurations raise clear errors, before any collective; fields of
+  Megatron-Core's config that fsdp does not implement, when set, are named in one
+  warning (accepted, ignored).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -510,3 +514,81 @@ def test_ddp_keywords_override_ddp_config_fields():
     )
     assert cfg.grad_reduce_in_fp32 and cfg.overlap_grad_reduce and cfg.use_distributed_optimizer
     assert cfg.data_parallel_sharding_strategy == "optim"
+
+
+# ---- Megatron-Core's config: fields fsdp does not know -----------------------------------
+
+
+@dataclasses.dataclass
+class McoreDDPConfig:
+    """A slice of Megatron-Core's ``DistributedDataParallelConfig``: fields fsdp reads,
+    and fields it does not implement (one with a truthy default)."""
+
+    grad_reduce_in_fp32: bool = False
+    overlap_grad_reduce: bool = False
+    use_distributed_optimizer: bool = False
+    bucket_size: int | None = None
+    check_for_large_grads: bool = False
+    align_param_gather: bool = False
+    pad_buckets_for_high_nccl_busbw: bool = False
+    some_truthy_default: int = 4
+
+
+def _ignored_field_warnings(ddp_config: object) -> list[str]:
+    from fsdp_hooks.adapters._common import coerce_ddp_config
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = coerce_ddp_config(ddp_config, "Adapter")
+    assert cfg.grad_reduce_in_fp32 == ddp_config.grad_reduce_in_fp32, "known fields carry over"
+    return [str(w.message) for w in caught if "does not implement" in str(w.message)]
+
+
+def test_unknown_mcore_fields_set_are_named_in_one_warning():
+    (message,) = _ignored_field_warnings(
+        McoreDDPConfig(
+            grad_reduce_in_fp32=True,
+            check_for_large_grads=True,
+            align_param_gather=True,
+            some_truthy_default=8,
+        )
+    )
+    assert message.startswith("Adapter: ddp_config (McoreDDPConfig) sets fields"), message
+    assert "check_for_large_grads=True, align_param_gather=True, some_truthy_default=8" in message
+    assert "accepted and ignored" in message
+    # Known fields and unknown ones left at their defaults are not named.
+    for quiet in ("grad_reduce_in_fp32", "pad_buckets_for_high_nccl_busbw", "bucket_size"):
+        assert quiet not in message, (quiet, message)
+
+
+@pytest.mark.parametrize(
+    "ddp_config",
+    [
+        McoreDDPConfig(),
+        McoreDDPConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True),
+        McoreDDPConfig(some_truthy_default=4),  # its default, though truthy
+        McoreDDPConfig(some_truthy_default=0),  # not its default, but falsy: "off"
+        SimpleNamespace(grad_reduce_in_fp32=False, check_for_large_grads=False),
+    ],
+)
+def test_unknown_fields_at_default_or_off_are_silent(ddp_config):
+    assert _ignored_field_warnings(ddp_config) == []
+
+
+def test_unknown_field_of_a_plain_object_is_named():
+    """Any object with the field names works; without declared defaults, an unknown
+    attribute counts as set when it is truthy."""
+    (message,) = _ignored_field_warnings(
+        SimpleNamespace(grad_reduce_in_fp32=True, align_param_gather=True, _private=1)
+    )
+    assert "align_param_gather=True" in message and "_private" not in message
+
+
+@pytest.mark.parametrize("adapter", [DistributedDataParallel, FullyShardedDataParallel])
+def test_adapters_warn_about_unknown_fields_before_anything_else(adapter):
+    """Through the public constructors (which then stop: no process group here)."""
+    with (
+        pytest.warns(UserWarning, match="sets fields fsdp does not implement: check_for_large"),
+        pytest.raises(RuntimeError, match=r"torch\.distributed is not initialized"),
+    ):
+        adapter(None, McoreDDPConfig(check_for_large_grads=True), nn.Linear(2, 2))

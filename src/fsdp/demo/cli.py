@@ -3,26 +3,23 @@
 Started by hand, it launches ``--nproc`` local ranks itself (torch's elastic launcher,
 in this process). Started by ``torchrun`` (one process per rank, on one node or many:
 ``torchrun ... -m fsdp.demo``), each process is one rank and ``--nproc`` is ignored.
+Either way each rank trains on ``--batch-size`` sequences a step, so the global batch
+is ``--batch-size`` times the number of ranks that actually run.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
-from fsdp.demo.options import DemoOptions, parse_args
+from fsdp.demo.options import DemoOptions, parse_args, under_torchrun
 
 __all__ = ["main"]
 
 
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
-
-
 def _run(options: DemoOptions) -> dict | None:
     """Rank 0's summary (None on the other ranks under torchrun)."""
-    if _under_torchrun():
+    if under_torchrun():
         from fsdp.demo.train import run_rank
 
         return run_rank(options)

@@ -7,6 +7,7 @@ problem, exit status 2) in the launching process, so no rank ever starts on bad 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,15 +15,21 @@ import torch
 
 from fsdp_buffers import ShardingStrategy
 
-__all__ = ["CHECKPOINT_DIR", "DemoOptions", "build_parser", "parse_args"]
+__all__ = ["CHECKPOINT_DIR", "DemoOptions", "build_parser", "parse_args", "under_torchrun"]
 
 CHECKPOINT_DIR = "checkpoint"
 DEFAULT_OUT = Path("runs") / "fsdp-demo"
 
 
+def under_torchrun() -> bool:
+    """Whether this process is one rank started by ``torchrun`` (or any elastic agent):
+    then the launcher, not ``--nproc``, decides how many ranks there are."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
 @dataclass(frozen=True)
 class DemoOptions:
-    nproc: int
+    nproc: int  # local ranks fsdp-demo launches itself (unused under torchrun)
     device: str
     strategy: str  # the Megatron name, e.g. "optim_grads_params"
     steps: int
@@ -37,9 +44,10 @@ class DemoOptions:
     def checkpoint(self) -> Path:
         return self.out / CHECKPOINT_DIR
 
-    @property
-    def global_batch(self) -> int:
-        return self.batch_size * self.nproc
+    def global_batch(self, world_size: int) -> int:
+        """Sequences per step over all ranks: ``batch_size`` on each of the
+        ``world_size`` ranks that actually train (whoever launched them)."""
+        return self.batch_size * world_size
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
             "checkpoint and plot loss and memory per step."
         ),
     )
-    p.add_argument("--nproc", type=int, default=None, help="ranks (default: 2 on CPU, every GPU)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="ranks (default: 2 on CPU, every GPU); ignored under torchrun, which decides",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default: cpu")
     p.add_argument(
         "--strategy",
@@ -86,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> DemoOptions:
         strategy = ShardingStrategy.parse(a.strategy.strip()).megatron_name
     except ValueError as err:
         parser.error(f"--strategy: {err}")
+    torchrun = under_torchrun()
     if a.device == "cuda":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpus == 0:
@@ -93,8 +107,16 @@ def parse_args(argv: list[str] | None = None) -> DemoOptions:
                 f"--device cuda: no CUDA device is available (torch {torch.__version__}, "
                 f"built for CUDA {torch.version.cuda or 'none'}); use --device cpu"
             )
+        if torchrun:
+            # torchrun, not --nproc, decides the ranks: one GPU per rank of this node.
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            if local > gpus:
+                parser.error(
+                    f"--device cuda: torchrun started {local} ranks on this node, which has "
+                    f"{gpus} GPUs; pass --nproc-per-node {gpus} (or fewer) to torchrun"
+                )
         nproc = gpus if a.nproc is None else a.nproc
-        if nproc > gpus:
+        if nproc > gpus and not torchrun:
             parser.error(f"--nproc {nproc} on --device cuda needs {nproc} GPUs; found {gpus}")
     else:
         nproc = 2 if a.nproc is None else a.nproc

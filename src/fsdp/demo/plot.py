@@ -27,8 +27,11 @@ def plot_run(summary: dict[str, Any], path: Path) -> Path:
         f"rank(s), {summary['parameters'] / 1e6:.2f}M parameters"
     )
     ax_loss.grid(alpha=0.3)
-    for rank in range(len(history[0]["memory_mb"])):
-        ax_mem.plot(steps, [h["memory_mb"][rank] for h in history], label=f"rank {rank}")
+    # A run resumed at another world size has a different number of ranks per step:
+    # each rank's line covers the steps it existed in.
+    for rank in range(max(len(h["memory_mb"]) for h in history)):
+        points = [(h["step"], h["memory_mb"][rank]) for h in history if rank < len(h["memory_mb"])]
+        ax_mem.plot(*zip(*points, strict=True), label=f"rank {rank}")
     ax_mem.set_ylabel(f"memory ({summary['memory_kind']}, MB)")
     ax_mem.set_xlabel("step")
     ax_mem.legend(loc="best")

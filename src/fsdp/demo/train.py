@@ -81,6 +81,9 @@ def run_rank(options: DemoOptions) -> dict[str, Any] | None:
 
 def _train(o: DemoOptions, device: torch.device) -> dict[str, Any] | None:
     rank, world = dist.get_rank(), dist.get_world_size()
+    # Every rank trains on o.batch_size sequences, however many ranks were launched and
+    # by whom (fsdp-demo's --nproc, or torchrun across nodes).
+    global_batch = o.global_batch(world)
     corpus = Corpus.load()
     cfg = model_config(corpus.vocab_size, o.seq_len)
     module = build_model(cfg, o.seed).to(device)
@@ -99,7 +102,8 @@ def _train(o: DemoOptions, device: torch.device) -> dict[str, Any] | None:
         print(
             f"fsdp-demo: {world} rank(s) on {device.type}, strategy {o.strategy}, GPT with "
             f"{n_params / 1e6:.2f}M parameters, {len(corpus.text) / 1e3:.0f}k characters of "
-            f"text, global batch {o.global_batch}x{o.seq_len}, steps {start}..{start + o.steps}",
+            f"text, global batch {global_batch}x{o.seq_len} ({o.batch_size} per rank), "
+            f"steps {start}..{start + o.steps}",
             flush=True,
         )
     bar = tqdm(
@@ -111,7 +115,8 @@ def _train(o: DemoOptions, device: torch.device) -> dict[str, Any] | None:
         began = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = _learning_rate(step, o.lr)
-        x, y = corpus.batch(step, o.global_batch, o.seq_len, rank, world, o.seed)
+        x, y = corpus.batch(step, global_batch, o.seq_len, rank, world, o.seed)
+        sequences = x.shape[0]  # this rank's: o.batch_size
         logits = model(x.to(device))
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten())
         loss.backward()
@@ -122,6 +127,7 @@ def _train(o: DemoOptions, device: torch.device) -> dict[str, Any] | None:
         elapsed = time.perf_counter() - began
         total_comm += comm_bytes(model.comm_stats(reset=True))
         memory = _per_rank(memory_bytes(device) / MB, device)
+        rank_sequences = [int(n) for n in _per_rank(sequences, device)]
         if not math.isfinite(mean_loss):
             raise FloatingPointError(
                 f"the loss is {mean_loss} at step {step + 1}; try a smaller --lr"
@@ -130,7 +136,8 @@ def _train(o: DemoOptions, device: torch.device) -> dict[str, Any] | None:
             {
                 "step": step + 1,
                 "loss": mean_loss,
-                "tokens_per_s": o.global_batch * o.seq_len / elapsed,
+                "tokens_per_s": sum(rank_sequences) * o.seq_len / elapsed,
+                "sequences_per_rank": rank_sequences,
                 "memory_mb": memory,
                 "comm_mb": total_comm / MB,
             }
@@ -158,6 +165,8 @@ def _train(o: DemoOptions, device: torch.device) -> dict[str, Any] | None:
         "device": device.type,
         "memory_kind": memory_kind(device),
         "world_size": world,
+        "batch_size": o.batch_size,
+        "global_batch": global_batch,
         "strategy": o.strategy,
         "parameters": n_params,
         "checkpoint": str(path),

@@ -6,11 +6,18 @@ or None: only the attributes listed in ``TRANSFORMER_OPTIONS`` are read from it,
 their Megatron-Core defaults when absent. ``ddp_config`` may be fsdp's
 ``DistributedDataParallelConfig``, Megatron-Core's own one (or any object with the same
 field names), a dict of fields, or None for the defaults.
+
+Megatron-Core's config has fields fsdp does not know (``check_for_large_grads``,
+``align_param_gather``, ...). They are accepted and ignored; those set to something
+other than their default (and truthy: a user asked for a feature) are named in one
+warning, so that nobody believes a feature is on when it is not. A dict with an
+unknown key is an error instead: it was written for fsdp, so the key is a typo.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -80,7 +87,50 @@ def coerce_ddp_config(ddp_config: object, who: str) -> DistributedDataParallelCo
             f"{who}: ddp_config must be a DistributedDataParallelConfig (fsdp's or "
             f"Megatron-Core's), a dict of its fields, or None; got {type(ddp_config).__name__}"
         )
+    ignored = _unknown_fields_set(ddp_config)
+    if ignored:
+        warnings.warn(
+            f"{who}: ddp_config ({type(ddp_config).__name__}) sets fields fsdp does not "
+            f"implement: {', '.join(f'{k}={v!r}' for k, v in ignored.items())}; accepted "
+            "and ignored",
+            UserWarning,
+            stacklevel=2,
+        )
     return DistributedDataParallelConfig(**values)
+
+
+def _field_default(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return dataclasses.MISSING
+
+
+def _unknown_fields_set(ddp_config: object) -> dict[str, Any]:
+    """The fields of ``ddp_config`` fsdp does not know whose value is truthy and not
+    the field's default (a dataclass's declared default; for other objects, any truthy
+    public attribute counts), in declaration order."""
+    if dataclasses.is_dataclass(ddp_config):
+        candidates = {f.name: _field_default(f) for f in dataclasses.fields(ddp_config)}
+    else:
+        attrs = getattr(ddp_config, "__dict__", {})
+        candidates = {k: dataclasses.MISSING for k in attrs if not k.startswith("_")}
+    out: dict[str, Any] = {}
+    for name, default in candidates.items():
+        if name in _FIELDS or not hasattr(ddp_config, name):
+            continue
+        value = getattr(ddp_config, name)
+        if callable(value):
+            continue
+        try:
+            is_default = default is not dataclasses.MISSING and bool(value == default)
+            set_to_something = bool(value)
+        except Exception:  # e.g. a tensor of several elements: it was set on purpose
+            is_default, set_to_something = False, True
+        if set_to_something and not is_default:
+            out[name] = value
+    return out
 
 
 def _device_type() -> str:
