@@ -164,8 +164,10 @@ def _state_body():
         TrainingState.IDLE,
     )
     # A unit is FORWARD inside its forward, PRE_BACKWARD from the first gradient at
-    # its outputs, POST_BACKWARD once the gradients of its inputs exist; blocks.2 is
-    # no_shard, without hooks, so it stays IDLE.
+    # its outputs, POST_BACKWARD once the gradients of its inputs exist. blocks.2 is
+    # entirely fsdp_no_shard: it gets no hooks at all (seed 002's point: no hook
+    # dispatch for replicated modules), so nothing tracks it and it stays IDLE; see
+    # hooks.py's module note.
     expected = [
         ("fwd blocks.0", f_, (f_, i_, i_), True),
         ("fwd blocks.1", f_, (i_, f_, i_), True),
@@ -494,6 +496,58 @@ def _released_body():
 
 def test_released_unit_params_are_dtensor_shards():
     assert run_distributed(_released_body, WORLD) == [True, True]
+
+
+# ---- the default mesh, named after the arguments ----------------------------------------
+
+
+def _default_mesh_body():
+    """Without a device_mesh the default mesh takes its dim names from dp_shard_dim and
+    tp_dim (a size-1 tp dim), as megatron_fsdp's does, and trains like any other."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    expected_grads = _local_grad_mean(world)
+    cases = [
+        ({}, ("dp_shard",), (world,)),
+        ({"dp_shard_dim": "fsdp"}, ("fsdp",), (world,)),
+        ({"dp_shard_dim": "fsdp", "tp_dim": "tp"}, ("fsdp", "tp"), (world, 1)),
+        ({"tp_dim": "tensor"}, ("dp_shard", "tensor"), (world, 1)),
+    ]
+    for kwargs, names, shape in cases:
+        module = _gpt()
+        model, opt = fully_shard(module, _sgd(module), fsdp_unit_modules=[Block], **kwargs)
+        index = model.get_distributed_index()
+        mesh = index.device_mesh
+        assert mesh.mesh_dim_names == names and tuple(mesh.shape) == shape, (kwargs, mesh)
+        assert mesh.device_type == "cpu" and index.fsdp_size == world
+        assert index.dp_shard_dim == names[0] and index.tp_dim == kwargs.get("tp_dim")
+        _loss(model, *_data(0, rank)).backward()
+        _check_grads(model, expected_grads)
+        opt.step()
+        opt.zero_grad()
+
+    # The default mesh has no outer dim: hybrid-sharding arguments are dropped with a
+    # warning (megatron_fsdp drops them silently), and training is plain FSDP.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = fully_shard_model(
+            _gpt(),
+            dp_outer_dim="outer",
+            outer_dp_sharding_strategy="optim",
+            fsdp_unit_modules=[Block],
+        )
+    messages = [str(w.message) for w in caught]
+    for name in ("dp_outer_dim", "outer_dp_sharding_strategy"):
+        assert sum(m.startswith(f"{name} is ignored without a device_mesh") for m in messages) == 1
+    assert model.get_distributed_index().dp_outer_dim is None
+    assert model.get_distributed_index().device_mesh.mesh_dim_names == ("dp_shard",)
+
+    with pytest.raises(ValueError, match=r"dp_shard_dim and tp_dim name the same dim \('x'\)"):
+        fully_shard_model(_gpt(), dp_shard_dim="x", tp_dim="x")
+    return True
+
+
+def test_default_mesh_is_named_after_dp_shard_dim_and_tp_dim():
+    assert run_distributed(_default_mesh_body, WORLD) == [True, True]
 
 
 def test_fully_shard_needs_an_initialized_process_group():

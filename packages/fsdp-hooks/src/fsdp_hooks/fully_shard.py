@@ -6,8 +6,12 @@ for it runs unchanged. Differences a user may notice:
 - ``fully_shard(module, optimizer)`` keeps the optimizer's parameter groups (and their
   hyperparameters, e.g. weight-decay groups): each original parameter is replaced in
   place by its DTensor main-weight parameter. Megatron-FSDP rebuilds a single group.
-- With no ``device_mesh``, the default is a 1-D mesh over the whole world, named
-  ``"dp_shard"``, on CUDA when NCCL is the default backend, else on CPU.
+- With no ``device_mesh``, the default is a mesh over the whole world on CUDA when
+  NCCL is the default backend, else on CPU. Its shard dim is named ``dp_shard_dim``
+  (``"dp_shard"`` when not given); a given ``tp_dim`` adds a trailing dim of size 1
+  under that name, else the mesh is 1-D. Hybrid-sharding arguments (``dp_outer_dim``,
+  ``hybrid_fsdp_group``, ``outer_dp_sharding_strategy``) are ignored there, with a
+  warning, as Megatron-FSDP ignores them.
 - Hybrid sharding: ``dp_outer_dim`` names the outer (replica) dim of ``device_mesh``;
   ``outer_dp_sharding_strategy="optim"`` (needs ``zero_dp_strategy`` 3) also shards
   main weights and optimizer state across it (fully-sharded HSDP). See Note [hybrid
@@ -23,9 +27,11 @@ for it runs unchanged. Differences a user may notice:
   gradients scaled by 1/(dense data-parallel size) as in Megatron-Core. Not yet: with
   hybrid sharding, state dicts of models whose experts differ across ranks, and
   ``torch.nn.utils.clip_grad_norm_`` over them (it cannot see other ranks' experts).
-- A tensor-parallel dim of more than one rank is accepted by name but not implemented
-  yet: it raises NotImplementedError. A ``tp_dim`` of size 1 (as ``build_device_mesh``
-  makes) is fine.
+- Tensor parallelism: ``tp_dim`` names the tensor-parallel dim of ``device_mesh``.
+  Parameters already split across it (DTensors from ``parallelize_module``, or
+  Megatron-Core tensor-parallel parameters) are sharded across the data-parallel dims
+  on top of their tensor-parallel piece; see Note [tensor parallelism] in
+  ``fsdp_buffers.tensor_parallel`` (not yet with hybrid sharding or an expert mesh).
 """
 
 from __future__ import annotations
@@ -49,16 +55,28 @@ __all__ = ["fully_shard", "fully_shard_model", "fully_shard_optimizer"]
 DEFAULT_SHARD_DIM = "dp_shard"
 
 
-def _default_mesh() -> DeviceMesh:
+def _default_mesh(dp_shard_dim: str, tp_dim: str | None) -> DeviceMesh:
+    """The whole world on the shard dim, named as the caller named it (Megatron-FSDP
+    names its default mesh after the arguments too); a given ``tp_dim`` becomes a
+    trailing dim of size 1."""
     if not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialized: call dist.init_process_group() (or launch "
             "with torchrun) before fully_shard"
         )
+    if tp_dim is not None and tp_dim == dp_shard_dim:
+        raise ValueError(
+            f"dp_shard_dim and tp_dim name the same dim ({tp_dim!r}); give them different "
+            "names, or pass a device_mesh"
+        )
     backend = dist.get_backend()
     device_type = "cuda" if backend == "nccl" and torch.cuda.is_available() else "cpu"
+    if tp_dim is None:
+        return init_device_mesh(
+            device_type, (dist.get_world_size(),), mesh_dim_names=(dp_shard_dim,)
+        )
     return init_device_mesh(
-        device_type, (dist.get_world_size(),), mesh_dim_names=(DEFAULT_SHARD_DIM,)
+        device_type, (dist.get_world_size(), 1), mesh_dim_names=(dp_shard_dim, tp_dim)
     )
 
 
@@ -103,6 +121,23 @@ def fully_shard_model(
     main weights."""
     strategy = ShardingStrategy.parse(zero_dp_strategy)
     outer = ShardingStrategy.parse(outer_dp_sharding_strategy)
+    if device_mesh is None:
+        # As in megatron_fsdp: the default mesh has no outer dim, so hybrid sharding
+        # options are dropped (with a warning rather than silently).
+        dropped = {
+            "dp_outer_dim": dp_outer_dim is not None,
+            "hybrid_fsdp_group": hybrid_fsdp_group is not None,
+            "outer_dp_sharding_strategy": outer is not ShardingStrategy.NO_SHARD,
+        }
+        for name in (n for n, given in dropped.items() if given):
+            warn_once(
+                f"fsdp.ignored.default_mesh.{name}",
+                f"{name} is ignored without a device_mesh: the default mesh has no outer "
+                "data-parallel dim; pass a device_mesh with one for hybrid sharding",
+            )
+        dp_outer_dim, hybrid_fsdp_group, outer = None, None, ShardingStrategy.NO_SHARD
+        dp_shard_dim = dp_shard_dim or DEFAULT_SHARD_DIM
+        device_mesh = _default_mesh(dp_shard_dim, tp_dim)
     check_outer_strategy(strategy, outer, dp_outer_dim is not None, "fully_shard")
     for name, value in (
         ("fsdp_group_ag", fsdp_group_ag),
@@ -119,9 +154,6 @@ def fully_shard_model(
     ):
         if value:
             warn_once(f"fsdp.ignored.{name}", f"{name} has no effect in fsdp; ignored")
-    if device_mesh is None:
-        device_mesh = _default_mesh()
-        dp_shard_dim = dp_shard_dim or DEFAULT_SHARD_DIM
     if dp_shard_dim is None and device_mesh.ndim == 1 and device_mesh.mesh_dim_names:
         dp_shard_dim = device_mesh.mesh_dim_names[0]
     dist_index = FSDPDistributedIndex(

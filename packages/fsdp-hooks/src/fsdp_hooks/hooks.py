@@ -16,9 +16,10 @@ Note on one step under ZeRO-3 (see DESIGN.md's data flow):
    compute parameters back; autograd itself never looks them up by attribute.
 4. Unit pre-backward: gather again and prefetch in backward order. The first backward
    event of a step also queues the end-of-backward callback on the outer graph task.
-5. Post-accumulate-grad hooks feed each gradient to the ``GradReducePipeline``, which
-   reduces a bucket as soon as it is complete.
-6. Unit post-backward: release the unit's buckets.
+5. Post-accumulate-grad hooks accumulate each gradient into its bucket.
+6. Unit post-backward: the unit's gradients are all in, so mark its buckets ready for
+   the ``GradReducePipeline``, which reduces them in its fixed order (see "When
+   reductions start" below); then release them.
 7. End of backward: launch what is left (parameters without gradients reduce zeros),
    wait for every reduction, release everything, check for NaN/Inf when asked, and
    swap the DTensor parameters back in with their ``.grad`` on the main-grad shards.
@@ -29,6 +30,32 @@ buckets already gathered by the unit's pre-backward (or, when the unit itself wa
 checkpointed reentrantly, its first forward ran under no_grad and no pre-backward was
 registered: gathers them itself) and puts the unit in PRE_BACKWARD; its post-forward
 keeps them for the backward that follows, so a recomputed unit is gathered once for both.
+
+When reductions start. A bucket's reduction is launched only at points that every rank
+reaches in the same order, so that reductions and the gathers of ZeRO-3's backward are
+issued in one order on every rank (they share the shard group): a unit's post-backward
+marks the buckets it releases ready, and the end of backward launches the rest (root
+buckets, buckets of units without hooks or whose post-backward did not run), in the
+pipeline's fixed order. A gradient that arrives is only accumulated into its bucket.
+Marking a bucket when its last gradient arrived instead would depend on the rank's
+data: with a branch taken on one rank only (some parameters get no gradient there) one
+rank would launch a reduce-scatter while the other issues the next all-gather, and both
+wait forever. The autograd engine runs a ready AccumulateGrad node before any other
+ready node, so a unit's gradients have arrived when its post-backward runs.
+
+Units called more than once in a forward (shared weights: ``block(block(h))``, or one
+module at two positions of a ``ModuleList``): each call has its own pre-forward,
+post-forward, pre-backward and post-backward, so under ZeRO-3 the unit is gathered and
+released once per call. A gradient usually arrives once, summed over the calls; under
+reentrant checkpointing each recomputed call runs its own backward and the gradient
+arrives once per call. So each unit counts its calls whose backward is still to come
+(``pending_backward``), and its buckets are marked ready at the post-backward of the
+last one, when every call's gradient is in.
+
+A unit that is entirely ``fsdp_no_shard`` gets no hooks at all (seed 002: hook dispatch
+is what marking a frozen encoder saves; test_no_shard.py checks it). So its
+``TrainingState`` stays IDLE through its forward and backward (the root's state tells
+where the step is), and its buckets are reduced at the end of backward.
 """
 
 from __future__ import annotations
@@ -66,6 +93,8 @@ class FSDPUnit:
     groups: list[int]  # buckets to gather for this unit, tied ones included
     release_groups: list[int]  # of those, the ones this unit releases (not root buckets)
     state: TrainingState = TrainingState.IDLE
+    # Forward calls of this step whose backward has not finished (see the module note).
+    pending_backward: int = 0
     handles: list[Any] = field(default_factory=list)
     # (module, attr, compute, distributed) of the parameters whose gathered bucket this
     # unit releases: swapped to the DTensor shard while released (see the module note).
@@ -96,6 +125,10 @@ class FSDPHooks:
         module = wrapper.module
         root = set(self.root_groups)
         self.units: list[FSDPUnit] = []
+        # Trainable bucket -> the hooked units that release it: the last of their
+        # post-backwards marks it ready (module note). Others wait for the end of backward.
+        self._markers: dict[int, list[FSDPUnit]] = {}
+        self._marked: set[int] = set()
         for index, name in enumerate(buffer.unit_names):
             unit_module = module.get_submodule(name)
             groups: list[int] = []
@@ -107,6 +140,9 @@ class FSDPHooks:
             self.units.append(unit)
             if module_is_fully_no_shard(unit_module):
                 continue  # replicated: nothing to gather or release, so no hooks at all
+            for gid in unit.release_groups:
+                if buffer.groups[gid].requires_grad:
+                    self._markers.setdefault(gid, []).append(unit)
             unit.handles.append(
                 unit_module.register_forward_pre_hook(
                     functools.partial(self._unit_pre_forward, unit), prepend=True, with_kwargs=True
@@ -210,6 +246,7 @@ class FSDPHooks:
             if not backward_pending:
                 # No backward will follow (eval, no_grad): nothing to keep gathered.
                 self._release_all()
+                self._reset_call_counts()
                 self.use_distributed_params()
             self.root_state = TrainingState.IDLE
         return output
@@ -231,6 +268,10 @@ class FSDPHooks:
             # A recompute runs inside the unit's backward: PRE_BACKWARD even when no
             # pre-backward hook fired (reentrant checkpoint ran the forward under no_grad).
             unit.state = TrainingState.PRE_BACKWARD if recompute else TrainingState.FORWARD
+            if not recompute:
+                # Counted under no_grad too: a reentrant checkpoint's first forward is one
+                # call, whose backward comes with its recompute.
+                unit.pending_backward += 1
             order = (
                 PrefetchOrder.BACKWARD_PASS_ORDER if recompute else PrefetchOrder.FORWARD_PASS_ORDER
             )
@@ -268,9 +309,28 @@ class FSDPHooks:
     def _unit_post_backward(self, unit: FSDPUnit) -> None:
         with annotate("fsdp.post_backward"):
             unit.state = TrainingState.POST_BACKWARD
+            unit.pending_backward = max(0, unit.pending_backward - 1)
+            for gid in unit.release_groups:
+                self._mark_ready_if_complete(gid)
             for gid in unit.release_groups:
                 self.gather.release_bucket(gid)
             self._unit_use(unit, compute=False)
+
+    def _mark_ready_if_complete(self, gid: int) -> None:
+        """Mark bucket ``gid`` ready for reduction once no unit that uses it has a call
+        whose backward is still to come; missing gradients count as zeros."""
+        units = self._markers.get(gid)
+        if not units or gid in self._marked or any(u.pending_backward for u in units):
+            return
+        self._marked.add(gid)
+        for param in self.buffer.groups[gid].params:
+            if param.requires_grad:
+                self.reduce.mark_param_grad_ready(param)
+
+    def _reset_call_counts(self) -> None:
+        for unit in self.units:
+            unit.pending_backward = 0
+        self._marked.clear()
 
     # ---- gradients ------------------------------------------------------------------
     def _on_param_grad(self, param: torch.Tensor) -> None:
@@ -279,7 +339,12 @@ class FSDPHooks:
             local = grad.to_local() if isinstance(grad, DTensor) else grad  # tp: no collective
             # Kept as a tensor: checking now would sync the device once per parameter.
             self._nonfinite.append((self._param_names[param], torch.isfinite(local).all()))
-        self.reduce.mark_param_grad_ready(param)  # type: ignore[arg-type]
+        if self.buffer.group_of(param)[0] in self._marked:
+            # Later than its unit's post-backward (see the module note): accumulated if
+            # the bucket waits for its turn, else an error naming the parameter.
+            self.reduce.mark_param_grad_ready(param)  # type: ignore[arg-type]
+        else:
+            self.buffer.accumulate_param_grad(param)  # type: ignore[arg-type]
 
     def _end_of_backward(self) -> None:
         with annotate("fsdp.end_of_backward"):
@@ -289,6 +354,7 @@ class FSDPHooks:
                 self.raise_if_nonfinite_grads()
             finally:
                 self._release_all()
+                self._reset_call_counts()
                 for unit in self.units:
                     unit.state = TrainingState.IDLE
                 self.use_distributed_params()

@@ -14,7 +14,11 @@ class TrainingState(enum.Enum):
 
     FSDP unit: FORWARD inside its forward, PRE_BACKWARD from the first gradient
     reaching its outputs until gradients for its inputs are computed, POST_BACKWARD
-    from then until the end of backward, IDLE otherwise.
+    from then until the end of backward, IDLE otherwise. A unit called several times in
+    one forward goes through these once per call. A unit that is entirely
+    ``fsdp_no_shard`` has no hooks (nothing to gather or release, and no hook dispatch
+    is the point of marking it), so it is always IDLE: the root's state tells where the
+    step is.
     """
 
     FORWARD = enum.auto()

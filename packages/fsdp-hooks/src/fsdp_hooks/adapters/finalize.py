@@ -1,10 +1,13 @@
 """``finalize_model_grads``: Megatron-Core's last step before ``optimizer.step()``.
 
 It finishes the gradient reduction of every model chunk and, for a per-token loss,
-divides the gradients by the number of tokens in the global batch. Tensor-, pipeline-
-and expert-parallel gradient syncs (layer norms under sequence parallelism, embeddings
-across pipeline stages) have nothing to do here: those parallelisms are not
-implemented yet.
+divides the gradients by the number of tokens in the global batch. Megatron-Core's
+other syncs have nothing to do here: expert gradients are reduced over the expert
+data-parallel group by ``finish_grad_sync`` itself; tensor-parallel parameters need no
+extra reduction (parameters that would, Megatron's ``sequence_parallel`` and
+``average_gradients_across_tp_domain`` ones, are refused at wrap time, see Note [tensor
+parallelism] in ``fsdp_buffers.tensor_parallel``); and embeddings tied across pipeline
+stages do not exist, as pipeline parallelism is not implemented.
 """
 
 from __future__ import annotations
