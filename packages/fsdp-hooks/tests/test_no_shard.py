@@ -114,10 +114,14 @@ def _body(kind):
     model, opt = fully_shard(module, opt, fsdp_unit_modules=units, zero_dp_strategy=3)
     buffer = model.buffer
 
-    # The marked unit: no hooks at all; every other unit has its pre/post hooks.
+    # The marked unit: only its two state-tracking hooks, none on its submodules (no
+    # per-layer dispatch; that they gather nothing is counted below); every other unit
+    # has its gathering pre/post hooks.
     marked_unit = next(u for u in model.hooks.units if u.module is marked)
-    assert marked_unit.handles == []
-    assert len(marked._forward_pre_hooks) == 0 and len(marked._forward_hooks) == 0
+    assert len(marked_unit.handles) == 2
+    assert len(marked._forward_pre_hooks) == 1 and len(marked._forward_hooks) == 1
+    for sub in list(marked.modules())[1:]:
+        assert not sub._forward_pre_hooks and not sub._forward_hooks, sub
     others = [u for u in model.hooks.units if u is not marked_unit]
     assert others and all(len(u.handles) == 2 for u in others)
     assert all(len(u.module._forward_pre_hooks) == 1 for u in others)

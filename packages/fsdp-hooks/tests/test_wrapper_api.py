@@ -165,17 +165,15 @@ def _state_body():
     )
     # A unit is FORWARD inside its forward, PRE_BACKWARD from the first gradient at
     # its outputs, POST_BACKWARD once the gradients of its inputs exist. blocks.2 is
-    # entirely fsdp_no_shard: it gets no hooks at all (seed 002's point: no hook
-    # dispatch for replicated modules), so nothing tracks it and it stays IDLE; see
-    # hooks.py's module note.
+    # entirely fsdp_no_shard: its hooks only track this state (nothing is gathered).
     expected = [
         ("fwd blocks.0", f_, (f_, i_, i_), True),
         ("fwd blocks.1", f_, (i_, f_, i_), True),
-        ("fwd blocks.2", f_, (i_, i_, i_), True),
+        ("fwd blocks.2", f_, (i_, i_, f_), True),
         ("fwd ln_f", f_, (i_, i_, i_), True),
-        ("bwd blocks.2", p_, (i_, i_, i_), True),
-        ("bwd blocks.1", p_, (i_, p_, i_), True),
-        ("bwd blocks.0", p_, (p_, q_, i_), True),
+        ("bwd blocks.2", p_, (i_, i_, p_), True),
+        ("bwd blocks.1", p_, (i_, p_, q_), True),
+        ("bwd blocks.0", p_, (p_, q_, q_), True),
     ]
     ref = _gpt(CFG3)
     ref_opt = torch.optim.SGD(_groups(ref), lr=0.2, momentum=0.9)

@@ -52,10 +52,10 @@ arrives once per call. So each unit counts its calls whose backward is still to 
 (``pending_backward``), and its buckets are marked ready at the post-backward of the
 last one, when every call's gradient is in.
 
-A unit that is entirely ``fsdp_no_shard`` gets no hooks at all (seed 002: hook dispatch
-is what marking a frozen encoder saves; test_no_shard.py checks it). So its
-``TrainingState`` stays IDLE through its forward and backward (the root's state tells
-where the step is), and its buckets are reduced at the end of backward.
+A unit that is entirely ``fsdp_no_shard`` gets no gathering hooks (seed 002: nothing
+to gather, and no per-module dispatch for a frozen encoder's many layers): two forward
+hooks on the unit keep its ``TrainingState`` true (plus the backward pair when it has
+trainable parameters), and its buckets are reduced at the end of backward.
 """
 
 from __future__ import annotations
@@ -139,7 +139,9 @@ class FSDPHooks:
             unit = FSDPUnit(index, name, unit_module, groups, [g for g in groups if g not in root])
             self.units.append(unit)
             if module_is_fully_no_shard(unit_module):
-                continue  # replicated: nothing to gather or release, so no hooks at all
+                # Replicated: nothing to gather or release; hooks that keep its state.
+                self._register_state_hooks(unit)
+                continue
             for gid in unit.release_groups:
                 if buffer.groups[gid].requires_grad:
                     self._markers.setdefault(gid, []).append(unit)
@@ -262,6 +264,39 @@ class FSDPHooks:
             queue_end_of_backward_callback(self._end_of_backward)
 
     # ---- units ----------------------------------------------------------------------
+    def _register_state_hooks(self, unit: FSDPUnit) -> None:
+        """Hooks of a unit that is entirely ``fsdp_no_shard``: its ``TrainingState`` and
+        nothing else (no gather, release or bucket lookup). Backward states only when
+        a gradient can flow through it."""
+        trainable = any(p.requires_grad for p in unit.module.parameters())
+
+        def post_backward() -> None:
+            unit.state = TrainingState.POST_BACKWARD
+
+        def pre_backward() -> None:
+            unit.state = TrainingState.PRE_BACKWARD
+
+        def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
+            if in_backward():  # recompute
+                unit.state = TrainingState.PRE_BACKWARD
+                return args, kwargs
+            unit.state = TrainingState.FORWARD
+            if trainable and torch.is_grad_enabled():
+                return wrap_inputs_for_post_backward(post_backward, args, kwargs)
+            return args, kwargs
+
+        def post_forward(module: nn.Module, args: tuple, output: Any) -> Any:
+            if not in_backward():
+                unit.state = TrainingState.IDLE
+                if trainable and torch.is_grad_enabled():
+                    register_pre_backward(output, pre_backward)
+            return output
+
+        unit.handles.append(
+            unit.module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
+        )
+        unit.handles.append(unit.module.register_forward_hook(post_forward))
+
     def _unit_pre_forward(self, unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict):
         with annotate("fsdp.pre_forward"):
             recompute = in_backward()

@@ -16,9 +16,8 @@ class TrainingState(enum.Enum):
     reaching its outputs until gradients for its inputs are computed, POST_BACKWARD
     from then until the end of backward, IDLE otherwise. A unit called several times in
     one forward goes through these once per call. A unit that is entirely
-    ``fsdp_no_shard`` has no hooks (nothing to gather or release, and no hook dispatch
-    is the point of marking it), so it is always IDLE: the root's state tells where the
-    step is.
+    ``fsdp_no_shard`` goes through them too (its hooks track the state and gather
+    nothing); without trainable parameters it has no backward, so it is IDLE then.
     """
 
     FORWARD = enum.auto()
