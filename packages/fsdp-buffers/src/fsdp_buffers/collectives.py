@@ -17,7 +17,7 @@ all-reduce), which is what DESIGN.md's bound ``3·Ψ·(N−1)/N`` counts.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +30,7 @@ __all__ = [
     "CommStats",
     "PendingCollective",
     "all_gather",
+    "all_gather_uneven",
     "all_reduce",
     "reduce_scatter",
 ]
@@ -164,3 +165,24 @@ def all_reduce(
                 CollectiveKind.ALL_REDUCE, tensor.numel(), tensor.element_size(), _size(group)
             )
         return dist.all_reduce(tensor, op=op, group=group, async_op=True)
+
+
+def all_gather_uneven(
+    local: torch.Tensor,
+    dim: int,
+    ranges: Sequence[tuple[int, int]],
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """The whole tensor from uneven pieces: rank ``k`` of ``group`` holds ``ranges[k]``
+    (``[start, end)`` along ``dim``, not necessarily in rank order). One all-gather
+    padded to the widest piece (collectives need equal sizes), joined in tensor order.
+    Blocking and uncounted: for checkpoints and full parameters, not the step."""
+    width = max(end - start for start, end in ranges)
+    shape = list(local.shape)
+    shape[dim] = width
+    padded = local.new_zeros(shape)
+    padded.narrow(dim, 0, local.shape[dim]).copy_(local)
+    out = [torch.empty_like(padded) for _ in ranges]
+    dist.all_gather(out, padded, group=group)
+    order = sorted(range(len(ranges)), key=lambda k: ranges[k])
+    return torch.cat([out[k].narrow(dim, 0, ranges[k][1] - ranges[k][0]) for k in order], dim)

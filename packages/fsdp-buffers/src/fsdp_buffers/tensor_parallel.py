@@ -49,11 +49,11 @@ import enum
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from fsdp_buffers.collectives import all_gather_uneven
 from fsdp_mesh import get_mcore_tensor_parallel_partition_dim
 
 __all__ = ["TPKind", "TPSpec", "TensorParallelViews", "chunk_ranges", "tensor_parallel_specs"]
@@ -196,18 +196,6 @@ def tensor_parallel_specs(module: nn.Module, dist_index) -> dict[nn.Parameter, T
     return specs
 
 
-def _gather_along(local: torch.Tensor, dim: int, ranges: Ranges, group) -> torch.Tensor:
-    """The pieces of every rank of ``group`` (rank k's is ``ranges[k]`` along ``dim``),
-    joined in order along ``dim``: an all-gather padded to the widest piece."""
-    width = max(end - start for start, end in ranges)
-    padded = local.new_zeros(_with_dim(local.shape, dim, width))
-    padded.narrow(dim, 0, local.shape[dim]).copy_(local)
-    out = [torch.empty_like(padded) for _ in ranges]
-    dist.all_gather(out, padded, group=group)
-    order = sorted(range(len(ranges)), key=lambda k: ranges[k])
-    return torch.cat([out[k].narrow(dim, 0, ranges[k][1] - ranges[k][0]) for k in order], dim)
-
-
 class TensorParallelViews:
     """Mixed into ``ParamAndGradBuffer``: the tp side of its parameters (Note
     [tensor parallelism]). ``tp_specs`` is None when tensor parallelism is off."""
@@ -296,6 +284,6 @@ class TensorParallelViews:
         if spec is None or spec.ranges is None:
             return local_full
         assert spec.tensor_dim is not None
-        return _gather_along(
+        return all_gather_uneven(
             local_full, spec.tensor_dim, spec.ranges, self.dist_index.tp_group
         ).view(spec.global_shape)

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from fsdp_buffers.collectives import all_gather_uneven
 from fsdp_ckpt import _dist
 from fsdp_ckpt.atomic import resolve_for_load
 from fsdp_ckpt.errors import CheckpointError
@@ -35,29 +35,15 @@ __all__ = [
 Format = Literal["torch", "safetensors"]
 
 
-def _gather_along(local: torch.Tensor, dim: int, ranges, group) -> torch.Tensor:
-    """The pieces of every rank of ``group`` (rank k's is ``ranges[k]`` along ``dim``),
-    joined in tensor order along ``dim``: an all-gather padded to the widest piece."""
-    width = max(r1 - r0 for r0, r1 in ranges)
-    shape = list(local.shape)
-    shape[dim] = width
-    padded = local.new_zeros(shape)
-    padded.narrow(dim, 0, local.shape[dim]).copy_(local)
-    out = [torch.empty_like(padded) for _ in ranges]
-    dist.all_gather(out, padded, group=group)
-    order = sorted(range(len(ranges)), key=lambda k: ranges[k])
-    return torch.cat([out[k].narrow(dim, 0, ranges[k][1] - ranges[k][0]) for k in order], dim)
-
-
 def _gather_rows(dt: DTensor, layout: RowLayout) -> torch.Tensor:
     """The whole tensor from its row shards (and tensor-parallel pieces): padded
     all-gathers along the shard (and tp) dimensions of its mesh (DTensor's own
     ``full_tensor`` assumes chunk sizes). Other mesh dimensions are Replicate."""
     mesh = dt.device_mesh
-    full = _gather_along(dt.to_local(), 0, layout.partition, mesh.get_group(layout.mesh_dim))
+    full = all_gather_uneven(dt.to_local(), 0, layout.partition, mesh.get_group(layout.mesh_dim))
     tp = layout.tp
     if tp is not None:
-        full = _gather_along(full, tp.tensor_dim, tp.ranges, mesh.get_group(tp.mesh_dim))
+        full = all_gather_uneven(full, tp.tensor_dim, tp.ranges, mesh.get_group(tp.mesh_dim))
     return full
 
 
