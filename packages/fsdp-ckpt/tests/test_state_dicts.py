@@ -237,9 +237,47 @@ def _uneven_foreign_shards(root: Path) -> None:
         assert torch.equal(value, expected[key]), key
 
 
+def _rank_value(seed: int, rank: int) -> torch.Tensor:
+    return torch.randn(3, 2, generator=torch.Generator().manual_seed(seed * 10 + rank))
+
+
+def _with_rank_keys(seed: int) -> torch.nn.Sequential:
+    """``_foreign_uneven`` plus a parameter only this rank has, under its own key (as
+    each expert-parallel rank has its experts): a DTensor on this rank's own mesh,
+    without a row partition."""
+    module = _foreign_uneven(seed)
+    rank = dist.get_rank()
+    own = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("own", "all"))
+    holder = torch.nn.Module()
+    dt = DTensor.from_local(_rank_value(seed, rank), own["own"], [Shard(0)], run_check=False)
+    holder.register_parameter(f"w{rank}", torch.nn.Parameter(dt))
+    module.append(holder)
+    return module
+
+
+def _keys_differ_across_ranks(root: Path) -> None:
+    saved = _with_rank_keys(0)
+    save_checkpoint(root / "rank_keys", saved)
+    loaded = _with_rank_keys(1)
+    load_checkpoint(root / "rank_keys", loaded)  # strict: another rank's key is no surprise
+    for key, value in _locals(loaded).items():
+        assert torch.equal(value, _locals(saved)[key]), key
+    expected = dict(_foreign_module(0).state_dict())
+    expected.update({f"2.w{r}": _rank_value(0, r) for r in range(dist.get_world_size())})
+    for rank0_only in (True, False):
+        full = get_full_model_state_dict(saved, rank0_only=rank0_only)
+        if rank0_only and dist.get_rank() != 0:
+            assert full == {}
+            continue
+        assert set(full) == set(expected)
+        for key, value in full.items():
+            assert torch.equal(value, expected[key]), key
+
+
 def _interop_and_foreign(root: str) -> None:
     _interop(root)
     _uneven_foreign_shards(Path(root))
+    _keys_differ_across_ranks(Path(root))
 
 
 def test_fsdp2_interop_and_foreign_uneven_shards(tmp_path):
@@ -249,3 +287,7 @@ def test_fsdp2_interop_and_foreign_uneven_shards(tmp_path):
     expected = _foreign_module(0).state_dict()
     for key, value in plain.state_dict().items():
         assert torch.equal(value, expected[key]), key
+    consolidate_checkpoint(tmp_path / "rank_keys", tmp_path / "rank_keys.pt")
+    full = load_full_state_dict(tmp_path / "rank_keys.pt")
+    assert {k for k in full if k.startswith("2.")} == {"2.w0", "2.w1"}
+    assert torch.equal(full["2.w1"], _rank_value(0, 1))

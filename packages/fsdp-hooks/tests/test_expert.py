@@ -195,12 +195,9 @@ def _train(strategy, own_rule=False):
         dist.all_reduce(t)
         losses.append(t.item() / WORLD)
     params = {_global_name(name, ids): buf.full_parameter(name) for name, *_ in buf.named_params()}
-    try:  # local expert names collide across expert-parallel ranks: refused, not mixed up
-        model.state_dict()
-    except NotImplementedError as err:
-        assert "expert-parallel" in str(err)
-    else:
-        raise AssertionError("state_dict of an expert-parallel model did not raise")
+    # Local expert names collide across expert-parallel ranks: state dicts use global
+    # ones (checkpoints: test_expert_checkpoint.py).
+    assert set(model.state_dict()) == set(params)
     return losses, params
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 __all__ = [
     "agree",
+    "all_gather_object",
     "barrier",
     "broadcast_object",
     "is_distributed",
@@ -45,6 +46,15 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def agree(error: BaseException | None) -> BaseException | None:

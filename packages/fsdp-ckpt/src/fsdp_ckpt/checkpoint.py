@@ -37,10 +37,11 @@ from fsdp_ckpt.errors import CheckpointError, CheckpointMismatchError, ForeignCh
 from fsdp_ckpt.extra import read_extra, restore_rng_state, write_extra
 from fsdp_ckpt.foreign import is_foreign_dcp, verify_extents
 from fsdp_ckpt.layout import OURS, Layout, detect_layout
-from fsdp_ckpt.load_plan import nest, plan_model, plan_optimizer
+from fsdp_ckpt.load_plan import OptimizerPlan, nest, plan_model, plan_optimizer
 from fsdp_ckpt.manifest import MANIFEST_NAME, Manifest
 from fsdp_ckpt.model_state import get_model_state_dict, set_model_state_dict
 from fsdp_ckpt.optim_state import get_optimizer_state_dict, set_optimizer_state_dict
+from fsdp_ckpt.validate import Mismatch
 
 __all__ = ["MODEL_KEY", "OPTIM_KEY", "load_checkpoint", "save_checkpoint"]
 
@@ -153,6 +154,22 @@ def _layout(
     return OURS
 
 
+def _raise_mismatches(directory: Path, model: Mismatch, plan: OptimizerPlan | None) -> None:
+    """Raise, on every rank alike, what any rank found wrong before loading. Ranks may
+    hold different keys (expert parallelism): see ``Mismatch.combine``."""
+    mine = (model, None if plan is None else plan.state_mismatch, plan.problems if plan else [])
+    everyone = _dist.all_gather_object(mine)
+    found = [Mismatch.combine([m for m, _s, _p in everyone]).describe()]
+    if plan is not None:
+        found.append(Mismatch.combine([s for _m, s, _p in everyone]).describe())
+    found += list(dict.fromkeys(p for _m, _s, problems in everyone for p in problems))
+    found = [f for f in found if f]
+    if found:
+        raise CheckpointMismatchError(
+            f"checkpoint {directory} does not match what is being loaded: " + "; ".join(found)
+        )
+
+
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,
@@ -183,19 +200,11 @@ def load_checkpoint(
     )
     state: dict[str, Any] = {}
     model_node = nest(state, layout.model_prefix, model_sd)
-    problems = [plan_model(model_sd, metadata, layout, strict=strict)]
+    model_mismatch = plan_model(model_sd, metadata, layout, strict=strict)
     plan = None if optimizer is None else plan_optimizer(model, optimizer, metadata, layout)
     if plan is not None:
         optim_node = nest(state, plan.prefix, plan.to_load)
-        problems += plan.problems
-    found = [p for p in problems if p]
-    _raise_agreed(
-        CheckpointMismatchError(
-            f"checkpoint {directory} does not match what is being loaded: " + "; ".join(found)
-        )
-        if found
-        else None
-    )
+    _raise_mismatches(directory, model_mismatch, plan)
 
     with _dist.quiet_single_process():
         dcp.load(
@@ -205,7 +214,12 @@ def load_checkpoint(
         )
     set_model_state_dict(model, {k: model_node[k] for k in model_sd}, strict=strict)
     if optimizer is not None and plan is not None:
-        set_optimizer_state_dict(model, optimizer, plan.loaded(optim_node))
+        error: BaseException | None = None
+        try:  # its param groups differ from the saved ones on some ranks only, maybe
+            set_optimizer_state_dict(model, optimizer, plan.loaded(optim_node))
+        except CheckpointMismatchError as exc:
+            error = exc
+        _raise_agreed(error)
     if manifest is None:
         return {}
     saved = read_extra(directory, _dist.rank(), manifest.world_size == _dist.world_size())

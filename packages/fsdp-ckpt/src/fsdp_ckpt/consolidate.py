@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
@@ -50,30 +51,62 @@ def _gather_rows(dt: DTensor, layout: RowLayout) -> torch.Tensor:
 def get_full_model_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, Any]:
     """The unsharded state dict of ``model`` on CPU, under its state dict names. A
     collective: every rank calls it; with ``rank0_only`` the other ranks get ``{}``.
-    Tied parameters are gathered once."""
+    Tied parameters are gathered once. Entries only some ranks hold (experts under
+    expert parallelism) are sent by the first rank holding each to those lacking it."""
     sd = model.state_dict()
     params = param_by_state_key(model, sd.keys())
     layouts = resolve_row_layouts({k: entry_of(v, params.get(k)) for k, v in sd.items()})
-    keep = not rank0_only or _dist.rank() == 0
+    me = _dist.rank()
+    keep = not rank0_only or me == 0
+    sent = _entries_to_send(list(sd), rank0_only)
     out: dict[str, Any] = {}
     done: dict[int, torch.Tensor] = {}
     for key, value in sd.items():
         param = params.get(key)
         if param is not None and id(param) in done:
-            if keep:
-                out[key] = done[id(param)]
-            continue
-        if isinstance(value, DTensor):
-            layout = layouts.get(key)
-            full = _gather_rows(value, layout) if layout is not None else value.full_tensor()
+            full = done[id(param)]
         else:
-            full = value
-        full = full.detach().cpu() if isinstance(full, torch.Tensor) else full
-        if param is not None:
-            done[id(param)] = full
-        if keep:
+            if isinstance(value, DTensor):
+                layout = layouts.get(key)
+                full = _gather_rows(value, layout) if layout is not None else value.full_tensor()
+            else:
+                full = value
+            full = full.detach().cpu() if isinstance(full, torch.Tensor) else full
+            if param is not None:
+                done[id(param)] = full
+        if keep or key in (sent or ()):
             out[key] = full
-    return out
+    if sent is not None:
+        payload = {k: out[k] if keep else out.pop(k) for k in sent}
+        for entries in _exchange(payload, rank0_only):
+            for key, value in entries.items():
+                out.setdefault(key, value)
+    return out if keep else {}
+
+
+def _entries_to_send(keys: list[str], rank0_only: bool) -> set[str] | None:
+    """The keys this rank must send, as the first rank holding them, to ranks that
+    lack them (rank 0 alone with ``rank0_only``); None when every rank holds the same
+    keys. A collective."""
+    held = [set(k) for k in _dist.all_gather_object(keys)]
+    if all(k == held[0] for k in held):
+        return None
+    first: dict[str, int] = {}
+    for rank, mine in enumerate(held):
+        for key in mine:
+            first.setdefault(key, rank)
+    wanting = held[:1] if rank0_only else held
+    lacking = set(first) - set.intersection(*wanting)
+    return {k for k in lacking if first[k] == _dist.rank()}
+
+
+def _exchange(payload: dict[str, Any], rank0_only: bool) -> list[dict[str, Any]]:
+    """Every rank's ``payload``: on rank 0 alone (others get []) with ``rank0_only``."""
+    if not rank0_only:
+        return _dist.all_gather_object(payload)
+    received: list[Any] = [None] * _dist.world_size() if _dist.rank() == 0 else []
+    dist.gather_object(payload, received if _dist.rank() == 0 else None, dst=0)
+    return received
 
 
 def _infer_format(path: Path, format: Format | None) -> Format:

@@ -18,7 +18,7 @@ from fsdp_ckpt.optim_state import (
     init_optimizer_state,
     optimizer_param_fqns,
 )
-from fsdp_ckpt.validate import flatten, mismatches
+from fsdp_ckpt.validate import Mismatch, find_mismatches, flatten
 
 __all__ = ["OptimizerPlan", "nest", "plan_model", "plan_optimizer"]
 
@@ -36,10 +36,11 @@ def nest(root: dict[str, Any], prefix: str, value: dict[str, Any]) -> dict[str, 
 
 def plan_model(
     model_sd: dict[str, Any], metadata: Metadata, layout: Layout, *, strict: bool
-) -> str | None:
-    """What is wrong between the model's state dict and the checkpoint's model part."""
+) -> Mismatch:
+    """What is wrong between the model's state dict and the checkpoint's model part,
+    seen from this rank (``Mismatch.combine`` merges the ranks' findings)."""
     ours = {layout.model_prefix + k: v for k, v in model_sd.items()}
-    return mismatches(ours, layout.model_entries(metadata), strict=strict)
+    return find_mismatches(ours, layout.model_entries(metadata), strict=strict)
 
 
 def _placeholder(md: object) -> torch.Tensor | None:
@@ -87,7 +88,8 @@ class OptimizerPlan:
     to_load: dict[str, Any]  # {"state": ..., "param_groups": ...}
     group_fqns: list[list[str]]  # this optimizer's groups, by parameter name
     by_name: bool
-    problems: list[str]
+    state_mismatch: Mismatch  # this rank's, to combine with the others'
+    problems: list[str]  # about param groups
 
     def loaded(self, node: dict[str, Any]) -> dict[str, Any]:
         """The state dict for ``set_optimizer_state_dict`` from the loaded ``node``."""
@@ -118,7 +120,8 @@ def plan_optimizer(
     state_saved = {
         k: md for k, md in metadata.state_dict_metadata.items() if k.startswith(state_prefix)
     }
-    problems = [mismatches(flatten(state, prefix + "state"), state_saved)]
+    state_mismatch = find_mismatches(flatten(state, prefix + "state"), state_saved)
+    problems: list[str] = []
 
     group_fqns = [list(g["params"]) for g in osd["param_groups"]]
     entries = _entries_under(metadata, groups_prefix, by_name=layout.groups_by_name)
@@ -145,5 +148,6 @@ def plan_optimizer(
         to_load={"state": state, "param_groups": groups},
         group_fqns=group_fqns,
         by_name=layout.groups_by_name,
-        problems=[p for p in problems if p],
+        state_mismatch=state_mismatch,
+        problems=problems,
     )

@@ -25,8 +25,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_ckpt import _dist
 from fsdp_ckpt.errors import CheckpointMismatchError
-from fsdp_ckpt.names import entry_of, param_fqns
+from fsdp_ckpt.names import entry_of, keys_may_differ_across_ranks, param_fqns
 from fsdp_ckpt.row_shards import Entry, add_row_offsets, strip_row_offsets
 
 __all__ = [
@@ -65,7 +66,9 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
     """The optimizer's state keyed by parameter name, ready for DCP: state tensors are
     the live ones, and those shaped like an fsdp parameter carry its row offsets, so
     ``dcp.load`` into the result writes into the optimizer's state. Parameters with no
-    state yet (never stepped) are absent from ``"state"``."""
+    state yet (never stepped) are absent from ``"state"``. When keys may differ across
+    ranks (expert parallelism, see ``names``), the groups' ``params`` list every rank's
+    names: one ``all_gather_object``, so every rank must call it then."""
     fqns = optimizer_param_fqns(model, optimizer)
     params = _ordered_params(optimizer)
     osd = optimizer.state_dict()
@@ -85,7 +88,25 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
         saved = {k: v for k, v in group.items() if k != "params"}
         saved["params"] = [fqns[i] for i in group["params"]]
         groups.append(saved)
+    if keys_may_differ_across_ranks(params):
+        groups = _names_of_every_rank(groups)
     return {"state": state_out, "param_groups": groups}
+
+
+def _names_of_every_rank(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``groups`` whose ``params`` list the names of every rank (in rank order), the
+    same everywhere: DCP keeps one rank's copy of such non-tensor entries, and names
+    differ across ranks under expert parallelism. A collective."""
+    everyone = _dist.all_gather_object([g["params"] for g in groups])
+    if any(len(lists) != len(groups) for lists in everyone):
+        raise ValueError(
+            f"the optimizers hold {sorted({len(lists) for lists in everyone})} param groups "
+            f"on different ranks; build them with the same groups on every rank"
+        )
+    return [
+        {**group, "params": list(dict.fromkeys(n for lists in everyone for n in lists[g]))}
+        for g, group in enumerate(groups)
+    ]
 
 
 def set_optimizer_state_dict(
@@ -93,10 +114,15 @@ def set_optimizer_state_dict(
 ) -> None:
     """Load a name-keyed optimizer state dict (from ``get_optimizer_state_dict``, maybe
     of another world size, strategy or wrapper). Param groups are matched by position
-    and must hold the same names; their hyperparameters come from ``state_dict``
+    and must hold the same names (with keys that differ across ranks: this rank's
+    names must be among the saved ones, and none of the others a name of this model
+    outside the group); their hyperparameters come from ``state_dict``
     (keys it lacks keep their current values). State replaces the current state."""
     fqns = optimizer_param_fqns(model, optimizer)
     index_of = {fqn: i for i, fqn in enumerate(fqns)}
+    # Saved groups then list every rank's names; only names this model has can clash.
+    elsewhere = keys_may_differ_across_ranks(_ordered_params(optimizer))
+    own = set(param_fqns(model, model.state_dict().keys()).values()) if elsewhere else set()
     saved_groups = list(state_dict.get("param_groups", []))
     if len(saved_groups) != len(optimizer.param_groups):
         raise CheckpointMismatchError(
@@ -108,12 +134,14 @@ def set_optimizer_state_dict(
     start = 0
     for g, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
         mine = fqns[start : start + len(group["params"])]
-        theirs = list(saved.get("params", []))
-        if set(mine) != set(theirs):
+        theirs = set(saved.get("params", []))
+        only_theirs = theirs - set(mine)
+        if elsewhere:
+            only_theirs &= own
+        if only_theirs or set(mine) - theirs:
             raise CheckpointMismatchError(
                 f"param group {g} holds different parameters: only in the checkpoint "
-                f"{sorted(set(theirs) - set(mine))}, only in this optimizer "
-                f"{sorted(set(mine) - set(theirs))}"
+                f"{sorted(only_theirs)}, only in this optimizer {sorted(set(mine) - theirs)}"
             )
         merged = {k: v for k, v in group.items() if k != "params"}
         merged.update({k: v for k, v in saved.items() if k != "params"})

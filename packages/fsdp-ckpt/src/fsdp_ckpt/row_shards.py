@@ -165,9 +165,11 @@ to have (from the parameter it is, or has the shape of), if any."""
 def resolve_row_layouts(entries: Mapping[str, Entry]) -> dict[str, RowLayout]:
     """The ``RowLayout`` of every row-sharded DTensor in ``entries`` (key -> (value,
     known partition or None, known tp part or None)) that DCP's chunk arithmetic would
-    misplace, plus every one whose partition is known. Collective when some sharded
-    DTensor has no known partition (one ``all_gather_object`` over the default group);
-    every rank must call it with the same keys."""
+    misplace, plus every one whose partition is known. A collective (one
+    ``all_gather_object`` over the default group) on ranks that hold a sharded DTensor
+    with no known partition: every rank or none must hold one. Ranks may hold different
+    keys (expert parallelism), each key held by every rank of its DTensor's mesh;
+    fsdp's DTensors all carry their partition, so no rank communicates for them."""
     layouts: dict[str, RowLayout] = {}
     unknown: list[str] = []
     for key, (value, partition, tp) in entries.items():
@@ -200,7 +202,7 @@ def resolve_row_layouts(entries: Mapping[str, Entry]) -> dict[str, RowLayout]:
         everyone = [mine]
     for key in unknown:
         value = entries[key][0]
-        if all(rank_rows[key][1] for rank_rows in everyone):
+        if all(rows[key][1] for rows in everyone if key in rows):
             continue  # chunk-sized everywhere: DCP's own arithmetic is right
         dim = _row_shard_dim(value)
         if dim is None or dim < 0:
@@ -223,6 +225,11 @@ def _partition_from_counts(
     for k in range(dt.device_mesh.size(dim)):
         index[dim] = k
         global_rank = int(dt.device_mesh.mesh[tuple(index)].item())
+        if key not in everyone[global_rank]:
+            raise CheckpointError(
+                f"{key!r} is a DTensor on a mesh with rank {global_rank}, which has no "
+                f"entry {key!r}; every rank of a DTensor's mesh must hold its key"
+            )
         rows = everyone[global_rank][key][0]
         parts.append((start, start + rows))
         start += rows

@@ -15,6 +15,13 @@ them, in this order:
 
 The default rule applies only when an expert mesh different from the dense one is
 given; without one, experts are sharded like any parameter (expert parallelism 1).
+
+State dicts name experts by their global index (``fsdp_hooks.expert_names``): an expert
+parameter named ``<...>experts.<i>.`` in an ``nn.ModuleList`` gets ``ids[i]`` from
+``local_expert_indices`` or ``expert_ids`` on that ModuleList or its nearest enclosing
+module that has one, else ``ep_rank * num_local + i`` (Megatron-Core's convention, the
+same ``num_local`` on every expert-parallel rank). Expert parameters named otherwise
+(grouped 3-D weights) train as usual, but ``state_dict()`` raises NotImplementedError.
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ for it runs unchanged. Differences a user may notice:
   expert parameters recognised as ``fsdp_hooks.experts`` documents (markers, the
   default name rule ``experts.``, or the extra keyword ``is_expert_param``): they get
   their own buckets, sharded and reduced over the expert mesh's ``dp_shard`` dim, with
-  gradients scaled by 1/(dense data-parallel size) as in Megatron-Core. Not yet: with
-  hybrid sharding, state dicts of models whose experts differ across ranks, and
-  ``torch.nn.utils.clip_grad_norm_`` over them (it cannot see other ranks' experts).
+  gradients scaled by 1/(dense data-parallel size) as in Megatron-Core. State dicts
+  name experts by their global index (``fsdp_hooks.expert_names``). Not yet: with
+  hybrid sharding, and ``torch.nn.utils.clip_grad_norm_`` over them (it cannot see
+  other ranks' experts).
 - Tensor parallelism: ``tp_dim`` names the tensor-parallel dim of ``device_mesh``.
   Parameters already split across it (DTensors from ``parallelize_module``, or
   Megatron-Core tensor-parallel parameters) are sharded across the data-parallel dims

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdp_buffers import (
     AllGatherPipeline,
@@ -29,6 +31,7 @@ from fsdp_buffers import (
     ShardingStrategy,
 )
 from fsdp_hooks.config import DistributedDataParallelConfig
+from fsdp_hooks.expert_names import ExpertStateNames
 from fsdp_hooks.experts import resolve_is_expert_param
 from fsdp_hooks.hooks import FSDPHooks
 from fsdp_hooks.summary import log_unit_summary
@@ -152,7 +155,19 @@ class MegatronFSDP(nn.Module):
         self._sync_override: bool | None = None
         self.hooks = FSDPHooks(self)
         self._replace_param_with_distributed_if_needed()
+        self._state_names = self._expert_state_names()
         log_unit_summary(self)
+
+    def _expert_state_names(self) -> ExpertStateNames:
+        """Local <-> global expert names for state dicts when experts differ across
+        ranks (see ``expert_names``); a collective then, as wrapping is."""
+        idx = self.dist_index
+        experts = [n for g in self.buffer.groups if g.is_expert_param for n in g.names]
+        if idx.expt_dp_size == idx.dp_size or not experts:
+            return ExpertStateNames()
+        names = ExpertStateNames.build(self.module, experts, idx)
+        names.tag(self.module)
+        return names
 
     # ---- state ----------------------------------------------------------------------
     @property
@@ -278,30 +293,56 @@ class MegatronFSDP(nn.Module):
     # ---- state dicts ------------------------------------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict, under its own names (no ``module.``
-        prefix): DTensors holding this rank's shard of the main weights."""
+        prefix) with experts under their global index (see ``expert_names``):
+        DTensors holding this rank's shard of the main weights."""
         self._check_checkpointable()
         self.hooks.use_distributed_params()
-        return self.module.state_dict(*args, **kwargs)
+        sd = self.module.state_dict(*args, **kwargs)
+        if self._state_names.ids:
+            prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+            items = list(sd.items())
+            sd.clear()  # renamed in place: a parent's state_dict passes its own dict
+            for key, value in items:
+                if key.startswith(prefix):
+                    key = prefix + self._state_names.to_global(key[len(prefix) :])
+                sd[key] = value
+        return sd
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load into the main weights (DTensors of the same placement), then refresh the
-        compute weights from them."""
+        compute weights from them. Experts are named as ``state_dict()`` names them;
+        other ranks' experts are unexpected keys."""
         self._check_checkpointable()
         self.hooks.use_distributed_params()
-        result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        names = self._state_names
+        if not names.ids:
+            result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+            self.install_optimized_model_weights()
+            return result
+        local: dict[str, Any] = OrderedDict()
+        foreign: list[str] = []
+        for key, value in state_dict.items():
+            mine = names.to_local(key)
+            if mine is None:
+                foreign.append(key)
+            else:
+                local[mine] = value
+        local._metadata = getattr(state_dict, "_metadata", None)  # type: ignore[attr-defined]
+        result = self.module.load_state_dict(local, strict=False, assign=assign)
+        missing = [names.to_global(k) for k in result.missing_keys]
+        unexpected = [*result.unexpected_keys, *foreign]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(self.module).__name__}: "
+                f"missing keys {missing}, unexpected keys {unexpected} (experts under their "
+                f"global index; this rank holds {names.ids})"
+            )
         self.install_optimized_model_weights()
-        return result
+        return _IncompatibleKeys(missing, unexpected)
 
     def _check_checkpointable(self) -> None:
-        idx = self.dist_index
-        split = idx.expt_dp_size != idx.dp_size  # experts differ across expert-parallel ranks
-        if split and any(g.is_expert_param for g in self.buffer.groups):
-            raise NotImplementedError(
-                "state dicts of expert-parallel models are not implemented yet: each "
-                "expert-parallel rank holds different experts under the same local names, "
-                "so a checkpoint would mix them up. Save the dense and expert parameters "
-                "yourself (e.g. renaming local experts to global indices)."
-            )
+        if self._state_names.error is not None:
+            raise type(self._state_names.error)(*self._state_names.error.args)
 
     # ---- accounting -------------------------------------------------------------------
     def comm_stats(self, reset: bool = False) -> dict[str, dict[str, float]]:
