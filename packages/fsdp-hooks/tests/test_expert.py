@@ -27,6 +27,7 @@ DIM_IN, DIM, DIM_OUT, HIDDEN = 6, 8, 3, 16
 TOKENS = 4  # per rank per step
 STEPS = 3
 LR = 0.2
+MAX_NORM = 0.3
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -83,6 +84,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Expert() for _ in range(N_EXPERTS))
         self.expert_ids = list(range(N_EXPERTS))
         self.group = None
+        self.experts_attr = "experts"  # "local_experts": a name the default rule misses
 
     def forward(self, h):
         probs = F.softmax(self.router(h), dim=-1)
@@ -96,7 +98,8 @@ class MoE(nn.Module):
         else:
             h_all, gate_all, top_all = h, gate, top
         y = torch.zeros_like(h_all)
-        for eid, expert in zip(self.expert_ids, self.experts, strict=True):
+        experts = getattr(self, self.experts_attr)
+        for eid, expert in zip(self.expert_ids, experts, strict=True):
             mask = (top_all == eid).to(h_all.dtype)[:, None]
             y = y + mask * gate_all[:, None] * expert(h_all)
         if self.group is not None:
@@ -122,32 +125,39 @@ def _batch(step):
     return x, torch.randn(WORLD * TOKENS, DIM_OUT, generator=g)
 
 
-def _reference():
+def _reference(clip=False):
     torch.manual_seed(0)
     net = Net()
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         x, y = _batch(step)
         loss = F.mse_loss(net(x), y)
         loss.backward()
+        if clip:
+            grads = [p.grad for p in net.parameters()]
+            norms.append(torch.nn.utils.get_total_norm(grads, float("inf")).item())
+            norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in net.named_parameters()}
+    params = {n: p.detach().clone() for n, p in net.named_parameters()}
+    return (losses, norms, params) if clip else (losses, params)
 
 
 def _global_name(name, ids):
     parts = name.split(".")
-    if parts[:2] == ["moe", "experts"]:
+    if parts[:2] in (["moe", "experts"], ["moe", "local_experts"]):
         parts[2] = str(ids[int(parts[2])])
     return ".".join(parts)
 
 
-def _train(strategy, own_rule=False):
+def _train(strategy, own_rule=False, marker=False, clip=False):
     """``own_rule``: the expert parameters are named by an ``is_expert_param`` callable
     passed to ``fully_shard`` instead of the default rule; it must be asked about
-    every parameter and decide alone."""
+    every parameter and decide alone. ``marker``: the experts live under a name the
+    default rule does not know and are marked with ``mark_expert_params``. ``clip``:
+    ``model.clip_grad_norm_`` each step (its norms are returned too)."""
     rank = dist.get_rank()
     meshes = build_device_mesh(dp_shard=WORLD, expert_parallel=EP)
     ep_mesh = meshes.expt_device_mesh["ep"]
@@ -159,6 +169,11 @@ def _train(strategy, own_rule=False):
     net.moe.experts = nn.ModuleList(net.moe.experts[i] for i in ids)
     net.moe.expert_ids = ids
     net.moe.group = ep_mesh.get_group()
+    if marker:
+        net.moe.local_experts = net.moe.experts
+        del net.moe.experts
+        net.moe.experts_attr = "local_experts"
+        mark_expert_params(net.moe.local_experts.parameters())
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
     asked = set()
     extra = {}
@@ -182,13 +197,18 @@ def _train(strategy, own_rule=False):
     buf = model.buffer
     expert_groups = [g for g, grp in enumerate(buf.groups) if grp.is_expert_param]
     assert expert_groups and all(buf.shard_group_size(g) == WORLD // EP for g in expert_groups)
-    assert all(n.startswith("moe.experts.") for g in expert_groups for n in buf.groups[g].names)
-    losses = []
+    prefix = "moe.local_experts." if marker else "moe.experts."
+    expert_names = {n for g in expert_groups for n in buf.groups[g].names}
+    assert expert_names == {n for n, _ in model.module.named_parameters() if n.startswith(prefix)}
+    losses, norms = [], []
     for step in range(STEPS):
         x, y = _batch(step)
         xb, yb = x[rank * TOKENS : (rank + 1) * TOKENS], y[rank * TOKENS : (rank + 1) * TOKENS]
         loss = F.mse_loss(model(xb), yb)
         loss.backward()
+        if clip:
+            norms.append(model.clip_grad_norm_(float("inf"), norm_type=float("inf")).item())
+            norms.append(model.clip_grad_norm_(MAX_NORM).item())
         opt.step()
         opt.zero_grad()
         t = loss.detach().clone()
@@ -198,24 +218,49 @@ def _train(strategy, own_rule=False):
     # Local expert names collide across expert-parallel ranks: state dicts use global
     # ones (checkpoints: test_expert_checkpoint.py).
     assert set(model.state_dict()) == set(params)
-    return losses, params
+    params = {n.replace(".local_experts.", ".experts."): p for n, p in params.items()}
+    return (losses, norms, params) if clip else (losses, params)
 
 
 def _train_all(strategies):
     out = {s: _train(s) for s in strategies}
     out["own_rule"] = _train(3, own_rule=True)
+    out["marker"] = _train(3, marker=True)
     return out
 
 
 def test_expert_parallel_parity():
     ref_losses, ref_params = _reference()
     results = run_distributed(_train_all, WORLD, args=((1, 3),), timeout=120)
-    for strategy in (1, 3, "own_rule"):
+    for strategy in (1, 3, "own_rule", "marker"):
         merged = {}
         for losses, params in (r[strategy] for r in results):
             torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
             merged.update(params)
         assert set(merged) == set(ref_params)
+        for name, ref in ref_params.items():
+            torch.testing.assert_close(
+                merged[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+            )
+
+
+def _train_clipped():
+    return {s: _train(s, clip=True) for s in (1, 3)}
+
+
+def test_clip_grad_norm_across_expert_parallel_ranks():
+    """``torch.nn.utils.clip_grad_norm_`` cannot mix the dense and expert meshes (nor
+    see other ranks' experts); ``model.clip_grad_norm_`` gives the one-process norms,
+    2 and inf, and clips like it (MAX_NORM is below every step's norm)."""
+    ref_losses, ref_norms, ref_params = _reference(clip=True)
+    assert min(ref_norms[1::2]) > MAX_NORM  # clipping acts on every step
+    results = run_distributed(_train_clipped, WORLD, timeout=120)
+    for strategy in (1, 3):
+        merged = {}
+        for losses, norms, params in (r[strategy] for r in results):
+            torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0)
+            torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+            merged.update(params)
         for name, ref in ref_params.items():
             torch.testing.assert_close(
                 merged[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"

@@ -33,6 +33,7 @@ from fsdp_buffers import (
 from fsdp_hooks.config import DistributedDataParallelConfig
 from fsdp_hooks.expert_names import ExpertStateNames
 from fsdp_hooks.experts import resolve_is_expert_param
+from fsdp_hooks.grad_norm import clip_grad_norm_
 from fsdp_hooks.hooks import FSDPHooks
 from fsdp_hooks.summary import log_unit_summary
 from fsdp_hooks.training_state import TrainingState
@@ -267,6 +268,29 @@ class MegatronFSDP(nn.Module):
         self.grad_reduce_pipeline.reduce_accumulated()
         self.hooks.raise_if_nonfinite_grads()
         self.attach_grad_to_optimizer_state()
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the main gradients, correct in every
+        mode, expert parallelism included (torch's cannot mix the dense and expert
+        meshes; see ``grad_norm``). Reduces what is still unreduced first
+        (``finish_grad_sync``), so call it after the last backward of a step."""
+        self.finish_grad_sync()
+        idx = self.dist_index
+        split = idx.expt_device_mesh is not idx.device_mesh and idx.expt_dp_size != idx.dp_size
+        return clip_grad_norm_(
+            self.buffer,
+            max_norm,
+            expert_replicas=idx.expt_dp_size if split else None,
+            norm_type=norm_type,
+            error_if_nonfinite=error_if_nonfinite,
+            foreach=foreach,
+        )
 
     def attach_grad_to_optimizer_state(self) -> None:
         self.buffer.attach_grads()

@@ -1,0 +1,114 @@
+"""``clip_grad_norm_`` over a wrapped model's main gradients, whatever its meshes.
+
+``torch.nn.utils.clip_grad_norm_`` works on our DTensor parameters while they all live
+on one mesh (plain FSDP, HSDP, tp). With an expert mesh it cannot: dense and expert
+gradients are DTensors on different meshes (``aten.stack`` refuses to mix them), and
+an expert DTensor only describes this rank's experts, so even a per-mesh norm would
+miss the experts other expert-parallel ranks hold.
+
+Here the norm is taken per mesh (each DTensor norm reduces over its own mesh, so it
+covers every element of those parameters once), and the expert part is then combined
+over the whole world: each set of experts is held by ``expt_dp_size`` ranks (its
+expert data-parallel replicas), so the world sum of the expert ``norm^p`` counts every
+expert that many times. The inf-norm is simply the world max over local pieces.
+Clipping scales the local gradient shards in place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from fsdp_buffers import ParamAndGradBuffer
+
+__all__ = ["clip_grad_norm_", "total_grad_norm"]
+
+
+def _combine(norms: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """The norm of the concatenation of vectors with these norms (0 for none)."""
+    if not norms:
+        return torch.zeros((), device=device)
+    stacked = torch.stack([n.float().to(device) for n in norms])
+    if math.isinf(norm_type):
+        return stacked.max()
+    return stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+
+
+def _norm_over_meshes(
+    grads: list[torch.Tensor], norm_type: float, foreach: bool | None, device: torch.device
+) -> torch.Tensor:
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for group in by_mesh.values():
+        n = torch.nn.utils.get_total_norm(group, norm_type, foreach=foreach)
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    return _combine(norms, norm_type, device)
+
+
+def total_grad_norm(
+    buffer: ParamAndGradBuffer,
+    *,
+    expert_replicas: int | None,
+    norm_type: float = 2.0,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """The ``norm_type``-norm of every trainable parameter's main gradient, the same
+    on every rank. ``expert_replicas``: ranks holding each set of experts when experts
+    differ across ranks (expert parallelism), else None (experts are dense here)."""
+    norm_type = float(norm_type)
+    dense: list[torch.Tensor] = []
+    expert: list[torch.Tensor] = []
+    for _name, param in buffer.optimizer_named_parameters():
+        if param.grad is None:
+            continue
+        gid, _ = param._fsdp_group_index  # type: ignore[attr-defined]
+        split = expert_replicas is not None and buffer.groups[gid].is_expert_param
+        (expert if split else dense).append(param.grad)
+    device = buffer.device
+    if math.isinf(norm_type):
+        # A max needs no care for replicas: the world max of every local piece. (Not
+        # DTensor's norm: _foreach_norm refuses the empty pieces uneven shards have.)
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in dense + expert]
+        peak = _combine([t.abs().max() for t in local if t.numel()], norm_type, device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return peak
+    parts = [_norm_over_meshes(dense, norm_type, foreach, device)]
+    if expert_replicas is not None:
+        local_p = _norm_over_meshes(expert, norm_type, foreach, device).pow(norm_type)
+        dist.all_reduce(local_p)
+        parts.append((local_p / expert_replicas).pow(1.0 / norm_type))
+    return _combine(parts, norm_type, device)
+
+
+def clip_grad_norm_(
+    buffer: ParamAndGradBuffer,
+    max_norm: float,
+    *,
+    expert_replicas: int | None,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Scale every main gradient so that their total norm is at most ``max_norm``, as
+    ``torch.nn.utils.clip_grad_norm_`` does; returns the total norm before clipping."""
+    total = total_grad_norm(
+        buffer, expert_replicas=expert_replicas, norm_type=norm_type, foreach=foreach
+    )
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is {total.item()}, so "
+            f"they cannot be clipped; pass error_if_nonfinite=False to clip anyway"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for _name, param in buffer.optimizer_named_parameters():
+            grad = param.grad
+            if grad is not None:
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                local.mul_(coef.to(device=local.device, dtype=local.dtype))
+    return total
