@@ -13,7 +13,8 @@ parameters of AdamW steps match that reference within 1e-5 relative. Under ZeRO-
 blocks' gathers in backward and the reductions share the shard group, so a rank that
 started a block's reduction on its own schedule would deadlock the other (hooks.py,
 "When reductions start"); and the reductions must still overlap backward rather than
-all wait for its end, which is checked when the gradient reaches the first block.
+all wait for its end, which is checked when the gradient reaches the first block
+(with ``overlap_grad_reduce=False`` they must all wait, with the same results).
 
 Every step has at least one rank taking the branch: on a step where no rank does, the
 reference's gradient is None (AdamW skips the parameter) while fsdp's is a zero main
@@ -35,6 +36,9 @@ from fsdp_mesh.testing import run_distributed
 
 WORLD = 2
 STRATEGIES = (0, 1, 2, 3)
+# (strategy, overlap_grad_reduce): without overlap every reduction waits for the end
+# of backward, with the same results.
+CONFIGS = (*((s, True) for s in STRATEGIES), (0, False), (3, False))
 # Which ranks take the branch at each step.
 TAKES_BRANCH = ((True, False), (False, True), (True, True), (True, False))
 STEPS = len(TAKES_BRANCH)
@@ -131,11 +135,15 @@ def _record_reductions_at_first_block(model, record: list[int]) -> None:
 def _train() -> dict:
     rank = dist.get_rank()
     out: dict = {}
-    for strategy in STRATEGIES:
+    for strategy, overlap in CONFIGS:
         module = build()
         optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
         model, optimizer = fully_shard(
-            module, optimizer, fsdp_unit_modules=[BranchBlock], zero_dp_strategy=strategy
+            module,
+            optimizer,
+            fsdp_unit_modules=[BranchBlock],
+            zero_dp_strategy=strategy,
+            overlap_grad_reduce=overlap,
         )
         reduced_early: list[int] = []
         _record_reductions_at_first_block(model, reduced_early)
@@ -145,7 +153,7 @@ def _train() -> dict:
             loss = F.mse_loss(model(x), y)
             model.comm_stats(reset=True)
             loss.backward()
-            assert reduced_early[-1] == N_BLOCKS - 1, (step, reduced_early)
+            assert reduced_early[-1] == (N_BLOCKS - 1 if overlap else 0), (step, reduced_early)
             assert model.training_state is TrainingState.IDLE
             assert all(u.state is TrainingState.IDLE for u in model.hooks.units)
             assert model.all_gather_pipeline.gathered_buckets() == []
@@ -156,7 +164,7 @@ def _train() -> dict:
             dist.all_reduce(total)
             losses.append(total.item() / WORLD)
         params = _named_full(model, lambda p: p)
-        out[strategy] = {"losses": losses, "grads": grads, "params": params}
+        out[(strategy, overlap)] = {"losses": losses, "grads": grads, "params": params}
     return out if rank == 0 else {}
 
 
@@ -194,10 +202,10 @@ def test_branch_decisions_differ_across_ranks():
     assert any(len(set(t)) > 1 for t in TAKES_BRANCH) and all(any(t) for t in TAKES_BRANCH)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_unused_branch_matches_reference(trained, strategy):
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"zero{c[0]}-overlap{int(c[1])}")
+def test_unused_branch_matches_reference(trained, config):
     ref = reference()
-    record = trained[strategy]
+    record = trained[config]
     torch.testing.assert_close(
         torch.tensor(record["losses"], dtype=torch.float64),
         torch.tensor(ref["losses"], dtype=torch.float64),

@@ -37,6 +37,7 @@ issued in one order on every rank (they share the shard group): a unit's post-ba
 marks the buckets it releases ready, and the end of backward launches the rest (root
 buckets, buckets of units without hooks or whose post-backward did not run), in the
 pipeline's fixed order. A gradient that arrives is only accumulated into its bucket.
+With ``overlap_grad_reduce=False`` every reduction waits for the end of backward.
 Marking a bucket when its last gradient arrived instead would depend on the rank's
 data: with a branch taken on one rank only (some parameters get no gradient there) one
 rank would launch a reduce-scatter while the other issues the next all-gather, and both
@@ -357,6 +358,8 @@ class FSDPHooks:
         units = self._markers.get(gid)
         if not units or gid in self._marked or any(u.pending_backward for u in units):
             return
+        if not self.wrapper.ddp_config.overlap_grad_reduce:
+            return  # everything is reduced at the end of backward
         self._marked.add(gid)
         for param in self.buffer.groups[gid].params:
             if param.requires_grad:
