@@ -1,7 +1,8 @@
 """Atomic saves, manifests, damaged checkpoints and mismatches: a rank killed during a
 save leaves the previous checkpoint loadable and the partial one refused; truncated
 files, missing manifests, and missing/unexpected/misshapen keys are errors that name
-what is wrong. Everything but the kill runs in this process (no process group)."""
+what is wrong, the same error on every rank of a ZeRO-3 model at world sizes 2 and 4.
+The rest runs in this process (no process group)."""
 
 from __future__ import annotations
 
@@ -92,6 +93,59 @@ def test_rank_killed_during_save_keeps_previous_checkpoint(tmp_path):
     module = _gpt(5)
     assert load_checkpoint(path, module) == {"step": 2}
     assert _equal(module, _gpt(6))
+
+
+# ---- bad checkpoints on every rank -------------------------------------------------------
+def _wrapped_mlp(seed: int, *dims: int):
+    module = _mlp(seed, *dims)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    return fully_shard(module, opt, fsdp_unit_modules=[nn.Linear], zero_dp_strategy=3)
+
+
+def _errors_on_every_rank(path: str) -> dict[str, tuple[str, str]]:
+    """Load a ZeRO-3 checkpoint into mismatched models, then a damaged one; return the
+    error each attempt raised here (type, message), for comparison across ranks."""
+    save_checkpoint(path, *_wrapped_mlp(0, 4, 3, 2))
+    attempts = {
+        "missing": (4, 3, 2, 2),
+        "unexpected": (4, 3),
+        "misshapen": (4, 5, 2),
+    }
+    errors: dict[str, tuple[str, str]] = {}
+    for what, dims in attempts.items():
+        try:
+            load_checkpoint(path, *_wrapped_mlp(1, *dims))
+        except Exception as e:  # reported to the parent
+            errors[what] = (type(e).__name__, str(e))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shard = sorted(Path(path).glob("*.distcp"))[-1]
+        shard.write_bytes(shard.read_bytes()[:-1])
+    dist.barrier()
+    try:
+        load_checkpoint(path, *_wrapped_mlp(1, 4, 3, 2))
+    except Exception as e:
+        errors["truncated"] = (type(e).__name__, str(e))
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bad_checkpoints_raise_the_same_error_on_every_rank(tmp_path, world_size):
+    results = run_distributed(
+        _errors_on_every_rank, world_size, args=(str(tmp_path / "ckpt"),), timeout=120
+    )
+    expected = {
+        "missing": ("CheckpointMismatchError", "missing from the checkpoint: model.2.bias"),
+        "unexpected": ("CheckpointMismatchError", "in the checkpoint but not here: model.1."),
+        "misshapen": ("CheckpointMismatchError", "model.0.weight (checkpoint (3, 4), here (5, 4))"),
+        "truncated": ("CorruptCheckpointError", "bytes"),
+    }
+    for rank, errors in enumerate(results):
+        assert errors == results[0], f"rank {rank} differs from rank 0"
+    assert set(results[0]) == set(expected)
+    for what, (kind, fragment) in expected.items():
+        assert results[0][what][0] == kind, (what, results[0][what])
+        assert fragment in results[0][what][1], (what, results[0][what][1])
 
 
 # ---- one process -------------------------------------------------------------------------
