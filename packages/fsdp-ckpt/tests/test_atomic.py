@@ -2,7 +2,7 @@
 save leaves the previous checkpoint loadable and the partial one refused; truncated
 files, missing manifests, and missing/unexpected/misshapen keys are errors that name
 what is wrong, the same error on every rank of a ZeRO-3 model at world sizes 2 and 4.
-The rest runs in this process (no process group)."""
+Those two run on several ranks; the rest in this process (no process group)."""
 
 from __future__ import annotations
 
