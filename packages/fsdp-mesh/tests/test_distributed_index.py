@@ -6,7 +6,7 @@ bad input must raise the same ValueError on every rank.
 
 import pytest
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_mesh import (
     FSDPDistributedIndex,
@@ -102,6 +102,11 @@ def _world_2():
         ValueError, match=r"expt_device_mesh .* has 1 ranks but the world size is 2"
     ):
         FSDPDistributedIndex(mesh, expt_device_mesh=small)
+    # ... unless it is said to be part of the world (a data-parallel group beside others).
+    solo = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    own = DeviceMesh.from_group(solo[rank], "cpu", mesh_dim_names=("dp",))
+    part = FSDPDistributedIndex(own, part_of_world=True)
+    assert part.fsdp_size == 1 and _ranks(part.get_fsdp_group()) == [rank]
     with pytest.raises(ValueError, match=r"hybrid_fsdp_group was given but dp_outer_dim is None"):
         FSDPDistributedIndex(mesh, hybrid_fsdp_group=index.fsdp_group)
     with pytest.raises(

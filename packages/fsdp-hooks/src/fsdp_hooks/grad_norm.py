@@ -10,7 +10,8 @@ Here the norm is taken per mesh (each DTensor norm reduces over its own mesh, so
 covers every element of those parameters once), and the expert part is then combined
 over the whole world: each set of experts is held by ``expt_dp_size`` ranks (its
 expert data-parallel replicas), so the world sum of the expert ``norm^p`` counts every
-expert that many times. The inf-norm is simply the world max over local pieces.
+expert that many times. The inf-norm is the max over the local pieces of each mesh
+(and over the world for experts).
 Clipping scales the local gradient shards in place.
 """
 
@@ -50,6 +51,20 @@ def _norm_over_meshes(
     return _combine(norms, norm_type, device)
 
 
+def _max_over_meshes(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    peaks = []
+    for mesh, group in by_mesh.items():
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in group]
+        peak = _combine([t.abs().max() for t in local if t.numel()], math.inf, device)
+        for dim in range(mesh.ndim if mesh is not None else 0):
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        peaks.append(peak)
+    return _combine(peaks, math.inf, device)
+
+
 def total_grad_norm(
     buffer: ParamAndGradBuffer,
     *,
@@ -71,11 +86,11 @@ def total_grad_norm(
         (expert if split else dense).append(param.grad)
     device = buffer.device
     if math.isinf(norm_type):
-        # A max needs no care for replicas: the world max of every local piece. (Not
-        # DTensor's norm: _foreach_norm refuses the empty pieces uneven shards have.)
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in dense + expert]
-        peak = _combine([t.abs().max() for t in local if t.numel()], norm_type, device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        # A max needs no care for replicas: the max of the local pieces over each mesh
+        # (not DTensor's norm: _foreach_norm refuses the empty pieces uneven shards have).
+        peak = _max_over_meshes(dense + expert, device)
+        if expert_replicas is not None:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # other ranks' experts
         return peak
     parts = [_norm_over_meshes(dense, norm_type, foreach, device)]
     if expert_replicas is not None:

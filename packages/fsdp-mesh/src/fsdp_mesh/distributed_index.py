@@ -112,6 +112,10 @@ class FSDPDistributedIndex:
             (``tp_dim`` may be absent there: expert TP of size 1); defaults to
             ``device_mesh`` (expert parallelism of size 1).
         hybrid_fsdp_expt_group: the expert outer x shard group, when you already have it.
+        part_of_world: the meshes span only part of the world, e.g. one data-parallel
+            group beside tensor or pipeline groups that fsdp does not manage (each rank
+            passes its own). Off by default, so that a sub-mesh passed by mistake (the
+            ``dp`` dim of a mesh whose other dims fsdp should know) is an error.
 
     See Note [hybrid rank conventions] in this module for the two hybrid rank orders.
     """
@@ -126,10 +130,12 @@ class FSDPDistributedIndex:
         hsdp_outer_dp_shard: bool = False,
         expt_device_mesh: DeviceMesh | None = None,
         hybrid_fsdp_expt_group: ProcessGroup | None = None,
+        *,
+        part_of_world: bool = False,
     ) -> None:
         dp_shard_dim = self._validate(
             device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group,
-            hsdp_outer_dp_shard, expt_device_mesh, hybrid_fsdp_expt_group,
+            hsdp_outer_dp_shard, expt_device_mesh, hybrid_fsdp_expt_group, part_of_world,
         )  # fmt: skip
         self.device_mesh = device_mesh
         # Expert parallelism of size 1: experts use the dense groups (as Megatron-FSDP).
@@ -205,6 +211,7 @@ class FSDPDistributedIndex:
         hsdp_outer_dp_shard: bool,
         expt_mesh: DeviceMesh | None,
         hybrid_fsdp_expt_group: ProcessGroup | None,
+        part_of_world: bool,
     ) -> str | None:
         """Check every argument on local information only; return the resolved shard dim."""
         if not dist.is_available() or not dist.is_initialized():
@@ -218,7 +225,8 @@ class FSDPDistributedIndex:
                     f"FSDPDistributedIndex: {arg} must be a torch DeviceMesh; got "
                     f"{type(value).__name__}."
                 )
-        _check_covers_world(mesh, "device_mesh")
+        if not part_of_world:
+            _check_covers_world(mesh, "device_mesh")
         names = list(mesh.mesh_dim_names or ())
         if dp_shard_dim is None:
             if mesh.ndim != 1:
@@ -254,7 +262,8 @@ class FSDPDistributedIndex:
                         "dp_outer_dim to turn hybrid sharding on, or drop the group."
                     )
         if expt_mesh is not None:
-            _check_covers_world(expt_mesh, "expt_device_mesh")
+            if not part_of_world:
+                _check_covers_world(expt_mesh, "expt_device_mesh")
             if dp_shard_dim is None and expt_mesh.ndim != 1:
                 raise ValueError(
                     "FSDPDistributedIndex: device_mesh is an unnamed 1-D mesh, so "

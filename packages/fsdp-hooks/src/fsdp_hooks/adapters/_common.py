@@ -142,7 +142,9 @@ def dist_index_over(
     group: dist.ProcessGroup | None, who: str, what: str = "data_parallel_group"
 ) -> FSDPDistributedIndex:
     """An ``FSDPDistributedIndex`` whose shard dim is ``group`` (the whole world when
-    None), on CUDA when NCCL is the default backend, else on CPU."""
+    None), on CUDA when NCCL is the default backend, else on CPU. ``group`` may be a
+    part of the world (Megatron-Core's data-parallel group beside tensor and pipeline
+    groups): each rank passes its own, and collectives stay inside it."""
     if not dist.is_initialized():
         raise RuntimeError(
             f"{who}: torch.distributed is not initialized; call "
@@ -152,15 +154,13 @@ def dist_index_over(
     if group is None or group is dist.group.WORLD:
         mesh = init_device_mesh(_device_type(), (world,), mesh_dim_names=(DP_DIM,))
         return FSDPDistributedIndex(mesh, dp_shard_dim=DP_DIM)
-    size = dist.get_world_size(group)
-    if size != world:
-        raise NotImplementedError(
-            f"{who}: {what} has {size} of the {world} ranks; a data-parallel group "
-            "smaller than the world (alongside tensor, pipeline or expert parallel groups) "
-            "is not implemented yet. Use every rank for data parallelism, or pass None."
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"{who}: this rank ({dist.get_rank()}) is not in the {what} it was given; "
+            "pass the group this rank belongs to (each rank passes its own)"
         )
     mesh = DeviceMesh.from_group(group, _device_type(), mesh_dim_names=(DP_DIM,))
-    return FSDPDistributedIndex(mesh, dp_shard_dim=DP_DIM)
+    return FSDPDistributedIndex(mesh, dp_shard_dim=DP_DIM, part_of_world=True)
 
 
 def hybrid_dist_index(instances: int, outer_optim: bool, who: str) -> FSDPDistributedIndex:

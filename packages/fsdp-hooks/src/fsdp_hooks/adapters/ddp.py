@@ -95,8 +95,8 @@ class DistributedDataParallel(nn.Module):
             ``overlap_grad_reduce``, ``use_distributed_optimizer``,
             ``check_for_nan_in_grad``, ``bucket_size``, ``average_in_collective``.
         module: the model, on this rank's device, the same on every rank.
-        data_parallel_group: the group gradients are reduced over (default: the world;
-            a group smaller than the world is not implemented yet).
+        data_parallel_group: this rank's group to reduce gradients over (default: the
+            world); it may be part of the world, beside tensor or pipeline groups.
         accumulate_allreduce_grads_in_fp32, overlap_grad_reduce,
         use_distributed_optimizer, check_for_nan_in_grad: override the ``ddp_config``
             fields of the same meaning when given (the older Megatron-Core signature).
