@@ -176,6 +176,21 @@ def _train_scenario(scenario):
                 # The outer gather of the updated weights: once per bucket, in step().
                 assert after["all_gather"]["calls"] == nbs, after
             assert after["reduce_scatter"]["calls"] == after["all_reduce"]["calls"] == 0
+    elif outer_kind == "ar":
+        # Replicated gradients (ZeRO-0/1): deferred, nothing is reduced until
+        # finish_grad_sync, then each bucket once inside (reduce-scatter where main
+        # weights are sharded, else all-reduce) and once across (all-reduce); with
+        # sync_each, K times.
+        assert nbs == 0
+        m = K if sync_each else 1
+        n_rs = sum(1 for g in trainable if buf.sharding[g].main_weights)
+        for before, after in counts:
+            assert before["reduce_scatter"]["calls"] == m * n_rs, before
+            assert before["all_reduce"]["calls"] == m * (nbr - n_rs) + m * nbr, before
+            # ZeRO-1: the updated weight shards are gathered in step(), once per bucket.
+            assert after["all_gather"]["calls"] == n_rs, after
+            assert after["reduce_scatter"]["calls"] == after["all_reduce"]["calls"] == 0
+        assert (n_rs > 0) == (strategy == 1)
     for name, p in model.module.named_parameters():
         assert isinstance(p, DTensor), name
         if outer_kind == "rs":
