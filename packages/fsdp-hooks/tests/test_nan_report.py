@@ -88,6 +88,6 @@ def _body(strategy):
     return True
 
 
-@pytest.mark.parametrize("strategy", [0, 3])
+@pytest.mark.parametrize("strategy", [0, 1, 2, 3])
 def test_nonfinite_grad_on_one_rank_raises_on_every_rank(strategy):
     assert run_distributed(_body, 2, args=(strategy,), timeout=60) == [True, True]
