@@ -80,6 +80,15 @@ def test_demo_resumes_at_another_strategy(first_run):
     assert all(math.isfinite(h["loss"]) for h in history)
 
 
+def test_resume_takes_the_checkpoints_seq_len_and_refuses_another(first_run, capsys):
+    out, _ = first_run
+    assert parse_args(["--resume", "--out", str(out)]).seq_len == 64  # the first run's
+    with pytest.raises(SystemExit) as info:
+        main(["--resume", "--seq-len", "32", "--out", str(out)])  # before any rank starts
+    assert info.value.code == 2
+    assert "was trained with --seq-len 64" in capsys.readouterr().err
+
+
 # torchrun, not --nproc (default 2 on CPU), decides the ranks. 3 ranks with 3 sequences
 # each: with the global batch taken as batch_size * --nproc (6), each rank would get 2.
 TORCHRUN_RANKS = 3

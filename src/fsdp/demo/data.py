@@ -1,9 +1,10 @@
 """The demo's data: the shipped text, a character vocabulary, and deterministic batches.
 
 Every rank loads the same text and draws the same global batch for a step (seeded by
-the step), then takes its own rows: the batch of step ``s`` is the same however many
-ranks train and whether the run was resumed, so a resumed run continues the exact
-sequence of batches.
+the step and sized batch-per-rank x ranks), then takes its own rows: at the same number
+of ranks the batch of step ``s`` is the same whether or not the run was resumed, so a
+resumed run continues the exact sequence of batches; at another number of ranks the
+global batch changes size.
 """
 
 from __future__ import annotations

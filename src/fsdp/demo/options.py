@@ -14,10 +14,12 @@ from pathlib import Path
 import torch
 
 from fsdp_buffers import ShardingStrategy
+from fsdp_ckpt.extra import read_extra
 
 __all__ = ["CHECKPOINT_DIR", "DemoOptions", "build_parser", "parse_args", "under_torchrun"]
 
 CHECKPOINT_DIR = "checkpoint"
+DEFAULT_SEQ_LEN = 64
 DEFAULT_OUT = Path("runs") / "fsdp-demo"
 
 
@@ -81,10 +83,23 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"continue from OUT/{CHECKPOINT_DIR} (at any --nproc and --strategy) for --steps more",
     )
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help=f"characters per sequence (default {DEFAULT_SEQ_LEN}; on --resume, the checkpoint's)",
+    )
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of AdamW")
     p.add_argument("--seed", type=int, default=0)
     return p
+
+
+def _saved_seq_len(checkpoint: Path) -> int | None:
+    """The sequence length the checkpoint's model was built for (None if unknown)."""
+    try:
+        return int(read_extra(checkpoint, 0, same_world=False)["user"]["model"]["max_seq_len"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
 
 
 def _positive(parser: argparse.ArgumentParser, name: str, value: float) -> None:
@@ -122,19 +137,31 @@ def parse_args(argv: list[str] | None = None) -> DemoOptions:
         nproc = 2 if a.nproc is None else a.nproc
     if nproc < 1:
         parser.error(f"--nproc must be at least 1; got {nproc}")
+    out = a.out.expanduser().absolute()
+    seq_len = a.seq_len
+    if a.resume:
+        if not (out / CHECKPOINT_DIR).is_dir():
+            parser.error(
+                f"--resume: no checkpoint at {out / CHECKPOINT_DIR}; run once without --resume "
+                "(or pass the --out of an earlier run)"
+            )
+        saved = _saved_seq_len(out / CHECKPOINT_DIR)
+        if seq_len is None:
+            seq_len = saved
+        elif saved is not None and seq_len != saved:
+            parser.error(
+                f"--seq-len {seq_len}: the checkpoint at {out / CHECKPOINT_DIR} was trained "
+                f"with --seq-len {saved} (its position table has {saved} rows); pass "
+                f"--seq-len {saved} or leave it out"
+            )
+    seq_len = DEFAULT_SEQ_LEN if seq_len is None else seq_len
     for name, value in (
         ("--steps", a.steps),
         ("--batch-size", a.batch_size),
-        ("--seq-len", a.seq_len),
+        ("--seq-len", seq_len),
         ("--lr", a.lr),
     ):
         _positive(parser, name, value)
-    out = a.out.expanduser().absolute()
-    if a.resume and not (out / CHECKPOINT_DIR).is_dir():
-        parser.error(
-            f"--resume: no checkpoint at {out / CHECKPOINT_DIR}; run once without --resume "
-            "(or pass the --out of an earlier run)"
-        )
     return DemoOptions(
         nproc=nproc,
         device=a.device,
@@ -143,7 +170,7 @@ def parse_args(argv: list[str] | None = None) -> DemoOptions:
         out=out,
         resume=a.resume,
         batch_size=a.batch_size,
-        seq_len=a.seq_len,
+        seq_len=seq_len,
         lr=a.lr,
         seed=a.seed,
     )
