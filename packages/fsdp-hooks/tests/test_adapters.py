@@ -3,7 +3,8 @@
 - ``DistributedDataParallel`` trains exactly like torch's
   ``torch.nn.parallel.DistributedDataParallel`` (same losses and parameters, step by
   step, with gradient accumulation under ``no_sync``) at world sizes 2 and 4, with
-  all-reduce and with the distributed optimizer (reduce-scatter), overlapped or not.
+  all-reduce and with the distributed optimizer (reduce-scatter), overlapped or not,
+  also over a data-parallel group that is part of the world (two groups of 2 of 4).
 - A module in Megatron-Core's style (a ``config`` attribute, a layer that adds its
   weight gradient straight into ``main_grad`` and sets ``grad_added_to_main_grad``)
   trains like the same plain module under torch DDP.
@@ -71,9 +72,12 @@ def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
-def my_batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = token_batch(step * MICROBATCHES + micro, GLOBAL_BATCH, SEQ_LEN, VOCAB, seed=3)
+def my_batch(
+    step: int, micro: int, group: dist.ProcessGroup | None = None, seed: int = 3
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of the batch of its data-parallel ``group`` (default: world)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    x, y = token_batch(step * MICROBATCHES + micro, GLOBAL_BATCH, SEQ_LEN, VOCAB, seed=seed)
     per_rank = GLOBAL_BATCH // world
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     return x[mine], y[mine]
@@ -86,16 +90,16 @@ def _state(module: nn.Module) -> dict[str, torch.Tensor]:
 # ---- DistributedDataParallel versus torch's DDP (on every rank) -------------------------
 
 
-def _train_torch_ddp(build) -> dict[str, Any]:
+def _train_torch_ddp(build, group: dist.ProcessGroup | None = None, seed: int = 3) -> dict:
     module = build()
-    model = torch.nn.parallel.DistributedDataParallel(module)
+    model = torch.nn.parallel.DistributedDataParallel(module, process_group=group)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses = []
     for step in range(STEPS):
         for micro in range(MICROBATCHES):
             last = micro == MICROBATCHES - 1
             with model.no_sync() if not last else _nullcontext():
-                loss = loss_fn(model, *my_batch(step, micro))
+                loss = loss_fn(model, *my_batch(step, micro, group, seed))
                 loss.backward()
             losses.append(loss.item())
         optimizer.step()
@@ -111,10 +115,20 @@ class _nullcontext:
         return None
 
 
-def _train_ours(build, setting: dict[str, bool], config: object = None) -> dict[str, Any]:
+def _train_ours(
+    build,
+    setting: dict[str, bool],
+    config: object = None,
+    group: dist.ProcessGroup | None = None,
+    seed: int = 3,
+) -> dict[str, Any]:
     module = build()
     model = DistributedDataParallel(
-        config, DistributedDataParallelConfig(bucket_size=BUCKET), module, **setting
+        config,
+        DistributedDataParallelConfig(bucket_size=BUCKET),
+        module,
+        data_parallel_group=group,
+        **setting,
     )
     distributed = setting["use_distributed_optimizer"]
     params = model.distributed_optimizer_params() if distributed else list(model.parameters())
@@ -125,7 +139,7 @@ def _train_ours(build, setting: dict[str, bool], config: object = None) -> dict[
         for micro in range(MICROBATCHES):
             last = micro == MICROBATCHES - 1
             with model.no_sync() if not last else _nullcontext():
-                loss = loss_fn(model, *my_batch(step, micro))
+                loss = loss_fn(model, *my_batch(step, micro, group, seed))
                 loss.backward()
             losses.append(loss.item())
         for p in module.parameters():
@@ -182,6 +196,45 @@ def test_ddp_matches_torch_ddp(world):
         stats = per_rank["distributed_optimizer"]["stats"]
         assert stats["reduce_scatter"]["calls"] > 0 and stats["all_reduce"]["calls"] == 0
         assert stats["all_gather"]["calls"] > 0
+
+
+# A data-parallel group that is part of the world, as Megatron-Core passes it beside
+# tensor or pipeline groups: 4 ranks as two groups {0, 2} and {1, 3} (tensor parallelism
+# of 2), each training its own model on its own data, exactly like torch's DDP over that
+# group; a rank given a group it is not in gets a clear error.
+TP = 2
+
+
+def _ddp_subgroups() -> dict[str, Any]:
+    groups = [dist.new_group(list(range(t, dist.get_world_size(), TP))) for t in range(TP)]
+    tp_rank = dist.get_rank() % TP
+    mine, other = groups[tp_rank], groups[1 - tp_rank]
+
+    def build() -> GPT:
+        torch.manual_seed(tp_rank)  # each group its own model
+        return GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ_LEN, dim=32, n_heads=4, n_layers=2))
+
+    seed = 10 + tp_rank  # each group its own data
+    out: dict[str, Any] = {"reference": _train_torch_ddp(build, mine, seed)}
+    for name in ("all_reduce", "distributed_optimizer"):
+        out[name] = _train_ours(build, DDP_SETTINGS[name], group=mine, seed=seed)
+    try:
+        DistributedDataParallel(None, None, build(), data_parallel_group=other)
+    except ValueError as err:
+        out["foreign_group"] = str(err)
+    return out
+
+
+def test_ddp_over_part_of_the_world_matches_torch_ddp():
+    results = run_distributed(_ddp_subgroups, 4, timeout=240)
+    for rank, out in enumerate(results):
+        for name in ("all_reduce", "distributed_optimizer"):
+            _assert_same_training(out[name], out["reference"], f"rank={rank} {name}")
+        assert "not in the data_parallel_group" in out["foreign_group"], out["foreign_group"]
+    # One model per group: the same on ranks 0 and 2, another on ranks 1 and 3.
+    p = [out["distributed_optimizer"]["params"]["tok.weight"] for out in results]
+    assert torch.equal(p[0], p[2]) and torch.equal(p[1], p[3])
+    assert not torch.allclose(p[0], p[1])
 
 
 # ---- a Megatron-Core style module --------------------------------------------------------
