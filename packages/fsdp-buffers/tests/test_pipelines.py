@@ -387,6 +387,50 @@ def _double_buffer():
     return rank
 
 
+def _main_grad_protocol():
+    """A framework that accumulates weight gradients itself writes ``param.main_grad``
+    (and sets ``grad_added_to_main_grad``). Replicated gradients: it always exists.
+    Sharded ones (ZeRO-2/3): it exists from ``prepare`` (or the first gradient) until
+    the bucket's reduction is launched, and is None otherwise, never a view of freed or
+    reused memory. Written this way, the reduced gradients are the mean over ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for strategy in (0, 1, 2, 3):
+        for double_buffer in (False, True):
+            model, _, buf = _setup(strategy, fsdp_double_buffer=double_buffer)
+            gr = GradReducePipeline(buf)
+            params = dict(model.named_parameters())
+            staged = [g for g in range(6) if buf.sharding[g].grads]
+            assert bool(staged) == (strategy >= 2)
+            for name, p in params.items():
+                gid = buf.group_of(p)[0]
+                assert (p.main_grad is None) == (gid in staged), (strategy, name)
+            grads = [_grads(model, r) for r in range(world)]
+            for gid in reversed(range(6)):  # backward order: launches as they complete
+                gr.prepare(gid)
+                for name in buf.groups[gid].names:
+                    p = params[name]
+                    assert p.main_grad.shape == p.shape and not p.main_grad.any()
+                    p.main_grad.add_(grads[rank][name])
+                    p.grad_added_to_main_grad = True
+                    gr.mark_param_grad_ready(p)
+                    if gid in staged and name == buf.groups[gid].names[-1]:
+                        assert p.main_grad is None  # launched: a late write would be lost
+            gr.finish()
+            for name, p in params.items():
+                assert (p.main_grad is None) == (buf.group_of(p)[0] in staged), name
+                got, rows = _reduced(buf, name)
+                want = _expect(grads, name, rows, lambda r, n: True)
+                torch.testing.assert_close(got, want, msg=lambda m, n=name: f"{n}: {m}")
+            buf.zero_grad_buffer()
+            assert all((p.main_grad is None) == (buf.group_of(p)[0] in staged)
+                       for p in params.values())  # fmt: skip
+    return rank
+
+
+def test_main_grad_protocol_under_every_strategy():
+    assert run_distributed(_main_grad_protocol, 2, timeout=60) == [0, 1]
+
+
 def test_all_gather_pipeline():
     assert run_distributed(_all_gather_pipeline, 2) == [0, 1]
 

@@ -166,6 +166,7 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
         # model twice, and the allocator can reuse the freed memory). Views last with a
         # DoubleBufferAllocator: it sizes its slots once all are registered.
         views_early = not isinstance(self.allocator, DoubleBufferAllocator)
+        self._grad_views: dict[int, list[torch.Tensor]] = {}  # see _attach_main_grads
         for gid, group in enumerate(self.groups):
             for i, p in enumerate(group.params):
                 self.param_index[p] = (gid, i)
@@ -262,10 +263,27 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
         views = group.model_weight_buffer.param_views()
         for p, view in zip(group.params, views, strict=True):
             self._set_compute_view(p, view)
-        if group.main_grad_buffer is not None:
-            grad_views = group.main_grad_buffer.param_views()
-            for p, view in zip(group.params, grad_views, strict=True):
-                p.main_grad = view  # type: ignore[attr-defined]
+        gbuf = group.main_grad_buffer
+        if gbuf is not None:
+            gid = self.param_index[group.params[0]][0]
+            self._grad_views[gid] = gbuf.param_views()
+            if gbuf.is_data_distributed:
+                self._detach_main_grads(gid)
+            else:
+                self._attach_main_grads(gid)
+
+    def _attach_main_grads(self, gid: int) -> None:
+        """``param.main_grad``: a view of the parameter in the gradients its backward
+        accumulates into. Replicated gradients keep it for good. Sharded ones stage in a
+        bucket that exists only from the first gradient (or ``grad_target``) until the
+        bucket's reduction is launched; outside that window ``main_grad`` is None, so a
+        late write fails instead of landing in freed or reused memory."""
+        for p, view in zip(self.groups[gid].params, self._grad_views[gid], strict=True):
+            p.main_grad = view  # type: ignore[attr-defined]
+
+    def _detach_main_grads(self, gid: int) -> None:
+        for p in self.groups[gid].params:
+            p.main_grad = None  # type: ignore[attr-defined]
 
     # ---- groups and meshes ---------------------------------------------------------
     def shard_group(self, gid: int) -> dist.ProcessGroup:
@@ -421,6 +439,7 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
             self._rebase_outer(gid)
         if gbuf.is_data_distributed and not gbuf.has_unsharded_data:
             gbuf.fetch_bucket().zero_()
+            self._attach_main_grads(gid)
         if self.grad_state[gid] is not GradState.ACCUMULATING:
             self.grad_state[gid] = GradState.ACCUMULATING
         return gbuf.unsharded_tensor()
@@ -482,6 +501,8 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
         if gbuf is None:
             raise RuntimeError(f"group {gid} has no gradient buffer to reduce")
         unsharded = self.grad_target(gid)  # allocates zeros if no grad arrived here
+        if gbuf.is_data_distributed:
+            self._detach_main_grads(gid)  # reduced from here on: later writes are lost
         pg = self.shard_group(gid)
         n = self.shard_group_size(gid)
         factor, op = self._scale_and_op(gid, n)
@@ -530,7 +551,9 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
             for gid, group in enumerate(self.groups):
                 if group.main_grad_buffer is not None:
                     group.main_grad_buffer.data.zero_()
-                    group.main_grad_buffer.free_bucket()
+                    if group.main_grad_buffer.is_data_distributed:
+                        group.main_grad_buffer.free_bucket()
+                        self._detach_main_grads(gid)
                 self.grad_state[gid] = GradState.EMPTY
                 self.outer_pending[gid] = self.outer_reduced[gid] = False
                 for p in group.params:

@@ -257,6 +257,8 @@ class FSDPHooks:
     def _root_pre_backward(self) -> None:
         self._begin_backward()
         self.root_state = TrainingState.PRE_BACKWARD
+        for gid in self.root_groups:  # param.main_grad exists before any gradient
+            self.reduce.prepare(gid)
 
     def _begin_backward(self) -> None:
         if not self._callback_queued:
