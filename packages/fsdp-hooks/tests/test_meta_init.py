@@ -321,7 +321,16 @@ def _features(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "compute": _compute_weight_mismatches(wrapper, ref),
                 "buffers": _mismatches(buffers, ref_buffers),
                 "frozen_requires_grad": frozen.requires_grad,
-                "no_shard_replicated": all(
+                # blocks.1 was marked on the meta model: the mark survives materialization
+                # (its groups exist) and keeps them replicated.
+                "no_shard_replicated": {
+                    name.split(".")[1]
+                    for g in wrapper.buffer.groups
+                    if g.fsdp_no_shard and not g.model_weight_buffer.is_data_distributed
+                    for name in g.names
+                }
+                == {"1"}
+                and all(
                     not g.model_weight_buffer.is_data_distributed
                     for g in wrapper.buffer.groups
                     if g.fsdp_no_shard

@@ -1,4 +1,4 @@
-"""Module and signature helpers (single process); meshes are tested in test_meshes.py."""
+"""Module and signature helpers (single process); meshes are tested in test_distributed_index.py."""
 
 import inspect
 
