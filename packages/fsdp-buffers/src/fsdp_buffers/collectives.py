@@ -180,9 +180,11 @@ def all_gather_uneven(
     width = max(end - start for start, end in ranges)
     shape = list(local.shape)
     shape[dim] = width
-    padded = local.new_zeros(shape)
-    padded.narrow(dim, 0, local.shape[dim]).copy_(local)
-    out = [torch.empty_like(padded) for _ in ranges]
-    dist.all_gather(out, padded, group=group)
-    order = sorted(range(len(ranges)), key=lambda k: ranges[k])
-    return torch.cat([out[k].narrow(dim, 0, ranges[k][1] - ranges[k][0]) for k in order], dim)
+    with annotate("fsdp.all_gather_uneven"):
+        padded = local.new_zeros(shape)
+        padded.narrow(dim, 0, local.shape[dim]).copy_(local)
+        out = [torch.empty_like(padded) for _ in ranges]
+        dist.all_gather(out, padded, group=group)
+        order = sorted(range(len(ranges)), key=lambda k: ranges[k])
+        parts = [out[k].narrow(dim, 0, ranges[k][1] - ranges[k][0]) for k in order]
+        return torch.cat(parts, dim)

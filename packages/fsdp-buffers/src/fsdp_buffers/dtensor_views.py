@@ -31,9 +31,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdp_buffers import collectives
 
 if TYPE_CHECKING:
     from fsdp_buffers.data_parallel_buffer import DataParallelBuffer
@@ -186,19 +187,8 @@ class DTensorViews:
         if self.outer_sharded[gid] and group.requires_grad:
             partition = self._row_partition(gid, i)
             pg = self.dist_index.get_dp_group(is_expert_parallel=group.is_expert_param)
-        width = max(r1 - r0 for r0, r1 in partition)
-        local = (
-            buf.local_param_view(i).reshape(-1, *slot.shape[1:])
-            if slot.shape
-            else buf.local_param_view(i)
-        )
-        padded = torch.zeros((width, *slot.shape[1:]), dtype=buf.dtype, device=buf.device)
-        padded[: local.shape[0]] = local
-        out = torch.empty(
-            (len(partition) * width, *slot.shape[1:]), dtype=buf.dtype, device=buf.device
-        )
-        dist.all_gather_into_tensor(out, padded, group=pg)
-        # In row order: fully-sharded hybrid coordinates do not hold increasing rows.
-        order = sorted(range(len(partition)), key=lambda k: partition[k])
-        parts = [out[k * width : k * width + (partition[k][1] - partition[k][0])] for k in order]
-        return self._tp_full(gid, i, torch.cat(parts).view(slot.shape))
+        # Rows (a 0-d parameter is one row of one element), placed in row order: the
+        # coordinates of a fully-sharded hybrid mesh do not hold increasing rows.
+        local = buf.local_param_view(i).reshape(-1, *slot.shape[1:])
+        full = collectives.all_gather_uneven(local, 0, partition, pg)
+        return self._tp_full(gid, i, full.view(slot.shape))

@@ -547,7 +547,7 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
                     group.main_grad_buffer.data.mul_(scaling_factor)
 
     def zero_grad_buffer(self) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), annotate("fsdp.zero_grad_buffer"):
             for gid, group in enumerate(self.groups):
                 if group.main_grad_buffer is not None:
                     group.main_grad_buffer.data.zero_()
