@@ -11,8 +11,7 @@ covers every element of those parameters once), and the expert part is then comb
 over the whole world: each set of experts is held by ``expt_dp_size`` ranks (its
 expert data-parallel replicas), so the world sum of the expert ``norm^p`` counts every
 expert that many times. The inf-norm is the max over the local pieces of each mesh
-(and over the world for experts).
-Clipping scales the local gradient shards in place.
+(and over the world for experts). Clipping scales the local gradient shards in place.
 """
 
 from __future__ import annotations
@@ -38,25 +37,28 @@ def _combine(norms: list[torch.Tensor], norm_type: float, device: torch.device) 
     return stacked.pow(norm_type).sum().pow(1.0 / norm_type)
 
 
-def _norm_over_meshes(
-    grads: list[torch.Tensor], norm_type: float, foreach: bool | None, device: torch.device
-) -> torch.Tensor:
+def _by_mesh(grads: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
+    """Gradients by DTensor mesh (None for plain tensors), in first-seen order, which is
+    the same on every rank."""
     by_mesh: dict[object, list[torch.Tensor]] = {}
     for g in grads:
         by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    return by_mesh
+
+
+def _norm_over_meshes(
+    grads: list[torch.Tensor], norm_type: float, foreach: bool | None, device: torch.device
+) -> torch.Tensor:
     norms = []
-    for group in by_mesh.values():
+    for group in _by_mesh(grads).values():
         n = torch.nn.utils.get_total_norm(group, norm_type, foreach=foreach)
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
     return _combine(norms, norm_type, device)
 
 
 def _max_over_meshes(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    by_mesh: dict[object, list[torch.Tensor]] = {}
-    for g in grads:
-        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
     peaks = []
-    for mesh, group in by_mesh.items():
+    for mesh, group in _by_mesh(grads).items():
         local = [g.to_local() if isinstance(g, DTensor) else g for g in group]
         peak = _combine([t.abs().max() for t in local if t.numel()], math.inf, device)
         for dim in range(mesh.ndim if mesh is not None else 0):
