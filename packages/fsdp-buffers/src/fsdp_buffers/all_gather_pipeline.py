@@ -6,6 +6,11 @@ the start and never issues a collective. Prefetch walks the forward (or backward
 order of buckets past the ones asked for and starts gathering those that are EMPTY,
 while the unsharded bytes it has started stay within ``prefetch_budget_bytes``. Every
 rank makes the same calls in the same order, so collectives match across ranks.
+
+With ``fsdp_double_buffer`` two units cannot hold one slot: prefetch stops at a bucket
+whose slot is taken, and a bucket asked for whose slot is held by buckets that were
+only prefetched (units that ran in another order, or were skipped) evicts them; they
+are gathered again when asked for. A slot held by a bucket asked for is an error.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ class AllGatherPipeline:
         self.prefetch_budget_bytes = prefetch_budget_bytes
         self.status = [BucketStatus.EMPTY] * n
         self._pending: dict[int, PendingCollective] = {}
+        self._asked: set[int] = set()  # gathered because asked for, not only prefetched
         self.reset()
 
     @property
@@ -87,6 +93,10 @@ class AllGatherPipeline:
     def async_bucket_gather(self, gid: int) -> None:
         if self.status[gid] is not BucketStatus.EMPTY:
             return
+        if not self.buffer.can_gather(gid):
+            for other in self.gathered_buckets():
+                if other not in self._asked and self.buffer.gather_blocked_by(gid, other):
+                    self.release_bucket(other)
         pending = self.buffer.start_param_gather(gid)
         if pending is None:  # replicated: nothing to gather
             self.status[gid] = BucketStatus.READY_TO_USE
@@ -95,6 +105,7 @@ class AllGatherPipeline:
         self.status[gid] = BucketStatus.GATHER_IN_PROGRESS
 
     def wait_bucket_ready(self, gid: int) -> None:
+        self._asked.add(gid)
         if self.status[gid] is BucketStatus.EMPTY:
             self.async_bucket_gather(gid)
         pending = self._pending.pop(gid, None)
@@ -113,6 +124,7 @@ class AllGatherPipeline:
         """Start gathering ``bucket_ids`` (in the given order), prefetch what follows
         them in ``prefetch_order``, and wait for ``bucket_ids`` unless told not to."""
         ids = list(bucket_ids)
+        self._asked.update(ids)
         for gid in ids:
             self.async_bucket_gather(gid)
         if prefetch and ids:
@@ -135,7 +147,7 @@ class AllGatherPipeline:
                 continue
             size = self.buffer.unsharded_bytes(gid)
             if self.status[gid] is BucketStatus.EMPTY:
-                if used + size > budget:
+                if used + size > budget or not self.buffer.can_gather(gid):
                     break
                 self.async_bucket_gather(gid)
             used += size
@@ -152,6 +164,7 @@ class AllGatherPipeline:
             pending.wait()
         self.buffer.release_param_bucket(gid)
         self.status[gid] = BucketStatus.EMPTY
+        self._asked.discard(gid)
 
     def gathered_buckets(self) -> list[int]:
         return [

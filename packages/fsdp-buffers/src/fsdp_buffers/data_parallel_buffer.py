@@ -52,6 +52,14 @@ class BucketAllocator:
     def is_allocated(self, buffer: DataParallelBuffer) -> bool:
         raise NotImplementedError
 
+    def can_allocate(self, buffer: DataParallelBuffer) -> bool:
+        """Whether ``allocate(buffer)`` would succeed now."""
+        return True
+
+    def shares_slot(self, buffer: DataParallelBuffer, other: DataParallelBuffer) -> bool:
+        """Whether ``other`` being allocated keeps ``buffer`` from being allocated."""
+        return False
+
     def make_views(
         self, buffer: DataParallelBuffer, make: Callable[[torch.Tensor], list[torch.Tensor]]
     ) -> list[torch.Tensor]:
@@ -182,6 +190,19 @@ class DoubleBufferAllocator(BucketAllocator):
 
     def is_allocated(self, buffer: DataParallelBuffer) -> bool:
         return id(buffer) in self._allocated
+
+    def can_allocate(self, buffer: DataParallelBuffer) -> bool:
+        key = self._keys[id(buffer)]
+        return not (self._holders[key % 2] - {key})
+
+    def shares_slot(self, buffer: DataParallelBuffer, other: DataParallelBuffer) -> bool:
+        key, other_key = self._keys.get(id(buffer)), self._keys.get(id(other))
+        return (
+            key is not None
+            and other_key is not None
+            and key != other_key
+            and (key % 2 == other_key % 2)
+        )
 
 
 class DataParallelBuffer:

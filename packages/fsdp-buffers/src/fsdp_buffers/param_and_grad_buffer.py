@@ -170,6 +170,10 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
         for gid, group in enumerate(self.groups):
             for i, p in enumerate(group.params):
                 self.param_index[p] = (gid, i)
+        self.root_groups: list[int] = self._root_groups()
+        # Units take turns in the double buffer's two slots in the order they are built.
+        self._slot_keys: dict[int, int] = {}
+        for gid, group in enumerate(self.groups):
             self._build_group(gid, group, alignment, load=not allow_meta)
             if views_early:
                 self._point_params_at_buffers(group)
@@ -217,7 +221,7 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
                 isinstance(self.allocator, DoubleBufferAllocator)
                 and sharded
                 and kind == "model_weight"
-                and group.fsdp_unit_id is not None
+                and gid not in self.root_groups
             )
             buf = DataParallelBuffer(
                 layout,
@@ -229,7 +233,8 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
                 name=f"group{gid}.{kind}",
             )
             if in_slots:
-                self.allocator.register(buf, group.fsdp_unit_id)  # type: ignore[attr-defined]
+                key = self._slot_keys.setdefault(group.fsdp_unit_id, len(self._slot_keys))  # type: ignore[arg-type]
+                self.allocator.register(buf, key)  # type: ignore[attr-defined]
             return buf
 
         group.model_weight_buffer = make("model_weight", group.dtype, sharding.model_weights)
@@ -323,6 +328,37 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
 
     def groups_of_unit(self, unit_id: int | None) -> list[int]:
         return [g for g, grp in enumerate(self.groups) if grp.fsdp_unit_id == unit_id]
+
+    def _root_groups(self) -> list[int]:
+        """Buckets gathered for the whole step: those outside every unit, and unit
+        buckets holding a parameter that a module outside every unit also owns (weight
+        tying, e.g. an output head tied to an embedding unit), as no unit's hooks run
+        around that module."""
+        found = set(self.groups_of_unit(None))
+        units = self.unit_names
+        for name, sub in self.module.named_modules():
+            if any(u == "" or name == u or name.startswith(u + ".") for u in units):
+                continue
+            for p in sub._parameters.values():
+                if p is not None and p in self.param_index:
+                    found.add(self.param_index[p][0])
+        return sorted(found)
+
+    def can_gather(self, gid: int) -> bool:
+        """Whether bucket ``gid`` can be fetched now (a double-buffer slot may be held
+        by another unit)."""
+        buf = self.groups[gid].model_weight_buffer
+        assert buf is not None
+        return not buf.is_data_distributed or buf.allocator.can_allocate(buf)
+
+    def gather_blocked_by(self, gid: int, other: int) -> bool:
+        """Whether bucket ``other``, while gathered, keeps ``gid`` from being fetched."""
+        buf, other_buf = (
+            self.groups[gid].model_weight_buffer,
+            self.groups[other].model_weight_buffer,
+        )
+        assert buf is not None and other_buf is not None
+        return buf.allocator is other_buf.allocator and buf.allocator.shares_slot(buf, other_buf)
 
     def unsharded_bytes(self, gid: int) -> int:
         buf = self.groups[gid].model_weight_buffer

@@ -112,13 +112,10 @@ class FSDPHooks:
         self.gather = wrapper.all_gather_pipeline
         self.reduce = wrapper.grad_reduce_pipeline
         self.root_state = TrainingState.IDLE
-        # Root buckets: those outside every unit, and unit buckets that a module outside
-        # every unit also uses (a weight tied across the unit boundary, e.g. an output
-        # head tied to an embedding unit): no unit hook runs around that module, so
-        # they are gathered at the root pre-forward and kept until the end of backward.
-        self.root_groups = sorted(
-            {*buffer.groups_of_unit(None), *_unit_groups_used_outside_units(wrapper.module, buffer)}
-        )
+        # Root buckets (ParamAndGradBuffer.root_groups: outside every unit, or tied to
+        # a module outside every unit): gathered at the root pre-forward and kept until
+        # the end of backward, as no unit hook runs around them.
+        self.root_groups = buffer.root_groups
         self._callback_queued = False
         self._nonfinite: list[tuple[str, torch.Tensor]] = []
         self._param_names = {p: name for name, _g, _i, p in buffer.named_params()}
@@ -257,6 +254,15 @@ class FSDPHooks:
     def _root_pre_backward(self) -> None:
         self._begin_backward()
         self.root_state = TrainingState.PRE_BACKWARD
+        if not self._using_compute:
+            # Another graph's end of backward, or a forward without backward (eval
+            # under no_grad), ran since this graph's forward and released everything:
+            # back to the state this forward ended in (units' buckets are gathered by
+            # their own pre-backward; the root buckets again here).
+            self.use_compute_params()
+            for unit in self.units:
+                self._unit_use(unit, compute=False)
+            self.gather.all_gather_params(self.root_groups, prefetch=False)
         for gid in self.root_groups:  # param.main_grad exists before any gradient
             self.reduce.prepare(gid)
 
@@ -429,19 +435,3 @@ class FSDPHooks:
             "NaN or Inf found in local gradients (report_nan_in_param_grad / "
             "check_for_nan_in_grad) of parameters:\n" + "\n".join(lines)
         )
-
-
-def _unit_groups_used_outside_units(module: nn.Module, buffer: Any) -> list[int]:
-    """Buckets of FSDP units holding a parameter that a module outside every unit
-    also owns (through weight tying)."""
-    units = buffer.unit_names
-    found: set[int] = set()
-    for name, sub in module.named_modules():
-        if any(u == "" or name == u or name.startswith(u + ".") for u in units):
-            continue
-        for p in sub._parameters.values():
-            if p is not None and p in buffer.param_index:
-                gid = buffer.group_of(p)[0]
-                if buffer.groups[gid].fsdp_unit_id is not None:
-                    found.add(gid)
-    return sorted(found)
