@@ -76,9 +76,13 @@ class DTensorViews:
             self.attach_grads()
         return self._optimizer_params
 
-    def attach_grads(self) -> None:
+    def attach_grads(self, only_with_grads: bool = False) -> None:
         """(Re)point every optimizer parameter's ``.grad`` at its main-grad rows, e.g.
-        after ``optimizer.zero_grad(set_to_none=True)`` dropped them.
+        after ``optimizer.zero_grad(set_to_none=True)`` dropped them. With
+        ``only_with_grads``, only in groups that a backward put gradients into since
+        ``zero_grad_buffer``: others keep ``.grad`` as it is, so that a step without
+        backward after ``zero_grad()`` skips their parameters (or applies zero
+        gradients after ``zero_grad(set_to_none=False)``), as in plain PyTorch.
 
         It runs twice a step (end of backward, optimizer step), so each gradient
         DTensor is made once and cached with the storage it views
@@ -89,6 +93,8 @@ class DTensorViews:
         )
         for _name, dparam in self._optimizer_params or ():
             gid, i = dparam._fsdp_group_index  # type: ignore[attr-defined]
+            if only_with_grads and not self.has_grads(gid):
+                continue
             gbuf = self.optimizer_grad_buffer(gid)
             cached = cache.get((gid, i))
             if cached is None or cached[0] is not gbuf.data:

@@ -462,6 +462,11 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
                 self._broadcast_outer(gid)
 
     # ---- gradients ----------------------------------------------------------------
+    def has_grads(self, gid: int) -> bool:
+        """Whether a backward put gradients into group ``gid`` since the last
+        ``zero_grad_buffer`` (or since wrapping)."""
+        return self.grad_state[gid] is not GradState.EMPTY
+
     def grad_target(self, gid: int) -> torch.Tensor:
         """The unsharded tensor this backward's gradients of group ``gid`` accumulate
         into: the staging bucket when grads are sharded, the main-grad buffer if not."""

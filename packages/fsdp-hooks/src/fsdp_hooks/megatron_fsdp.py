@@ -156,6 +156,8 @@ class MegatronFSDP(nn.Module):
         self._sync_override: bool | None = None
         self.hooks = FSDPHooks(self)
         self._replace_param_with_distributed_if_needed()
+        for _name, dparam in self.buffer.optimizer_named_parameters():
+            dparam.grad = None  # as in a fresh module: none before the first backward
         self._state_names = self._expert_state_names()
         log_unit_summary(self)
 
@@ -293,7 +295,10 @@ class MegatronFSDP(nn.Module):
         )
 
     def attach_grad_to_optimizer_state(self) -> None:
-        self.buffer.attach_grads()
+        """Point ``.grad`` of the optimizer's parameters at their main-grad shards, in
+        the groups a backward filled since ``zero_grad_buffer`` (a step without
+        backward after ``zero_grad()`` then behaves as in plain PyTorch)."""
+        self.buffer.attach_grads(only_with_grads=True)
 
     def scale_gradients(self, scaling_factor: float) -> None:
         self.buffer.scale_gradients(scaling_factor)
