@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
 from fsdp_ckpt import _dist
@@ -89,7 +89,13 @@ def save_checkpoint(
         error = CheckpointError(f"cannot write the extra state to {staging}: {exc!r}")
     with _dist.quiet_single_process():
         dcp.save(
-            state, storage_writer=FileSystemWriter(staging), no_dist=not _dist.is_distributed()
+            state,
+            storage_writer=FileSystemWriter(staging),
+            # A replicated entry (a buffer, e.g. BatchNorm statistics, which ranks may
+            # hold differently) is written by the lowest rank, as full state dicts and
+            # consolidation take rank 0's: not spread over ranks to balance the writes.
+            planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
+            no_dist=not _dist.is_distributed(),
         )
     _raise_agreed(error)  # every rank has finished writing
 

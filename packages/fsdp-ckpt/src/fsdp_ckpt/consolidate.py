@@ -71,7 +71,11 @@ def get_full_model_state_dict(model: nn.Module, *, rank0_only: bool = True) -> d
                 full = _gather_rows(value, layout) if layout is not None else value.full_tensor()
             else:
                 full = value
-            full = full.detach().cpu() if isinstance(full, torch.Tensor) else full
+            if isinstance(full, torch.Tensor):
+                live = value.to_local() if isinstance(value, DTensor) else value
+                full = full.detach().cpu()
+                if full.untyped_storage().data_ptr() == live.untyped_storage().data_ptr():
+                    full = full.clone()  # a snapshot, not a view of the live model
             if param is not None:
                 done[id(param)] = full
         if keep or key in (sent or ()):

@@ -122,7 +122,11 @@ def set_optimizer_state_dict(
     index_of = {fqn: i for i, fqn in enumerate(fqns)}
     # Saved groups then list every rank's names; only names this model has can clash.
     elsewhere = keys_may_differ_across_ranks(_ordered_params(optimizer))
-    own = set(param_fqns(model, model.state_dict().keys()).values()) if elsewhere else set()
+    names = param_fqns(model, model.state_dict().keys())
+    own = set(names.values()) if elsewhere else set()
+    # Frozen parameters never have state: a wrapped optimizer leaves them out of its
+    # groups, a plain one built over ``model.parameters()`` keeps them; either matches.
+    frozen = {fqn for p, fqn in names.items() if not p.requires_grad}
     saved_groups = list(state_dict.get("param_groups", []))
     if len(saved_groups) != len(optimizer.param_groups):
         raise CheckpointMismatchError(
@@ -135,13 +139,14 @@ def set_optimizer_state_dict(
     for g, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
         mine = fqns[start : start + len(group["params"])]
         theirs = set(saved.get("params", []))
-        only_theirs = theirs - set(mine)
+        only_theirs = theirs - set(mine) - frozen
         if elsewhere:
             only_theirs &= own
-        if only_theirs or set(mine) - theirs:
+        only_mine = set(mine) - theirs - frozen
+        if only_theirs or only_mine:
             raise CheckpointMismatchError(
                 f"param group {g} holds different parameters: only in the checkpoint "
-                f"{sorted(only_theirs)}, only in this optimizer {sorted(set(mine) - theirs)}"
+                f"{sorted(only_theirs)}, only in this optimizer {sorted(only_mine)}"
             )
         merged = {k: v for k, v in group.items() if k != "params"}
         merged.update({k: v for k, v in saved.items() if k != "params"})
