@@ -119,7 +119,7 @@ def _errors_on_every_rank(path: str) -> dict[str, tuple[str, str]]:
             errors[what] = (type(e).__name__, str(e))
     dist.barrier()
     if dist.get_rank() == 0:
-        shard = sorted(Path(path).glob("*.distcp"))[-1]
+        shard = max(Path(path).glob("*.distcp"), key=lambda f: f.stat().st_size)
         shard.write_bytes(shard.read_bytes()[:-1])
     dist.barrier()
     try:
