@@ -5,19 +5,23 @@
 - buffers that ranks hold differently (BatchNorm statistics under data parallelism):
   the checkpoint, and so its consolidation, keeps rank 0's, as full state dicts do;
 - ``get_full_model_state_dict`` is a snapshot: replicated parameters and buffers are
-  copies, not views of the live model.
+  copies, not views of the live model;
+- an optimizer whose groups hold other parameters than the saved one's is refused
+  before the model is touched.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from fsdp_buffers import fsdp_no_shard
 from fsdp_ckpt import (
+    CheckpointMismatchError,
     consolidate_checkpoint,
     get_full_model_state_dict,
     load_checkpoint,
@@ -107,3 +111,22 @@ def test_frozen_parameters_rank_buffers_and_snapshots(tmp_path: Path):
     assert set(got) == set(expected)
     for key, value in expected.items():
         assert torch.equal(got[key], value), key
+
+
+def test_other_param_groups_are_refused_before_loading(tmp_path: Path):
+    def two_groups(model: Net, swap: bool) -> torch.optim.Optimizer:
+        groups = [list(model.trained.parameters()), list(model.replicated.parameters())]
+        return torch.optim.AdamW([{"params": g} for g in (groups[::-1] if swap else groups)])
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = two_groups(model, swap=False)
+    _train(model, opt)
+    save_checkpoint(tmp_path / "ckpt", model, opt)
+    torch.manual_seed(1)
+    target = Net()
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(CheckpointMismatchError, match="param group 0 holds different"):
+        load_checkpoint(tmp_path / "ckpt", target, two_groups(target, swap=True))
+    for key, value in target.state_dict().items():
+        assert torch.equal(value, before[key]), f"{key} was loaded despite the error"

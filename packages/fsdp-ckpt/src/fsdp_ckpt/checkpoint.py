@@ -40,7 +40,11 @@ from fsdp_ckpt.layout import OURS, Layout, detect_layout
 from fsdp_ckpt.load_plan import OptimizerPlan, nest, plan_model, plan_optimizer
 from fsdp_ckpt.manifest import MANIFEST_NAME, Manifest
 from fsdp_ckpt.model_state import get_model_state_dict, set_model_state_dict
-from fsdp_ckpt.optim_state import get_optimizer_state_dict, set_optimizer_state_dict
+from fsdp_ckpt.optim_state import (
+    check_param_groups,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from fsdp_ckpt.validate import Mismatch
 
 __all__ = ["MODEL_KEY", "OPTIM_KEY", "load_checkpoint", "save_checkpoint"]
@@ -176,6 +180,31 @@ def _raise_mismatches(directory: Path, model: Mismatch, plan: OptimizerPlan | No
         )
 
 
+def _dcp_load(state: dict[str, Any], directory: Path) -> None:
+    with _dist.quiet_single_process():
+        dcp.load(
+            state, storage_reader=FileSystemReader(directory), no_dist=not _dist.is_distributed()
+        )
+
+
+def _check_saved_param_groups(
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, plan: OptimizerPlan
+) -> None:
+    """Read only the saved param groups (names and hyperparameters: small) and check
+    them against the optimizer's, on every rank alike, before anything is loaded."""
+    groups_only: dict[str, Any] = {}
+    node = nest(
+        groups_only, plan.prefix, {"state": {}, "param_groups": plan.to_load["param_groups"]}
+    )
+    _dcp_load(groups_only, directory)
+    error: BaseException | None = None
+    try:  # they may differ on some ranks only (keys that differ across ranks)
+        check_param_groups(model, optimizer, plan.loaded(node))
+    except CheckpointMismatchError as exc:
+        error = exc
+    _raise_agreed(error)
+
+
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,
@@ -211,13 +240,10 @@ def load_checkpoint(
     if plan is not None:
         optim_node = nest(state, plan.prefix, plan.to_load)
     _raise_mismatches(directory, model_mismatch, plan)
+    if optimizer is not None and plan is not None:
+        _check_saved_param_groups(directory, model, optimizer, plan)
 
-    with _dist.quiet_single_process():
-        dcp.load(
-            state,
-            storage_reader=FileSystemReader(directory),
-            no_dist=not _dist.is_distributed(),
-        )
+    _dcp_load(state, directory)
     set_model_state_dict(model, {k: model_node[k] for k in model_sd}, strict=strict)
     if optimizer is not None and plan is not None:
         error: BaseException | None = None

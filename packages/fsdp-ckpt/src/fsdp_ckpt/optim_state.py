@@ -109,23 +109,21 @@ def _names_of_every_rank(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def set_optimizer_state_dict(
+def check_param_groups(
     model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
-) -> None:
-    """Load a name-keyed optimizer state dict (from ``get_optimizer_state_dict``, maybe
-    of another world size, strategy or wrapper). Param groups are matched by position
-    and must hold the same names (with keys that differ across ranks: this rank's
-    names must be among the saved ones, and none of the others a name of this model
-    outside the group); their hyperparameters come from ``state_dict``
-    (keys it lacks keep their current values). State replaces the current state."""
+) -> list[dict[str, Any]]:
+    """The optimizer's param groups with the saved hyperparameters, for
+    ``optimizer.load_state_dict``; raises ``CheckpointMismatchError`` unless the saved
+    groups (``state_dict["param_groups"]``) hold the same parameter names, by position
+    (with keys that differ across ranks: this rank's names must be among the saved
+    ones, and none of the others a name of this model outside the group). Frozen
+    parameters never have state: a wrapped optimizer leaves them out of its groups, a
+    plain one built over ``model.parameters()`` keeps them; either matches."""
     fqns = optimizer_param_fqns(model, optimizer)
-    index_of = {fqn: i for i, fqn in enumerate(fqns)}
     # Saved groups then list every rank's names; only names this model has can clash.
     elsewhere = keys_may_differ_across_ranks(_ordered_params(optimizer))
     names = param_fqns(model, model.state_dict().keys())
     own = set(names.values()) if elsewhere else set()
-    # Frozen parameters never have state: a wrapped optimizer leaves them out of its
-    # groups, a plain one built over ``model.parameters()`` keeps them; either matches.
     frozen = {fqn for p, fqn in names.items() if not p.requires_grad}
     saved_groups = list(state_dict.get("param_groups", []))
     if len(saved_groups) != len(optimizer.param_groups):
@@ -153,6 +151,20 @@ def set_optimizer_state_dict(
         merged["params"] = list(range(start, start + len(mine)))
         groups.append(merged)
         start += len(mine)
+    return groups
+
+
+def set_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
+) -> None:
+    """Load a name-keyed optimizer state dict (from ``get_optimizer_state_dict``, maybe
+    of another world size, strategy or wrapper). Param groups are matched by position
+    and must hold the same names (see ``check_param_groups``); their hyperparameters
+    come from ``state_dict`` (keys it lacks keep their current values). State replaces
+    the current state."""
+    fqns = optimizer_param_fqns(model, optimizer)
+    index_of = {fqn: i for i, fqn in enumerate(fqns)}
+    groups = check_param_groups(model, optimizer, state_dict)
     unknown = sorted(set(state_dict.get("state", {})) - set(index_of))
     if unknown:
         raise CheckpointMismatchError(
