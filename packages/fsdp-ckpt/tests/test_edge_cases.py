@@ -7,7 +7,9 @@
 - ``get_full_model_state_dict`` is a snapshot: replicated parameters and buffers are
   copies, not views of the live model;
 - an optimizer whose groups hold other parameters than the saved one's is refused
-  before the model is touched.
+  before the model is touched;
+- a module whose extra state is a dict (DCP saves it by its leaves) loads back, and
+  consolidates to a file that ``load_state_dict`` takes.
 """
 
 from __future__ import annotations
@@ -130,3 +132,29 @@ def test_other_param_groups_are_refused_before_loading(tmp_path: Path):
         load_checkpoint(tmp_path / "ckpt", target, two_groups(target, swap=True))
     for key, value in target.state_dict().items():
         assert torch.equal(value, before[key]), f"{key} was loaded despite the error"
+
+
+class WithExtraState(nn.Module):
+    def __init__(self, calls: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.meta = {"calls": calls, "tag": "x"}
+
+    def get_extra_state(self) -> dict:
+        return dict(self.meta)
+
+    def set_extra_state(self, state: dict) -> None:
+        self.meta = dict(state)
+
+
+def test_dict_extra_state_round_trips_and_consolidates(tmp_path: Path):
+    saved = WithExtraState(7)
+    save_checkpoint(tmp_path / "ckpt", saved)
+    target = WithExtraState(0)
+    load_checkpoint(tmp_path / "ckpt", target)
+    assert target.meta == {"calls": 7, "tag": "x"}
+    assert torch.equal(target.lin.weight, saved.lin.weight)
+    consolidate_checkpoint(tmp_path / "ckpt", tmp_path / "full.pt")
+    fresh = WithExtraState(0)
+    fresh.load_state_dict(load_full_state_dict(tmp_path / "full.pt"))
+    assert fresh.meta == {"calls": 7, "tag": "x"}

@@ -182,6 +182,25 @@ def save_full_model_state_dict(
     return Path(path)
 
 
+def _unflatten(sd: dict[str, Any], prefix: str, planner_data: object) -> dict[str, Any]:
+    """The model state dict under its own keys, with the dict values DCP flattened
+    into leaves (a module's dict extra state, ``_extra_state.calls``) nested again, from
+    the paths DCP's save planner recorded."""
+    paths = planner_data if isinstance(planner_data, dict) else {}
+    root = prefix.removesuffix(".")
+    full: dict[str, Any] = {}
+    for key, value in sd.items():
+        path = paths.get(key)
+        if isinstance(path, tuple) and len(path) > 2 and path[0] == root:
+            node = full.setdefault(path[1], {})
+            for part in path[2:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = value
+        else:
+            full[key[len(prefix) :]] = value
+    return full
+
+
 def consolidate_checkpoint(
     checkpoint: str | os.PathLike[str],
     output: str | os.PathLike[str],
@@ -207,7 +226,7 @@ def consolidate_checkpoint(
         raise CheckpointError(f"{directory} has no entries under {prefix!r}")
     with _dist.quiet_single_process():
         dcp.load(sd, storage_reader=FileSystemReader(directory), no_dist=True)
-    full = {k[len(prefix) :]: v for k, v in sd.items()}
+    full = _unflatten(sd, prefix, metadata.planner_data)
     write_state_dict_file(full, output, format)
     tensors = [v for v in full.values() if isinstance(v, torch.Tensor)]
     return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors)}

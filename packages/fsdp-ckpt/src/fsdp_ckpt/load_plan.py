@@ -39,7 +39,9 @@ def plan_model(
 ) -> Mismatch:
     """What is wrong between the model's state dict and the checkpoint's model part,
     seen from this rank (``Mismatch.combine`` merges the ranks' findings)."""
-    ours = {layout.model_prefix + k: v for k, v in model_sd.items()}
+    # Named as DCP names what it saves: a dict value (a module's extra state, say) by
+    # its leaves.
+    ours = flatten(model_sd, layout.model_prefix.removesuffix("."))
     return find_mismatches(ours, layout.model_entries(metadata), strict=strict)
 
 
