@@ -38,7 +38,7 @@ from fsdp_hooks import (
     fully_shard_optimizer,
 )
 from fsdp_mesh.testing import run_distributed
-from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
+from fsdp_mesh.testing.models import GPT, Block, FusedWeightGradLinear, GPTConfig, token_batch
 
 STEPS = 4
 MICROBATCHES = 2
@@ -240,26 +240,6 @@ def test_ddp_over_part_of_the_world_matches_torch_ddp():
 # ---- a Megatron-Core style module --------------------------------------------------------
 
 
-class _FusedWeightGradLinear(torch.autograd.Function):
-    """Megatron-Core's gradient-accumulation fusion: the weight gradient is added
-    straight into ``weight.main_grad``; autograd gets a dummy gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x, weight)
-        return x @ weight.t()
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
-        x, weight = ctx.saved_tensors
-        wgrad = grad_out.flatten(0, -2).t() @ x.flatten(0, -2)
-        if hasattr(weight, "main_grad"):
-            weight.main_grad.add_(wgrad)
-            weight.grad_added_to_main_grad = True
-            wgrad = torch.zeros_like(weight)
-        return grad_out @ weight, wgrad
-
-
 class McoreStyleMLP(nn.Module):
     def __init__(self, fused: bool) -> None:
         super().__init__()
@@ -272,7 +252,7 @@ class McoreStyleMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
-        h = _FusedWeightGradLinear.apply(h, self.fc1) if self.fused else h @ self.fc1.t()
+        h = FusedWeightGradLinear.apply(h, self.fc1) if self.fused else h @ self.fc1.t()
         return self.fc2(F.gelu(h))
 
 

@@ -15,27 +15,13 @@ from torch.nn import functional as F
 
 from fsdp_hooks import fully_shard
 from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing.models import FusedWeightGradLinear
 
 WORLD = 2
 VOCAB, DIM, SEQ = 32, 16, 6
 ROWS = 4  # per rank per step
 STEPS = 3
 LR = 1e-2
-
-
-class FusedWeightGradLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x, weight)
-        return x @ weight.t()
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
-        x, weight = ctx.saved_tensors
-        wgrad = grad_out.flatten(0, -2).t() @ x.flatten(0, -2)
-        weight.main_grad.add_(wgrad)  # an AttributeError on None if it were missing
-        weight.grad_added_to_main_grad = True
-        return grad_out @ weight, torch.zeros_like(weight)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 ``GPT`` is a decoder-only transformer: token and position embeddings, ``Block``s
 (pre-norm attention and MLP) and an output head tied to the token embedding. The
-``Block`` class is the natural FSDP unit.
+``Block`` class is the natural FSDP unit. ``FusedWeightGradLinear`` is the weight
+gradient path of Megatron-Core's gradient-accumulation fusion (and Transformer
+Engine's fused wgrad), for tests of the ``main_grad`` protocol.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["GPT", "Block", "GPTConfig", "token_batch"]
+__all__ = ["GPT", "Block", "FusedWeightGradLinear", "GPTConfig", "token_batch"]
 
 
 @dataclass(frozen=True)
@@ -95,3 +97,22 @@ def token_batch(
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     tokens = torch.randint(0, vocab_size, (batch, seq_len + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
+
+
+class FusedWeightGradLinear(torch.autograd.Function):
+    """``x @ weight.t()`` whose backward adds the weight gradient straight into
+    ``weight.main_grad`` and sets ``weight.grad_added_to_main_grad``; autograd gets a
+    zero weight gradient. ``main_grad`` must exist when backward reaches the layer."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        wgrad = grad_out.flatten(0, -2).t() @ x.flatten(0, -2)
+        weight.main_grad.add_(wgrad)
+        weight.grad_added_to_main_grad = True
+        return grad_out @ weight, torch.zeros_like(weight)
