@@ -214,7 +214,7 @@ def _train(strategy, own_rule=False, marker=False, clip=False):
         t = loss.detach().clone()
         dist.all_reduce(t)
         losses.append(t.item() / WORLD)
-    params = {_global_name(name, ids): buf.full_parameter(name) for name, *_ in buf.named_params()}
+    params = {_global_name(name, ids): t for name, t in buf.full_parameters().items()}
     # Local expert names collide across expert-parallel ranks: state dicts use global
     # ones (checkpoints: test_expert_checkpoint.py).
     assert set(model.state_dict()) == set(params)

@@ -26,7 +26,7 @@ from torch.nn import functional as F
 from fsdp_hooks import expert_names, fully_shard, fully_shard_model
 from fsdp_hooks.expert_names import ExpertStateNames, LocalExperts, global_expert_ids
 from fsdp_mesh import build_device_mesh
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import mean_over_ranks, run_distributed
 
 
 def _load_toy():
@@ -110,15 +110,12 @@ def _steps(model, opt, start, stop):
         loss.backward()
         opt.step()
         opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / WORLD)
+        losses.append(mean_over_ranks(loss))
     return losses
 
 
 def _params(model, ids):
-    buf = model.buffer
-    return {toy._global_name(n, ids): buf.full_parameter(n) for n, *_ in buf.named_params()}
+    return {toy._global_name(n, ids): t for n, t in model.buffer.full_parameters().items()}
 
 
 def _foreign_expert_refused(model, ids):

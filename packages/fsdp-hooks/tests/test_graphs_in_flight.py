@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from fsdp_hooks import fully_shard
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import assert_tensors_close, mean_over_ranks, run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
 
 WORLD = 2
@@ -70,13 +70,10 @@ def _train(pattern: str) -> dict:
         model, opt = fully_shard(module, opt, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
         seen = []
         for step in range(STEPS):
-            value = torch.tensor(_step(model, pattern, step, rows))
-            dist.all_reduce(value)
-            seen.append(value.item() / WORLD)
+            seen.append(mean_over_ranks(_step(model, pattern, step, rows)))
             opt.step()
             opt.zero_grad()
-        buf = model.buffer
-        out[strategy] = (seen, {n: buf.full_parameter(n) for n, *_ in buf.named_params()})
+        out[strategy] = (seen, model.buffer.full_parameters())
     return out
 
 
@@ -86,11 +83,4 @@ def test_graphs_in_flight_match_one_process(pattern):
     got = run_distributed(_train, WORLD, args=(pattern,), timeout=120)[0]
     for strategy, (seen, params) in got.items():
         torch.testing.assert_close(seen, ref_seen, rtol=1e-5, atol=0, msg=str(strategy))
-        for name, expected in ref_params.items():
-            torch.testing.assert_close(
-                params[name],
-                expected,
-                rtol=1e-5,
-                atol=1e-6,
-                msg=lambda m, n=name, s=strategy: f"strategy {s} {n}: {m}",
-            )
+        assert_tensors_close(params, ref_params, where=f"strategy {strategy}")

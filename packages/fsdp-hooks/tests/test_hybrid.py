@@ -30,7 +30,7 @@ from torch.nn import functional as F
 from fsdp_buffers import MixedPrecisionPolicy
 from fsdp_hooks import DistributedDataParallelConfig, MegatronFSDP, fully_shard
 from fsdp_mesh import FSDPDistributedIndex, build_device_mesh
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import mean_over_ranks, run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
 
 CFG = GPTConfig(vocab_size=48, max_seq_len=8, dim=16, n_heads=2, n_layers=2)
@@ -156,8 +156,7 @@ def _train_scenario(scenario):
         opt.step()
         after_step = model.comm_stats(reset=True)
         opt.zero_grad()
-        dist.all_reduce(total)
-        losses.append(total.item() / WORLD)
+        losses.append(mean_over_ranks(total))
         counts.append((before_step, after_step))
     if strategy >= 2 and outer_kind != "none":
         # Deferred, the outer reduction runs once per step; with sync_each, once per
@@ -206,7 +205,7 @@ def _train_scenario(scenario):
                 assert 2 * group.hsdp_gbuf.data.numel() == group.main_grad_buffer.data.numel()
             else:
                 assert group.hsdp_gbuf is None
-    params = {name: model.buffer.full_parameter(name) for name, *_ in model.buffer.named_params()}
+    params = model.buffer.full_parameters()
     return (losses, norms, params) if rank == 0 else None
 
 
@@ -302,9 +301,7 @@ def _ckpt_train(model, opt, start, stop):
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+        losses.append(mean_over_ranks(loss))
     return losses
 
 

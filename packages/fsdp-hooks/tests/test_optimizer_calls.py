@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from fsdp_hooks import fully_shard
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import assert_tensors_close, run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
 
 WORLD = 2
@@ -55,8 +55,7 @@ def _train() -> dict:
         opt = torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1, eps=EPS)
         model, opt = fully_shard(module, opt, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
         _script(model, opt, slice(rank * per_rank, (rank + 1) * per_rank))
-        buf = model.buffer
-        out[strategy] = {n: buf.full_parameter(n) for n, *_ in buf.named_params()}
+        out[strategy] = model.buffer.full_parameters()
     return out
 
 
@@ -64,11 +63,4 @@ def test_steps_without_backward_match_plain_pytorch():
     ref = _reference()
     got = run_distributed(_train, WORLD, timeout=120)[0]
     for strategy, params in got.items():
-        for name, expected in ref.items():
-            torch.testing.assert_close(
-                params[name],
-                expected,
-                rtol=1e-5,
-                atol=1e-6,
-                msg=lambda m, n=name, s=strategy: f"strategy {s} {n}: {m}",
-            )
+        assert_tensors_close(params, ref, where=f"strategy {strategy}")

@@ -241,8 +241,7 @@ def _buffer(model):
 
 
 def _full_params(model):
-    buf = _buffer(model)
-    return {name: buf.full_parameter(name) for name, *_ in buf.named_params()}
+    return _buffer(model).full_parameters()
 
 
 def _run(kind, strategy, ckpt_dir):

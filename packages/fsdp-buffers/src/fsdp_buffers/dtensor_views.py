@@ -171,6 +171,10 @@ class DTensorViews:
             return buf.layout.local_rows(i, buf.shard_rank)
         return self.layouts[gid].local_rows(i, self.shard_group_rank(gid))
 
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, whole, under its name (``full_parameter`` of each)."""
+        return {name: self.full_parameter(name) for name, *_ in self.named_params()}
+
     def full_parameter(self, name: str) -> torch.Tensor:
         """The whole parameter ``name`` (main weights where they exist), gathered from
         its row shards (and, when it is tensor-parallel, from its tp pieces). A

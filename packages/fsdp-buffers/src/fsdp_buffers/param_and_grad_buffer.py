@@ -176,10 +176,10 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
         for gid, group in enumerate(self.groups):
             self._build_group(gid, group, alignment, load=not allow_meta)
             if views_early:
-                self._point_params_at_buffers(group)
+                self._point_params_at_buffers(gid, group)
         if not views_early:
-            for group in self.groups:
-                self._point_params_at_buffers(group)
+            for gid, group in enumerate(self.groups):
+                self._point_params_at_buffers(gid, group)
         self._hybrid_meshes: dict[bool, DeviceMesh] = {}
         self._hybrid_logical: dict[bool, list[int]] = {}
         for expert in sorted(
@@ -262,7 +262,7 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
                 group.hsdp_gbuf.data = self._fine_slice(group.main_grad_buffer.data, gid)
         self._outer_main.append(outer_main)
 
-    def _point_params_at_buffers(self, group: ParameterGroup) -> None:
+    def _point_params_at_buffers(self, gid: int, group: ParameterGroup) -> None:
         # Compute parameters become views into the (possibly not yet gathered) bucket.
         assert group.model_weight_buffer is not None
         views = group.model_weight_buffer.param_views()
@@ -270,7 +270,6 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
             self._set_compute_view(p, view)
         gbuf = group.main_grad_buffer
         if gbuf is not None:
-            gid = self.param_index[group.params[0]][0]
             self._grad_views[gid] = gbuf.param_views()
             if gbuf.is_data_distributed:
                 self._detach_main_grads(gid)

@@ -245,13 +245,8 @@ def load_checkpoint(
 
     _dcp_load(state, directory)
     set_model_state_dict(model, {k: model_node[k] for k in model_sd}, strict=strict)
-    if optimizer is not None and plan is not None:
-        error: BaseException | None = None
-        try:  # its param groups differ from the saved ones on some ranks only, maybe
-            set_optimizer_state_dict(model, optimizer, plan.loaded(optim_node))
-        except CheckpointMismatchError as exc:
-            error = exc
-        _raise_agreed(error)
+    if optimizer is not None and plan is not None:  # its groups were checked above
+        set_optimizer_state_dict(model, optimizer, plan.loaded(optim_node))
     if manifest is None:
         return {}
     saved = read_extra(directory, _dist.rank(), manifest.world_size == _dist.world_size())

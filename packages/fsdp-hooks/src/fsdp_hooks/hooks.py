@@ -37,7 +37,7 @@ issued in one order on every rank (they share the shard group): a unit's post-ba
 marks the buckets it releases ready, and the end of backward launches the rest (root
 buckets, buckets of units without hooks or whose post-backward did not run), in the
 pipeline's fixed order. A gradient that arrives is only accumulated into its bucket.
-With ``overlap_grad_reduce=False`` every reduction waits for the end of backward.
+With ``overlap_grad_reduce=False`` no unit marks its buckets: all wait for the end.
 Marking a bucket when its last gradient arrived instead would depend on the rank's
 data: with a branch taken on one rank only (some parameters get no gradient there) one
 rank would launch a reduce-scatter while the other issues the next all-gather, and both
@@ -124,7 +124,9 @@ class FSDPHooks:
         root = set(self.root_groups)
         self.units: list[FSDPUnit] = []
         # Trainable bucket -> the hooked units that release it: the last of their
-        # post-backwards marks it ready (module note). Others wait for the end of backward.
+        # post-backwards marks it ready (module note). Others wait for the end of backward,
+        # as all do without overlap_grad_reduce.
+        overlap = wrapper.ddp_config.overlap_grad_reduce
         self._markers: dict[int, list[FSDPUnit]] = {}
         self._marked: set[int] = set()
         for index, name in enumerate(buffer.unit_names):
@@ -141,7 +143,7 @@ class FSDPHooks:
                 self._register_state_hooks(unit)
                 continue
             for gid in unit.release_groups:
-                if buffer.groups[gid].requires_grad:
+                if overlap and buffer.groups[gid].requires_grad:
                     self._markers.setdefault(gid, []).append(unit)
             unit.handles.append(
                 unit_module.register_forward_pre_hook(
@@ -366,8 +368,6 @@ class FSDPHooks:
         units = self._markers.get(gid)
         if not units or gid in self._marked or any(u.pending_backward for u in units):
             return
-        if not self.wrapper.ddp_config.overlap_grad_reduce:
-            return  # everything is reduced at the end of backward
         self._marked.add(gid)
         for param in self.buffer.groups[gid].params:
             if param.requires_grad:

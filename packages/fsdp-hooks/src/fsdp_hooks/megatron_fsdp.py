@@ -164,15 +164,20 @@ class MegatronFSDP(nn.Module):
     def _expert_state_names(self) -> ExpertStateNames:
         """Local <-> global expert names for state dicts when experts differ across
         ranks (see ``expert_names``); a collective then, as wrapping is."""
-        idx = self.dist_index
         experts = [n for g in self.buffer.groups if g.is_expert_param for n in g.names]
-        if idx.expt_dp_size == idx.dp_size or not experts:
+        if not self.experts_differ_across_ranks or not experts:
             return ExpertStateNames()
-        names = ExpertStateNames.build(self.module, experts, idx)
+        names = ExpertStateNames.build(self.module, experts, self.dist_index)
         names.tag(self.module)
         return names
 
     # ---- state ----------------------------------------------------------------------
+    @property
+    def experts_differ_across_ranks(self) -> bool:
+        """Expert parallelism: an expert mesh whose data-parallel size differs from the
+        dense one, so ranks hold different experts under the same local names."""
+        return self.dist_index.expt_dp_size != self.dist_index.dp_size
+
     @property
     def training_state(self) -> TrainingState:
         return self.hooks.root_state
@@ -283,12 +288,11 @@ class MegatronFSDP(nn.Module):
         meshes; see ``grad_norm``). Reduces what is still unreduced first
         (``finish_grad_sync``), so call it after the last backward of a step."""
         self.finish_grad_sync()
-        idx = self.dist_index
-        split = idx.expt_device_mesh is not idx.device_mesh and idx.expt_dp_size != idx.dp_size
+        split = self.experts_differ_across_ranks
         return clip_grad_norm_(
             self.buffer,
             max_norm,
-            expert_replicas=idx.expt_dp_size if split else None,
+            expert_replicas=self.dist_index.expt_dp_size if split else None,
             norm_type=norm_type,
             error_if_nonfinite=error_if_nonfinite,
             foreach=foreach,
