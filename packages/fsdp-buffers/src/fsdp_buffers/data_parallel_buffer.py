@@ -1,8 +1,8 @@
 """``DataParallelBuffer``: the storage of one parameter group in one dtype.
 
-A buffer is either sharded (``is_data_distributed``: this rank keeps only its shard of
-the flat layout, ``shard_numel`` elements) or replicated (this rank keeps the whole
-padded buffer, ``total_numel`` elements, and its "shard" is a slice of it).
+A buffer is either sharded (``is_data_distributed``: this rank keeps only its shard,
+``shard_numel`` elements, rank-major) or replicated (this rank keeps the whole
+parameter-major buffer, ``total_numel`` elements); see Note [shard layout] in ``layout``.
 
 The unsharded data of a sharded buffer (its *bucket*) exists only while in use. Note
 on how it is released: each sharded buffer owns one bucket tensor for its whole life,
@@ -206,7 +206,9 @@ class DoubleBufferAllocator(BucketAllocator):
 
 
 class DataParallelBuffer:
-    """The storage of one group in one dtype, sharded or replicated."""
+    """The storage of one group in one dtype, sharded or replicated (Note [shard layout]
+    in ``layout``): a sharded buffer keeps this rank's shard (rank-major), a replicated
+    one the whole parameter-major buffer, whose parameters are views."""
 
     def __init__(
         self,
@@ -218,10 +220,18 @@ class DataParallelBuffer:
         shard_rank: int,
         allocator: BucketAllocator | None = None,
         name: str = "",
+        coarse: int | None = None,
     ) -> None:
-        if not 0 <= shard_rank < layout.shard_count:
+        # ``coarse``: the number of ranks the buffer is sharded over when each owns several
+        # of the layout's shards (fully-sharded hybrid sharding; Note [shard layout]).
+        self.coarse = layout.shard_count if coarse is None else coarse
+        if self.coarse < 1 or layout.shard_count % self.coarse:
             raise ValueError(
-                f"shard_rank {shard_rank} is outside the layout's {layout.shard_count} shards"
+                f"{name}: coarse={self.coarse} must divide the layout's {layout.shard_count} shards"
+            )
+        if not 0 <= shard_rank < self.coarse:
+            raise ValueError(
+                f"shard_rank {shard_rank} is outside the buffer's {self.coarse} shards"
             )
         self.layout = layout
         self.dtype = dtype
@@ -231,29 +241,88 @@ class DataParallelBuffer:
         self.name = name
         self.element_size = torch.empty((), dtype=dtype).element_size()
         self.allocator = allocator if allocator is not None else TemporaryBucketAllocator()
-        self._shard_start, self._shard_end = layout.shard_bounds(shard_rank)
-        numel = layout.shard_numel if is_data_distributed else layout.total_numel
+        g = layout.shard_count // self.coarse
+        # The layout's shards this rank owns, in the order they sit in its local shard.
+        self.owned_shards = tuple(shard_rank + j * self.coarse for j in range(g))
+        numel = g * layout.shard_numel if is_data_distributed else layout.total_numel
         # Zeroed, so that padding never carries garbage into a reduction or a norm.
         self.data = torch.zeros(numel, dtype=dtype, device=device)
 
     # ---- shards -------------------------------------------------------------------
     @property
     def local_shard(self) -> torch.Tensor:
-        """This rank's shard: the whole storage if sharded, a slice of it if not."""
+        """This rank's shard (rank-major): the storage of a sharded buffer. A replicated
+        buffer holds no shard-shaped view of itself: use ``copy_local_shard`` /
+        ``set_local_shard``."""
+        if not self.is_data_distributed:
+            raise RuntimeError(
+                f"{self.name}: a replicated buffer is parameter-major; its local shard is a "
+                "copy (copy_local_shard), not a view"
+            )
+        return self.data
+
+    def copy_local_shard(self) -> torch.Tensor:
+        """This rank's shard as a new contiguous tensor (a copy when replicated)."""
         if self.is_data_distributed:
-            return self.data
-        return self.data[self._shard_start : self._shard_end]
+            return self.data.clone()
+        out = torch.empty(len(self.owned_shards) * self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        self._pack_owned(self.data, out)
+        return out
+
+    def set_local_shard(self, shard: torch.Tensor) -> None:
+        """Write ``shard`` (rank-major, this rank's) into the buffer; a replicated buffer
+        keeps its other ranks' regions as they are."""
+        if self.is_data_distributed:
+            self.data.copy_(shard)
+            return
+        s = self.layout.shard_numel
+        for j, k in enumerate(self.owned_shards):
+            self.layout.unpack_rank(shard[j * s : (j + 1) * s], k, self.data)
+
+    def _pack_owned(self, pm: torch.Tensor, out: torch.Tensor) -> None:
+        s = self.layout.shard_numel
+        for j, k in enumerate(self.owned_shards):
+            self.layout.pack_rank(pm, k, out[j * s : (j + 1) * s])
+
+    def load_from_unsharded(self, pm: torch.Tensor) -> None:
+        """Fill the buffer from a whole parameter-major tensor (its own shard of it when
+        sharded)."""
+        if self.is_data_distributed:
+            self._pack_owned(pm, self.data)
+        else:
+            self.data.copy_(pm)
+
+    def copy_shard_from(self, other: DataParallelBuffer) -> None:
+        """Make this rank's part equal to ``other``'s (same layout; dtypes may differ):
+        the shard when either is sharded, everything when both are replicated."""
+        if self.is_data_distributed == other.is_data_distributed:
+            self.data.copy_(other.data)
+        elif self.is_data_distributed:
+            self.data.copy_(other.copy_local_shard())
+        else:
+            self.set_local_shard(other.data)
 
     def local_param_view(self, index: int) -> torch.Tensor:
-        """This rank's rows of parameter ``index``: shape (rows owned, *shape[1:])."""
-        slot = self.layout.slots[index]
-        start, end = self.layout.local_span(index, self.shard_rank)
-        r0, r1 = self.layout.local_rows(index, self.shard_rank)
-        base = self._shard_start if self.is_data_distributed else 0
-        if start == end:  # owns nothing of this parameter
-            start = end = min(max(self._shard_start, slot.offset), self._shard_end)
-        flat = self.data[start - base : end - base]
-        return flat.view(_rows_shape(slot.shape, r1 - r0))
+        """This rank's rows of parameter ``index`` (its ``torch.chunk`` piece): shape
+        (rows owned, *shape[1:]); the element itself for a 0-d parameter."""
+        if len(self.owned_shards) != 1:
+            raise RuntimeError(
+                f"{self.name}: a coarse shard holds several pieces of each parameter, not one view"
+            )
+        layout = self.layout
+        slot = layout.slots[index]
+        if slot.replicated:
+            flat = self.data[slot.offset : slot.offset + 1] if self.is_data_distributed else (
+                self.data[layout.param_offset(index) : layout.param_offset(index) + 1]
+            )
+            return flat.view(())
+        r0, r1 = layout.local_rows(index, self.shard_rank)
+        n = (r1 - r0) * slot.row_numel
+        if self.is_data_distributed:
+            start = slot.offset
+        else:
+            start = layout.param_offset(index) + self.shard_rank * slot.width
+        return self.data[start : start + n].view(_rows_shape(slot.shape, r1 - r0))
 
     # ---- unsharded data -------------------------------------------------------------
     @property
@@ -261,7 +330,8 @@ class DataParallelBuffer:
         return not self.is_data_distributed or self.allocator.is_allocated(self)
 
     def unsharded_tensor(self) -> torch.Tensor:
-        """The tensor that holds (or will hold, once fetched) all of the data."""
+        """The parameter-major tensor that holds (or will hold, once fetched) all of the
+        data."""
         if not self.is_data_distributed:
             return self.data
         return self.allocator.bucket_for(self)
@@ -280,7 +350,8 @@ class DataParallelBuffer:
 
     def param_view(self, unsharded: torch.Tensor, index: int) -> torch.Tensor:
         slot = self.layout.slots[index]
-        return unsharded[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        start = self.layout.param_offset(index)
+        return unsharded[start : start + slot.numel].view(slot.shape)
 
     def param_views(self) -> list[torch.Tensor]:
         """A view of every parameter into the unsharded tensor. For a sharded buffer
@@ -295,20 +366,25 @@ class DataParallelBuffer:
 
     # ---- filling ----------------------------------------------------------------------
     def load_params(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Copy full parameter values into this buffer (only the local rows when
+        """Copy full parameter values into this buffer (only the local pieces when
         sharded). Values are cast to the buffer's dtype."""
         if len(tensors) != len(self.layout.slots):
             raise ValueError(
                 f"{self.name}: got {len(tensors)} tensors for {len(self.layout.slots)} parameters"
             )
+        layout = self.layout
         with torch.no_grad():
             for i, t in enumerate(tensors):
-                if self.is_data_distributed:
-                    r0, r1 = self.layout.local_rows(i, self.shard_rank)
-                    if r1 > r0:
-                        self.local_param_view(i).copy_(_rows(t, r0, r1))
-                else:
+                if not self.is_data_distributed:
                     self.param_view(self.data, i).copy_(t)
+                    continue
+                slot = layout.slots[i]
+                for j, k in enumerate(self.owned_shards):
+                    r0, r1 = layout.local_rows(i, k)
+                    start = j * layout.shard_numel + slot.offset
+                    n = (r1 - r0) * slot.row_numel
+                    if n:
+                        self.data[start : start + n].copy_(_rows(t, r0, r1).reshape(-1))
 
     @property
     def nbytes(self) -> int:

@@ -6,21 +6,19 @@ optimizer state is sharded, ``Replicate()`` when not), whose ``.grad`` is a DTen
 the main-grad rows; frozen and integer parameters are views of the model weights.
 In-place updates on them land in the buffers.
 
-The shards are whole dim-0 rows, but not ``torch.chunk``-sized (the flat layout
-decides them), which DTensor's redistribution and ``full_tensor()`` assume. So every
-sharded DTensor made here carries ``_fsdp_row_partition`` (rows per rank, known from
-the layout) for checkpoints, and ``full_parameter`` gathers whole parameters correctly.
+Every sharded local tensor is the ``torch.chunk`` piece DTensor's ``Shard(0)`` says it is
+(Note [shard layout] in ``layout``), so every DTensor op, ``full_tensor()``,
+``redistribute`` and DCP are right on them. 0-d parameters are ``Replicate()``. Sharded
+DTensors also carry ``_fsdp_row_partition`` (rows per rank; the same chunks) for the
+checkpoint layer, which reads it where a DTensor comes without one (FSDP2's).
 
 Hybrid sharding: with the outer dim replicating, the DTensors are the same as without
 it, on the shard mesh (each outer replica is one consistent DTensor world; DCP writes
 a chunk once, whichever replica offers it). Fully-sharded hybrid main weights (and their
 grads and optimizer state) are ``Shard(0)`` on the 1-D mesh over the hybrid group
-(``ParamAndGradBuffer.optimizer_mesh``): ``clip_grad_norm_`` then reduces the norm
-over every data-parallel rank, each holding a disjoint chunk. Coordinate c of that
-mesh holds fine chunk ``logical[c]`` (shard-major, see Note [hybrid rank conventions]
-in ``fsdp_mesh.distributed_index``), so ``_fsdp_row_partition`` lists, per coordinate,
-the rows of that chunk: not in increasing order, which checkpoints handle since they
-place each shard by its own row offset.
+(``ParamAndGradBuffer.optimizer_mesh``), coordinate f holding piece f of shard x outer:
+``clip_grad_norm_`` then reduces the norm over every data-parallel rank, each holding a
+disjoint chunk.
 
 Tensor parallelism: the views live on the 2-D mesh (dp_shard, tp) and carry
 ``_fsdp_tp_partition`` too; see Note [tensor parallelism] in ``tensor_parallel``.
@@ -45,8 +43,14 @@ __all__ = ["DTensorViews"]
 class DTensorViews:
     """Mixed into ``ParamAndGradBuffer``; uses its groups, layouts and sharding."""
 
+    def _is_sharded_slot(self, gid: int, index: int, sharded: bool) -> bool:
+        """Whether parameter ``index`` of a group whose storage is ``sharded`` is split
+        (0-d parameters are whole on every rank)."""
+        return sharded and not self.layouts[gid].slots[index].replicated
+
     def _dtensor(self, gid: int, index: int, local: torch.Tensor) -> DTensor:
-        placement = Shard(0) if self.sharding[gid].main_weights else Replicate()
+        split = self._is_sharded_slot(gid, index, self.sharding[gid].main_weights)
+        placement = Shard(0) if split else Replicate()
         return self._view_dtensor(gid, index, local, placement, self.optimizer_mesh(gid))
 
     def _optimizer_view(self, gid: int, index: int, buf: DataParallelBuffer) -> torch.Tensor:
@@ -133,25 +137,21 @@ class DTensorViews:
             sharded = buf.is_data_distributed or (
                 group.requires_grad and self.sharding[gid].main_weights
             )
-            placement = Shard(0) if sharded else Replicate()
+            split = self._is_sharded_slot(gid, i, sharded)
+            placement = Shard(0) if split else Replicate()
             local = buf.local_param_view(i) if sharded else buf.param_view(buf.data, i)
             mesh = self.optimizer_mesh(gid) if group.requires_grad else self.shard_mesh(gid)
             out[name] = self._view_dtensor(gid, i, local, placement, mesh)
-            out[name]._fsdp_row_partition = self._row_partition(gid, i) if sharded else None  # type: ignore[attr-defined]
+            out[name]._fsdp_row_partition = self._row_partition(gid, i) if split else None  # type: ignore[attr-defined]
             out[name]._fsdp_tp_partition = self.tp_partition(gid, i)  # type: ignore[attr-defined]
         return out
 
     def _row_partition(self, gid: int, index: int) -> tuple[tuple[int, int], ...] | None:
-        """Rows [start, end) of the parameter on each shard-group rank, or None when it
-        is replicated. Checkpoints use it: the shards are whole rows but not
-        ``torch.chunk``-sized, so DTensor alone cannot say where a shard starts."""
-        if not self.sharding[gid].main_weights and not self.sharding[gid].model_weights:
+        """Rows [start, end) of the parameter on each coordinate of its DTensors' mesh
+        (``torch.chunk``'s pieces), or None when it is replicated."""
+        sharding = self.sharding[gid]
+        if not self._is_sharded_slot(gid, index, sharding.main_weights or sharding.model_weights):
             return None
-        if self.outer_sharded[gid]:
-            fine = self.outer_layouts[gid]
-            assert fine is not None
-            logical = self._hybrid_logical[self.groups[gid].is_expert_param]
-            return tuple(fine.local_rows(index, k) for k in logical)
         return self.layouts[gid].row_partition(index)
 
     def index_of(self, name: str) -> tuple[int, int]:
@@ -178,10 +178,8 @@ class DTensorViews:
     def full_parameter(self, name: str) -> torch.Tensor:
         """The whole parameter ``name`` (main weights where they exist), gathered from
         its row shards (and, when it is tensor-parallel, from its tp pieces). A
-        collective: every rank of the shard group (and the tp group) must call it.
-
-        Use this, not ``DTensor.full_tensor()``: the shards are whole rows but not
-        ``torch.chunk``-sized, which DTensor's redistribution assumes."""
+        collective: every rank of the shard group (and the tp group) must call it; the
+        same as ``full_tensor()`` of its DTensor."""
         gid, i = self.index_of(name)
         group = self.groups[gid]
         buf = self.main_weight_buffer(gid) if group.requires_grad else group.model_weight_buffer
@@ -192,6 +190,8 @@ class DTensorViews:
         )
         if not sharded:
             return self._tp_full(gid, i, buf.param_view(buf.data, i).clone())
+        if slot.replicated:
+            return self._tp_full(gid, i, buf.local_param_view(i).clone())
         partition = buf.layout.row_partition(i)
         pg = self.shard_group(gid)
         if self.outer_sharded[gid] and group.requires_grad:

@@ -79,14 +79,11 @@ class HybridSharding:
         )
         if not outer_sharded:
             return compute_layout(shapes, size, alignment), None
+        # One layout over shard x outer pieces; the shard-group buffers own ``outer`` of
+        # them each (coarse shards, Note [shard layout]): shard rank k holds pieces
+        # k + o * size, so piece f is hybrid-group rank f's (outer-major).
         fine = compute_layout(shapes, size * outer_n, alignment)
-        coarse = FlatLayout(
-            slots=fine.slots,
-            shard_count=size,
-            shard_numel=fine.shard_numel * outer_n,
-            alignment=fine.alignment,
-        )
-        return coarse, fine
+        return fine, fine
 
     def _broadcast_outer(self, gid: int) -> None:
         """Make the shard group's replicas across the outer group equal to outer rank
@@ -116,7 +113,7 @@ class HybridSharding:
     def _fine_buffer(
         self, gid: int, fine: FlatLayout, dtype: torch.dtype, kind: str
     ) -> DataParallelBuffer:
-        logical = self.shard_group_rank(gid) * self.outer_group_size(gid) + self.outer_group_rank(
+        logical = self.outer_group_rank(gid) * self.shard_group_size(gid) + self.shard_group_rank(
             gid
         )
         return DataParallelBuffer(
@@ -137,22 +134,31 @@ class HybridSharding:
         return coarse_shard[o * fine.shard_numel : (o + 1) * fine.shard_numel]
 
     def _init_hybrid_mesh(self, expert: bool) -> None:
-        """The 1-D mesh over the hybrid group that fully-sharded main weights live on,
-        and, for each of its coordinates, the fine chunk that rank holds. One
-        ``all_gather_object`` over the hybrid group (every rank builds every group)."""
+        """The 1-D mesh over the hybrid group that fully-sharded main weights live on.
+        Coordinate f must hold piece f (outer-major: ``outer_rank * shard + shard_rank``)
+        for their ``Shard(0)`` DTensors to be ``torch.chunk`` pieces; checked with one
+        ``all_gather_object`` over the hybrid group, the same verdict on every rank."""
         idx = self.dist_index
         group = idx.get_dp_group(is_expert_parallel=expert)
         mesh = None if expert else idx.hybrid_fsdp_mesh
         if mesh is None:
             mesh = DeviceMesh.from_group(group, idx.device_type)
         if expert:
-            mine = idx.expt_fsdp_rank * idx.expt_outer_size + idx.expt_outer_rank
+            piece = idx.expt_outer_rank * idx.expt_fsdp_size + idx.expt_fsdp_rank
         else:
-            mine = idx.fsdp_rank * idx.outer_size + idx.outer_rank
-        logical: list[int] = [0] * dist.get_world_size(group)
-        dist.all_gather_object(logical, mine, group=group)
+            piece = idx.outer_rank * idx.fsdp_size + idx.fsdp_rank
+        pairs: list[tuple[int, int]] = [(0, 0)] * dist.get_world_size(group)
+        dist.all_gather_object(pairs, (mesh.get_local_rank(), piece), group=group)
+        wrong = [(c, f) for c, f in pairs if c != f]
+        if wrong:
+            raise NotImplementedError(
+                "fully-sharded hybrid sharding needs the hybrid group ordered outer-major "
+                "(rank outer_rank * shard_size + shard_rank), as flattening "
+                "device_mesh[dp_outer_dim, dp_shard_dim] makes it; the given group puts "
+                f"(coordinate, piece) pairs {wrong[:4]} out of that order. Let fsdp build "
+                "the hybrid group from the mesh."
+            )
         self._hybrid_meshes[expert] = mesh
-        self._hybrid_logical[expert] = logical
 
     def optimizer_mesh(self, gid: int) -> DeviceMesh:
         """The mesh of the group's main-weight DTensors: the hybrid mesh when they are

@@ -1,76 +1,67 @@
-"""Flat layout of a parameter group: where each parameter lives in the sharded flat buffer.
+"""Shard layout of a parameter group: DTensor's ``torch.chunk`` pieces, packed per rank.
 
-A group packs its parameters, in order, into one flat buffer of ``shard_count * S``
-elements; rank ``k`` of the shard group owns ``[k*S, (k+1)*S)``. A parameter is never
-split by padding or reordered, so after an all-gather it is the contiguous view
-``[offset, offset + numel)``. Each shard boundary strictly inside a parameter must fall
-between two of its rows, so every rank holds whole rows (a dim-0 slice, maybe empty) and
-its local shard is a plain ``Shard(0)`` piece. ``S`` is a multiple of ``alignment``.
-This module is pure integer arithmetic on shapes: no tensors, no process groups.
+Note [shard layout]. Every parameter is split along dim 0 into ``N`` (``shard_count``)
+``torch.chunk``-sized pieces, exactly as DTensor's ``Shard(0)`` splits it: with ``R`` rows
+and ``c = ceil(R / N)`` (``chunk_rows``), rank ``k`` holds rows
+``[min(k*c, R), min((k+1)*c, R))``, possibly none. So the local tensor of every sharded
+DTensor we hand out (parameters, gradients, optimizer state, state dicts) is the piece
+DTensor's metadata says it is, and every torch tool that trusts that metadata (DCP,
+``full_tensor()``, ``redistribute``, sharding propagation of ``mean``, ``std``, ...) is right.
 
-Algorithm (``compute_layout``). ``T`` = total numel, ``N`` = shard count.
+Two index spaces hold the same elements:
 
-1. Candidate sizes. ``S`` starts at ``align_up(ceil(T / N), alignment)`` and only grows.
-   A parameter with ``numel > 2*S`` contains two boundaries wherever it goes, which
-   forces ``row_numel | S``; so a candidate must be a multiple of
-   ``L(S) = lcm(alignment, row_numel of every param with numel > 2*S)``. The next
-   candidate is the smaller of ``align_up(S, L(S))`` and the size at which the smallest
-   of those parameters drops out of the set (then ``L`` is recomputed). ``N == 1``
-   needs no special case: ``S = align_up(T, alignment)``, parameters back to back.
-2. Packing. For a candidate, place each parameter at the *earliest* valid offset at or
-   after the cursor, in O(1): with ``b`` the first boundary past the cursor ``o``, it
-   fits before ``b``; or it starts at ``o + (b - o) % r`` so that ``b`` lands on a row;
-   or, when ``S % r != 0`` and a second boundary would then fall inside it, at
-   ``b + S % r`` (one boundary, on a row) if that keeps the next boundary out; else no
-   offset works at this ``S``. Earliest placement from an earlier cursor is never later,
-   so greedy gives the smallest possible end: the candidate is feasible iff it fits in
-   ``N * S``. Otherwise try the next candidate above ``S``.
+* the *shard* (rank-major) space: rank ``k``'s shard is ``shard_numel`` elements, the
+  concatenation of its piece of every parameter, each in a region of ``width = c *
+  row_numel`` elements (zero-padded when the rank holds fewer than ``c`` rows), back to
+  back from ``offset``; the shard ends with padding up to a multiple of ``alignment``. An
+  all-gather of the shards is ``(N, shard_numel)``, rank-major; a reduce-scatter takes it.
+* the *parameter-major* (unsharded) space: parameter ``i``'s ``N`` regions back to back at
+  ``N * offset``, so the parameter is the contiguous view of the first ``numel`` elements
+  there and modules compute on views, as FSDP2's unsharded parameters.
 
-The first feasible candidate is the smallest shard size (least padding) any valid layout
-of these parameters in this order can have, so it is never above what the simpler rule
-"``S`` a multiple of every row size with ``numel > S``, shift to the next row" finds.
-It exists: ``S = align_up(T, alignment)`` puts everything in shard 0. Transformer groups
-need a handful of candidates; to bound the time on pathological groups (thousands of
-parameters with rows hundreds of times the alignment) the search stops after
-``_SEARCH_BUDGET`` parameter placements (~0.1 s) and takes the smallest ``S`` proven to
-fit: a multiple of every row size with ``numel > S`` and ``N * S >= T + (N - 1) *
-(max_row - 1)``, as each of the ``N - 1`` inner boundaries costs one shift of under a row.
+One copy converts between them (``unpack`` after an all-gather, ``pack`` before a
+reduce-scatter), FSDP2's ``split_with_sizes_copy`` / ``chunk_cat``: that copy is the price of
+DTensor's contract (see docs/design.md for its cost).
 
-Parameters with zero elements (some dim is 0) take no space: ``offset`` is the cursor
-where they were reached, and all their rows belong to the rank whose shard contains
-``offset`` (the last rank when ``offset == total_numel``); other ranks hold none.
-0-d parameters are one row of one element.
+0-d parameters have no dim to chunk. They are *replicated* slots: every rank's region holds
+the one element (``Replicate()`` in DTensor terms); ``pack`` sends the element to every
+rank, so a reduce-scatter leaves the reduced value on all of them.
+
+Coarse shards (fully-sharded hybrid sharding): a buffer over ``C`` ranks may own ``g = N /
+C`` of the ``N`` shards: rank ``k`` owns shards ``k, k + C, ..., k + (g-1)*C`` in that order,
+as one contiguous local shard of ``g * shard_numel`` elements. ``pack`` and ``unpack`` take
+``coarse=C`` and read the gathered ``(C, g, shard_numel)`` tensor in that order.
+
+This module is arithmetic on shapes plus the two copies; no process groups.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 __all__ = ["DEFAULT_ALIGNMENT", "FlatLayout", "ParamSlot", "compute_layout"]
 
 DEFAULT_ALIGNMENT: int = 16
 """Shard alignment in elements: every shard starts 16-byte aligned even in a 1-byte dtype
-(fp8; 32 B of bf16, 64 B of fp32), what vectorized copies and NCCL want. A larger one
-only adds padding, up to ``shard_count * (alignment - 1)`` elements a bucket."""
-
-# Parameter placements the exact search may spend before falling back to a size proven
-# to fit (see the module docstring). Realistic groups use a tiny fraction of it.
-_SEARCH_BUDGET = 1 << 20
+(fp8; 32 B of bf16, 64 B of fp32), what vectorized copies and NCCL want."""
 
 
 @dataclass(frozen=True)
 class ParamSlot:
-    """One parameter's place in the unsharded flat buffer."""
+    """One parameter's place in every rank's shard."""
 
     index: int  # position in the group
     shape: tuple[int, ...]
-    offset: int  # element offset in the unsharded flat buffer
+    offset: int  # element offset of its region in each rank's shard
     numel: int
     row_numel: int  # prod(shape[1:]); 1 for 0-d and 1-d params
+    chunk_rows: int  # rows per rank's region: ceil(rows / N); 1 for a replicated slot
+    replicated: bool = False  # 0-d: every rank holds the element
 
     def __post_init__(self) -> None:
         numel = math.prod(self.shape)
@@ -80,21 +71,34 @@ class ParamSlot:
                 f"ParamSlot {self.index}: numel={self.numel}, row_numel={self.row_numel} do "
                 f"not match shape {self.shape} (expected {numel} and {row_numel})"
             )
-        if self.offset < 0:
-            raise ValueError(f"ParamSlot {self.index}: offset must be >= 0, got {self.offset}")
+        if self.offset < 0 or self.chunk_rows < 0:
+            raise ValueError(
+                f"ParamSlot {self.index}: offset and chunk_rows must be >= 0, got "
+                f"{self.offset} and {self.chunk_rows}"
+            )
+        if self.replicated != (len(self.shape) == 0):
+            raise ValueError(
+                f"ParamSlot {self.index}: exactly the 0-d parameters are replicated slots "
+                f"(shape {self.shape}, replicated={self.replicated})"
+            )
 
     @property
     def rows(self) -> int:
         """Number of dim-0 rows: ``shape[0]``, or 1 for a 0-d parameter."""
         return self.shape[0] if self.shape else 1
 
+    @property
+    def width(self) -> int:
+        """Elements of its region in each rank's shard."""
+        return self.chunk_rows * self.row_numel
+
 
 @dataclass(frozen=True)
 class FlatLayout:
-    """Placement of a group's parameters in a flat buffer of ``shard_count`` equal shards.
+    """Where a group's parameters live in ``shard_count`` equal shards (Note [shard layout]).
 
-    Constructing one checks every invariant (ordered, non-overlapping slots inside the
-    buffer; aligned shards; boundaries inside parameters on row boundaries), so a
+    Constructing one checks every invariant (regions in order, back to back, inside the
+    shard; chunk sizes as ``torch.chunk`` makes them; aligned shards), so a
     ``FlatLayout`` is always valid.
     """
 
@@ -102,10 +106,8 @@ class FlatLayout:
     shard_count: int
     shard_numel: int  # S
     alignment: int
-    # Cached so the properties and the hot-path accessors stay O(1).
     _used_numel: int = field(init=False, repr=False, compare=False)
-    # For zero-numel slots, the rank holding all their rows; -1 for the others.
-    _zero_owner: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _region_end: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n, s, a = self.shard_count, self.shard_numel, self.alignment
@@ -115,49 +117,40 @@ class FlatLayout:
                 f"non-negative multiple of alignment; got shard_count={n}, "
                 f"shard_numel={s}, alignment={a}"
             )
-        total = n * s
         cursor = 0
         used = 0
-        zero_owner = []
         for i, slot in enumerate(self.slots):
             if slot.index != i:
                 raise ValueError(f"FlatLayout slot at position {i} has index {slot.index}")
-            if slot.offset < cursor:
+            if slot.offset != cursor:
                 raise ValueError(
-                    f"FlatLayout slot {i} at offset {slot.offset} overlaps the previous "
-                    f"slot, which ends at {cursor}"
+                    f"FlatLayout slot {i} starts at {slot.offset}; regions are back to back, "
+                    f"so it must start at {cursor}"
                 )
-            end = slot.offset + slot.numel
-            if end > total:
+            want = 1 if slot.replicated else -(-slot.rows // n)
+            if slot.chunk_rows != want:
                 raise ValueError(
-                    f"FlatLayout slot {i} ends at {end}, past the buffer of {total} elements"
+                    f"FlatLayout slot {i} (shape {slot.shape}) has chunk_rows="
+                    f"{slot.chunk_rows}; torch.chunk over {n} ranks gives {want}"
                 )
-            if slot.numel:
-                # Every boundary strictly inside the slot must sit between two rows.
-                boundary = (slot.offset // s + 1) * s
-                while boundary < end:
-                    if (boundary - slot.offset) % slot.row_numel:
-                        raise ValueError(
-                            f"FlatLayout slot {i} (shape {slot.shape}, offset {slot.offset}) "
-                            f"is cut by the shard boundary {boundary} inside a row"
-                        )
-                    boundary += s
-                zero_owner.append(-1)
-            else:
-                zero_owner.append(slot.offset // s if slot.offset < total else n - 1)
-            cursor = end
+            cursor += slot.width
             used += slot.numel
+        if cursor > s:
+            raise ValueError(
+                f"FlatLayout regions end at {cursor}, past the shard of {s} elements"
+            )
         object.__setattr__(self, "_used_numel", used)
-        object.__setattr__(self, "_zero_owner", tuple(zero_owner))
+        object.__setattr__(self, "_region_end", cursor)
 
+    # ---- sizes ------------------------------------------------------------------------
     @property
     def total_numel(self) -> int:
-        """Elements in the unsharded flat buffer: ``shard_count * shard_numel``."""
+        """Elements of the gathered (and of the parameter-major) buffer: ``N * S``."""
         return self.shard_count * self.shard_numel
 
     @property
     def used_numel(self) -> int:
-        """Elements that belong to parameters."""
+        """Elements that belong to parameters (a replicated slot counts once)."""
         return self._used_numel
 
     @property
@@ -170,6 +163,7 @@ class FlatLayout:
         total = self.total_numel
         return (total - self._used_numel) / total if total else 0.0
 
+    # ---- who holds what ---------------------------------------------------------------
     def _check_rank(self, shard_rank: int) -> None:
         if not 0 <= shard_rank < self.shard_count:
             raise ValueError(f"shard_rank must be in [0, {self.shard_count}), got {shard_rank}")
@@ -180,48 +174,93 @@ class FlatLayout:
         return self.slots[index]
 
     def shard_bounds(self, shard_rank: int) -> tuple[int, int]:
-        """``[start, end)`` of ``shard_rank``'s shard in the flat buffer."""
+        """``[start, end)`` of ``shard_rank``'s shard in the gathered (rank-major) buffer."""
         self._check_rank(shard_rank)
         start = shard_rank * self.shard_numel
         return start, start + self.shard_numel
 
     def local_rows(self, index: int, shard_rank: int) -> tuple[int, int]:
-        """``[row_start, row_end)`` of param ``index`` held by ``shard_rank``.
-
-        Empty parts are ``(k, k)`` with ``k = 0`` for ranks before the parameter and
-        ``k = rows`` for ranks after it, so the parts are contiguous in rank order.
-        """
-        # Hot path: checks inlined.
-        if not (0 <= index < len(self.slots) and 0 <= shard_rank < self.shard_count):
-            self._slot(index)
-            self._check_rank(shard_rank)
-        slot = self.slots[index]
-        if slot.numel == 0:
-            owner = self._zero_owner[index]
-            if shard_rank < owner:
-                return 0, 0
-            return (0, slot.rows) if shard_rank == owner else (slot.rows, slot.rows)
-        numel, row = slot.numel, slot.row_numel
-        start = shard_rank * self.shard_numel - slot.offset
-        end = start + self.shard_numel
-        # Boundaries inside the param are on rows, so these divisions are exact.
-        return (
-            min(max(start, 0), numel) // row,
-            min(max(end, 0), numel) // row,
-        )
-
-    def local_span(self, index: int, shard_rank: int) -> tuple[int, int]:
-        """``[start, end)`` flat offsets of ``shard_rank``'s part of param ``index``."""
-        row_start, row_end = self.local_rows(index, shard_rank)
-        slot = self.slots[index]
-        return (
-            slot.offset + row_start * slot.row_numel,
-            slot.offset + row_end * slot.row_numel,
-        )
+        """``[row_start, row_end)`` of param ``index`` held by ``shard_rank``: its
+        ``torch.chunk`` piece (every rank holds the row of a replicated slot)."""
+        slot = self._slot(index)
+        self._check_rank(shard_rank)
+        if slot.replicated:
+            return 0, 1
+        c, rows = slot.chunk_rows, slot.rows
+        return min(shard_rank * c, rows), min((shard_rank + 1) * c, rows)
 
     def row_partition(self, index: int) -> tuple[tuple[int, int], ...]:
         """``local_rows(index, k)`` for every rank ``k``, in rank order."""
         return tuple(self.local_rows(index, k) for k in range(self.shard_count))
+
+    def param_offset(self, index: int) -> int:
+        """Offset of param ``index`` in the parameter-major buffer."""
+        return self.shard_count * self._slot(index).offset
+
+    # ---- the two copies (Note [shard layout]) -------------------------------------------
+    def _regions(self, pm: torch.Tensor, g: int, c: int) -> list[torch.Tensor]:
+        """Each parameter's regions of the parameter-major tensor ``pm`` as ``(g, c, width)``
+        (shard ``j*c + k`` at ``[j, k]``), plus the shard padding's as a last entry."""
+        n = self.shard_count
+        out = []
+        for slot in self.slots:
+            start = n * slot.offset
+            out.append(pm[start : start + n * slot.width].view(g, c, slot.width))
+        start = n * self._region_end
+        out.append(pm[start : self.total_numel].view(g, c, self.shard_numel - self._region_end))
+        return out
+
+    def _coarse(self, coarse: int | None) -> tuple[int, int]:
+        c = self.shard_count if coarse is None else coarse
+        if c < 1 or self.shard_count % c:
+            raise ValueError(f"coarse={c} must divide shard_count={self.shard_count}")
+        return self.shard_count // c, c
+
+    def unpack(self, gathered: torch.Tensor, pm: torch.Tensor, coarse: int | None = None) -> None:
+        """Copy an all-gather's output (rank-major, over ``coarse`` ranks) into the
+        parameter-major tensor ``pm``."""
+        g, c = self._coarse(coarse)
+        src = gathered.view(c, g, self.shard_numel).transpose(0, 1)
+        sizes = [s.width for s in self.slots] + [self.shard_numel - self._region_end]
+        torch.split_with_sizes_copy(src, sizes, dim=2, out=self._regions(pm, g, c))
+
+    def pack(self, pm: torch.Tensor, out: torch.Tensor, coarse: int | None = None) -> None:
+        """Copy the parameter-major ``pm`` into ``out``, rank-major over ``coarse`` ranks
+        (what a reduce-scatter takes); padding is sent as zeros, and a replicated slot's
+        element to every rank."""
+        g, c = self._coarse(coarse)
+        parts = self._regions(pm, g, c)
+        for i, slot in enumerate(self.slots):
+            if slot.replicated:
+                parts[i] = parts[i][:1, :1].expand(g, c, 1)
+        parts[-1] = pm.new_zeros(()).expand(g, c, parts[-1].shape[-1])
+        dst = out.view(c, g, self.shard_numel).transpose(0, 1)
+        if g == 1 and out.dtype == pm.dtype:
+            torch.cat(parts, dim=2, out=dst)
+        else:
+            dst.copy_(torch.cat(parts, dim=2))
+
+    def rank_regions(self, pm: torch.Tensor, shard_rank: int) -> list[torch.Tensor]:
+        """Views of ``shard_rank``'s region of each parameter inside the parameter-major
+        ``pm`` (a replicated slot's: its element)."""
+        self._check_rank(shard_rank)
+        out = []
+        for slot, region in zip(self.slots, self._regions(pm, 1, self.shard_count), strict=False):
+            out.append(region[0, :1, :1].view(1) if slot.replicated else region[0, shard_rank])
+        return out
+
+    def pack_rank(self, pm: torch.Tensor, shard_rank: int, out: torch.Tensor) -> None:
+        """Copy ``shard_rank``'s shard out of the parameter-major ``pm`` into ``out``."""
+        regions = self.rank_regions(pm, shard_rank)
+        for slot, region in zip(self.slots, regions, strict=True):
+            out[slot.offset : slot.offset + slot.width].copy_(region)
+        out[self._region_end :].zero_()
+
+    def unpack_rank(self, shard: torch.Tensor, shard_rank: int, pm: torch.Tensor) -> None:
+        """Copy ``shard`` (``shard_rank``'s) into its regions of the parameter-major ``pm``."""
+        regions = self.rank_regions(pm, shard_rank)
+        for slot, region in zip(self.slots, regions, strict=True):
+            region.copy_(shard[slot.offset : slot.offset + slot.width])
 
 
 def _align_up(value: int, multiple: int) -> int:
@@ -243,110 +282,38 @@ def _normalize_shapes(shapes: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
     return result
 
 
-def _pack(
-    numels: list[int], row_numels: list[int], shard_numel: int, limit: int
-) -> list[int] | None:
-    """Earliest valid offsets for every param with shards of ``shard_numel``, or None
-    if they do not fit in ``limit`` elements."""
-    s = shard_numel
-    offsets = []
-    o = 0
-    for n, r in zip(numels, row_numels, strict=True):
-        if n:
-            b = (o // s + 1) * s  # first boundary strictly after the cursor
-            if o + n > b:  # b would fall inside: move it onto a row boundary
-                o += (b - o) % r
-                if n > s and s % r and o + n > b + s:
-                    # A second boundary would fall off-row. The only other option is
-                    # one boundary, b + s, on a row: start at b + s % r. Periodic in s,
-                    # so if that fails no later offset works either.
-                    o = b + s % r
-                    if o + n > b + 2 * s:
-                        return None
-            if o + n > limit:
-                return None
-        offsets.append(o)
-        o += n
-    return offsets
-
-
-def _fallback_shard_numel(
-    numels: list[int], row_numels: list[int], shard_count: int, alignment: int
-) -> int:
-    """A shard size that always packs (module docstring): a multiple of every row size
-    with numel > S, with room for one sub-row shift per inner boundary."""
-    total = sum(numels)
-    max_row = max((r for n, r in zip(numels, row_numels, strict=True) if n), default=1)
-    s = _align_up(-(-(total + (shard_count - 1) * (max_row - 1)) // shard_count), alignment)
-    while True:
-        lcm = math.lcm(alignment, *(r for n, r in zip(numels, row_numels, strict=True) if n > s))
-        if s % lcm == 0:
-            return s
-        s = _align_up(s, lcm)
-
-
 def compute_layout(
     shapes: Sequence[Sequence[int]],
     shard_count: int,
     alignment: int = DEFAULT_ALIGNMENT,
 ) -> FlatLayout:
-    """Lay ``shapes`` out, in order, in a flat buffer of ``shard_count`` equal shards
-    with the smallest shard size that keeps every rank's part of every param whole rows.
-    """
+    """Lay ``shapes`` out, in order, as ``torch.chunk`` pieces over ``shard_count`` ranks
+    (Note [shard layout])."""
     shard_count = operator.index(shard_count)
     alignment = operator.index(alignment)
     if shard_count < 1:
         raise ValueError(f"shard_count must be >= 1, got {shard_count}")
     if alignment < 1:
         raise ValueError(f"alignment must be >= 1 (elements), got {alignment}")
-    dims = _normalize_shapes(shapes)
-    numels = [math.prod(d) for d in dims]
-    row_numels = [math.prod(d[1:]) for d in dims]
-    total = sum(numels)
-
-    # Row sizes that must divide S once some param with that row size has numel > 2*S:
-    # for each row size its largest numel, largest first, with the running lcm.
-    biggest: dict[int, int] = {}
-    for n, r in zip(numels, row_numels, strict=True):
-        if r > 1 and n > biggest.get(r, 0):
-            biggest[r] = n
-    constrained = sorted(((n, r) for r, n in biggest.items()), reverse=True)
-    neg_numels = [-n for n, _ in constrained]
-    prefix_lcm = [alignment]
-    for _, r in constrained:
-        prefix_lcm.append(math.lcm(prefix_lcm[-1], r))
-
-    def next_candidate(s: int) -> int:
-        while True:
-            k = bisect.bisect_left(neg_numels, -2 * s)  # params with numel > 2*s
-            lcm = prefix_lcm[k]
-            if s % lcm == 0:
-                return s
-            # k >= 1 here: the smallest of those params stops constraining at ceil(n/2).
-            release = _align_up(-(-constrained[k - 1][0] // 2), alignment)
-            s = min(_align_up(s, lcm), release)
-
-    shard_numel = _align_up(-(-total // shard_count), alignment)
-    budget = _SEARCH_BUDGET
-    while True:
-        shard_numel = next_candidate(shard_numel)
-        offsets = _pack(numels, row_numels, shard_numel, shard_count * shard_numel)
-        if offsets is not None:
-            break
-        budget -= len(numels)
-        if budget <= 0:
-            shard_numel = max(
-                shard_numel + alignment,
-                _fallback_shard_numel(numels, row_numels, shard_count, alignment),
-            )
-            budget = _SEARCH_BUDGET  # the fallback fits at once; keep the loop uniform
-            continue
-        shard_numel += alignment
-
-    slots = tuple(
-        ParamSlot(index=i, shape=d, offset=o, numel=n, row_numel=r)
-        for i, (d, o, n, r) in enumerate(zip(dims, offsets, numels, row_numels, strict=True))
-    )
+    slots = []
+    cursor = 0
+    for i, dims in enumerate(_normalize_shapes(shapes)):
+        replicated = len(dims) == 0
+        rows = dims[0] if dims else 1
+        slot = ParamSlot(
+            index=i,
+            shape=dims,
+            offset=cursor,
+            numel=math.prod(dims),
+            row_numel=math.prod(dims[1:]),
+            chunk_rows=1 if replicated else -(-rows // shard_count),
+            replicated=replicated,
+        )
+        slots.append(slot)
+        cursor += slot.width
     return FlatLayout(
-        slots=slots, shard_count=shard_count, shard_numel=shard_numel, alignment=alignment
+        slots=tuple(slots),
+        shard_count=shard_count,
+        shard_numel=_align_up(cursor, alignment),
+        alignment=alignment,
     )

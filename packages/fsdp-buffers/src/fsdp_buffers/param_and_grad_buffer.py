@@ -181,7 +181,6 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
             for gid, group in enumerate(self.groups):
                 self._point_params_at_buffers(gid, group)
         self._hybrid_meshes: dict[bool, DeviceMesh] = {}
-        self._hybrid_logical: dict[bool, list[int]] = {}
         for expert in sorted(
             {self.groups[g].is_expert_param for g, o in enumerate(self.outer_sharded) if o}
         ):
@@ -231,6 +230,7 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
                 shard_rank=rank,
                 allocator=self.allocator if in_slots else self._temporary_allocator,
                 name=f"group{gid}.{kind}",
+                coarse=size,
             )
             if in_slots:
                 key = self._slot_keys.setdefault(group.fsdp_unit_id, len(self._slot_keys))  # type: ignore[arg-type]
@@ -391,10 +391,17 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
         if not buf.is_data_distributed:
             return None
         bucket = buf.fetch_bucket()
+        gathered = torch.empty(buf.layout.total_numel, dtype=buf.dtype, device=buf.device)
         work = collectives.all_gather(
-            bucket, buf.data, self.shard_group(gid), self.stats, label=f"fsdp.all_gather.{gid}"
+            gathered, buf.data, self.shard_group(gid), self.stats, label=f"fsdp.all_gather.{gid}"
         )
-        return PendingCollective(work, keepalive=(bucket,))
+
+        def unpack() -> None:
+            # Rank-major pieces to parameter-major storage (Note [shard layout]).
+            with torch.no_grad(), annotate(f"fsdp.copy_out.{gid}"):
+                buf.layout.unpack(gathered, bucket, buf.coarse)
+
+        return PendingCollective(work, unpack, keepalive=(gathered, bucket))
 
     def release_param_bucket(self, gid: int) -> None:
         buf = self.groups[gid].model_weight_buffer
@@ -418,21 +425,31 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
                 if self.outer_sharded[gid]:
                     pending.append(self._start_outer_param_gather(gid))
                     continue
-                if group.main_weight_buffer is not None:
-                    main = group.main_weight_buffer
-                    if main.is_data_distributed or model.is_data_distributed:
-                        model.local_shard.copy_(main.local_shard)
-                    else:
-                        model.data.copy_(main.data)
+                main = group.main_weight_buffer
+                if main is not None:
+                    model.copy_shard_from(main)
                 if self.sharding[gid].main_weights and not model.is_data_distributed:
+                    # Replicated compute weights, sharded main weights: every rank sends
+                    # its updated shard and unpacks everyone's (Note [shard layout]).
+                    send = (
+                        main.data.to(model.dtype)
+                        if main is not None and main.is_data_distributed
+                        else model.copy_local_shard()
+                    )
+                    layout = model.layout
+                    gathered = torch.empty(layout.total_numel, dtype=model.dtype, device=model.device)
                     work = collectives.all_gather(
-                        model.data,
-                        model.local_shard,
+                        gathered,
+                        send,
                         self.shard_group(gid),
                         self.stats,
                         label=f"fsdp.param_sync.{gid}",
                     )
-                    pending.append(PendingCollective(work))
+
+                    def unpack(layout=layout, gathered=gathered, model=model) -> None:
+                        layout.unpack(gathered, model.data)
+
+                    pending.append(PendingCollective(work, unpack, keepalive=(send, gathered)))
         for p in pending:
             p.wait()
 
@@ -457,7 +474,7 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
                 model = group.model_weight_buffer
                 assert model is not None
                 if main is not None and main.is_data_distributed and not model.is_data_distributed:
-                    main.local_shard.copy_(model.local_shard)
+                    main.copy_shard_from(model)
                 self._broadcast_outer(gid)
 
     # ---- gradients ----------------------------------------------------------------
@@ -520,9 +537,9 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
         f = self._scale_and_op(gid, n)[0] / (n if self.average_in_collective else 1)
         with torch.no_grad():
             if self.sharding[gid].main_weights:  # reduce-scattered: only the local shard is R
-                local = gbuf.local_shard.clone()
+                local = gbuf.copy_local_shard()
                 gbuf.data.zero_()
-                gbuf.local_shard.copy_(local).div_(f)
+                gbuf.set_local_shard(local.div_(f))
             elif abs(n * f - 1.0) > 1e-12:
                 gbuf.data.div_(n * f)
         self.grad_state[gid] = GradState.ACCUMULATING
@@ -548,18 +565,28 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
         factor, op = self._scale_and_op(gid, n)
         comm_dtype = self.policy.grad_comm_dtype_for(group.dtype)
         with torch.no_grad():
-            send = unsharded if comm_dtype == gbuf.dtype else unsharded.to(comm_dtype)
-            if factor != 1.0:
-                send.mul_(factor)
             label = f"fsdp.reduce.{gid}"
             if self.sharding[gid].grads or self.sharding[gid].main_weights:
-                out = torch.empty(gbuf.layout.shard_numel, dtype=comm_dtype, device=send.device)
+                # Parameter-major gradients to rank-major pieces (Note [shard layout]);
+                # the staging bucket is free once they are packed.
+                layout = gbuf.layout
+                send = torch.empty(layout.total_numel, dtype=comm_dtype, device=unsharded.device)
+                with annotate(f"fsdp.copy_in.{gid}"):
+                    layout.pack(unsharded, send, gbuf.coarse)
+                if self.sharding[gid].grads:
+                    gbuf.free_bucket()
+                if factor != 1.0:
+                    send.mul_(factor)
+                out = torch.empty(
+                    len(gbuf.owned_shards) * layout.shard_numel,
+                    dtype=comm_dtype,
+                    device=send.device,
+                )
                 work = collectives.reduce_scatter(out, send, pg, op, self.stats, label)
                 if self.sharding[gid].grads:
 
                     def finish() -> None:
                         gbuf.data.add_(out)
-                        gbuf.free_bucket()
                         self._shard_reduced(gid)
 
                 else:
@@ -567,10 +594,13 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
                     def finish() -> None:
                         # Only the local shard is meaningful after a reduce-scatter.
                         gbuf.data.zero_()
-                        gbuf.local_shard.copy_(out)
+                        gbuf.set_local_shard(out)
                         self._shard_reduced(gid)
 
                 return PendingCollective(work, finish, keepalive=(send, out))
+            send = unsharded if comm_dtype == gbuf.dtype else unsharded.to(comm_dtype)
+            if factor != 1.0:
+                send.mul_(factor)
             work = collectives.all_reduce(send, pg, op, self.stats, label)
 
             def finish_all_reduce() -> None:
@@ -598,12 +628,6 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
                 self.outer_pending[gid] = self.outer_reduced[gid] = False
                 for p in group.params:
                     p.grad = None
-
-    def main_grad_shard(self, gid: int) -> torch.Tensor:
-        gbuf = self.groups[gid].main_grad_buffer
-        if gbuf is None:
-            raise RuntimeError(f"group {gid} has no gradient buffer")
-        return gbuf.local_shard
 
     # ---- accounting ----------------------------------------------------------------
     def persistent_bytes(self) -> int:

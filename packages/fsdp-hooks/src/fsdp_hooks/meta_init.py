@@ -295,12 +295,11 @@ class _Materializer:
                         f"them initialize every parameter it owns, or build that module "
                         f"on a real device before wrapping."
                     )
-            start, end = buf.layout.shard_bounds(buf.shard_rank)
             if buf.is_data_distributed:
-                buf.data.copy_(og.flat[start:end])
+                buf.load_from_unsharded(og.flat)
             main = group.main_weight_buffer
             if main is not None:
-                main.data.copy_(og.flat[start:end] if main.is_data_distributed else og.flat)
+                main.load_from_unsharded(og.flat)
         for p, bucket_view in og.bucket_views.items():
             p.data = bucket_view
         if buf.is_data_distributed:

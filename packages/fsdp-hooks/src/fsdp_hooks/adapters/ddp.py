@@ -275,10 +275,7 @@ class DistributedDataParallel(nn.Module):
                 main, model = group.main_weight_buffer, group.model_weight_buffer
                 if main is None or model is None:
                     continue
-                if main.is_data_distributed or model.is_data_distributed:
-                    main.local_shard.copy_(model.local_shard)
-                else:
-                    main.data.copy_(model.data)
+                main.copy_shard_from(model)
         return result
 
     # ---- accounting ------------------------------------------------------------------------
