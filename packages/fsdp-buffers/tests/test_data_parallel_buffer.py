@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed.tensor.placement_types import Shard
 
 from fsdp_buffers.data_parallel_buffer import (
     DataParallelBuffer,
@@ -42,17 +43,33 @@ def _buffer(layout, rank, sharded, dtype=torch.float32, allocator=None):
 
 
 def _gathered(layout, values, dtype=torch.float32):
-    """What an all-gather would put in the bucket: the replicated buffer's data."""
+    """What an all-gather would produce: every rank's shard, rank-major."""
+    shards = []
+    for rank in range(layout.shard_count):
+        buf = _buffer(layout, rank, sharded=True, dtype=dtype)
+        buf.load_params(values)
+        shards.append(buf.data)
+    return torch.cat(shards)
+
+
+def _unsharded(layout, values, dtype=torch.float32):
+    """The parameter-major buffer: the replicated buffer's data."""
     full = _buffer(layout, 0, sharded=False, dtype=dtype)
     full.load_params(values)
     return full.data
+
+
+def _chunk(value, rank, n):
+    """DTensor's ``Shard(0)`` piece of ``value`` on ``rank`` (torch's own arithmetic)."""
+    size, offset = Shard.local_shard_size_and_offset(value.shape[0], n, rank)
+    return value[offset : offset + size]
 
 
 def test_layout_is_actually_sharded():
     layout = _layout()
     # The test is only meaningful if parameters are spread over several ranks.
     owners = {k for i in range(len(SHAPES)) for k in range(N) if layout.local_rows(i, k)[1] >
-              layout.local_rows(i, k)[0]}  # fmt: skip
+              layout.local_rows(i, k)[0] and SHAPES[i]}  # fmt: skip
     assert owners == set(range(N))
     assert any(len({layout.local_rows(i, k) for k in range(N)}) > 2 for i in range(len(SHAPES)))
 
@@ -67,49 +84,35 @@ def test_storage_sizes(dtype):
         assert replicated.data.numel() == layout.total_numel == N * layout.shard_numel
         assert sharded.nbytes == layout.shard_numel * dtype.itemsize
         assert replicated.nbytes == layout.total_numel * dtype.itemsize
-        assert sharded.local_shard.numel() == replicated.local_shard.numel() == layout.shard_numel
         assert sharded.local_shard.data_ptr() == sharded.data.data_ptr()
-        start, _ = layout.shard_bounds(rank)
-        assert replicated.local_shard.data_ptr() == replicated.data[start:].data_ptr()
+        assert replicated.copy_local_shard().numel() == layout.shard_numel
+        with pytest.raises(RuntimeError, match="replicated buffer is parameter-major"):
+            replicated.local_shard  # noqa: B018
         assert torch.count_nonzero(sharded.data) == 0  # starts zeroed (padding stays clean)
         assert not sharded.has_unsharded_data and replicated.has_unsharded_data
 
 
 def test_bad_shard_rank():
-    with pytest.raises(ValueError, match="shard_rank 4 is outside the layout's 4 shards"):
+    with pytest.raises(ValueError, match="shard_rank 4 is outside the buffer's 4 shards"):
         _buffer(_layout(), N, True)
 
 
 @pytest.mark.parametrize("sharded", [True, False])
-def test_local_param_view_rows_match_the_layout_for_every_rank(sharded):
+def test_local_param_view_is_the_dtensor_chunk_for_every_rank(sharded):
     layout = _layout()
     values = _values()
     for rank in range(N):
         buf = _buffer(layout, rank, sharded)
         buf.load_params(values)
         for i, (shape, value) in enumerate(zip(SHAPES, values, strict=True)):
-            r0, r1 = layout.local_rows(i, rank)
             view = buf.local_param_view(i)
             if shape:
-                assert view.shape == (r1 - r0, *shape[1:])
-                assert torch.equal(view, value[r0:r1])
-            else:  # 0-d: the one row, or nothing
-                assert view.shape == (() if r1 - r0 == 1 else (0,))
-                if r1 > r0:
-                    assert torch.equal(view, value)
-            # A view of this rank's shard: writes land in the buffer's local shard.
-            if view.numel():
-                lo = view.data_ptr() - buf.local_shard.data_ptr()
-                assert lo >= 0 and lo + view.nbytes <= buf.local_shard.nbytes
-                assert view.untyped_storage().data_ptr() == buf.data.untyped_storage().data_ptr()
-    # Over all ranks the rows of each parameter are a partition, in rank order.
-    for i, value in enumerate(values):
-        if not SHAPES[i]:
-            continue
-        parts = [_buffer(layout, k, sharded) for k in range(N)]
-        for b in parts:
-            b.load_params(values)
-        assert torch.equal(torch.cat([b.local_param_view(i) for b in parts]), value)
+                assert torch.equal(view, _chunk(value, rank, N))
+                assert view.shape == (*_chunk(value, rank, N).shape,)
+            else:  # 0-d: every rank holds it (Replicate)
+                assert view.shape == () and torch.equal(view, value)
+            # A view of the buffer: writes land in it.
+            assert view.untyped_storage().data_ptr() == buf.data.untyped_storage().data_ptr()
 
 
 def test_local_param_view_writes_reach_the_buffer():
@@ -119,36 +122,43 @@ def test_local_param_view_writes_reach_the_buffer():
         for i in range(len(SHAPES)):
             sharded.local_param_view(i).fill_(i + 1)
             replicated.local_param_view(i).fill_(i + 1)
-        # The same element index means the same value in a sharded and a replicated buffer.
-        assert torch.equal(sharded.local_shard, replicated.local_shard)
+        # The same shard in both: written as views, read back packed.
+        assert torch.equal(sharded.local_shard, replicated.copy_local_shard())
         assert torch.count_nonzero(replicated.data) == torch.count_nonzero(sharded.data)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_load_params_replicated_packs_by_the_layout_and_casts(dtype):
+def test_load_params_replicated_is_parameter_major_and_casts(dtype):
     layout = _layout()
     values = _values()
     buf = _buffer(layout, 2, False, dtype)
     buf.load_params(values)
     used = torch.zeros(layout.total_numel, dtype=torch.bool)
     for slot, value in zip(layout.slots, values, strict=True):
-        flat = buf.data[slot.offset : slot.offset + slot.numel]
+        start = layout.param_offset(slot.index)
+        flat = buf.data[start : start + slot.numel]
         assert torch.equal(flat, value.to(dtype).flatten())
         assert torch.equal(buf.param_view(buf.data, slot.index), value.to(dtype))
-        used[slot.offset : slot.offset + slot.numel] = True
+        used[start : start + slot.numel] = True
     assert torch.count_nonzero(buf.data[~used]) == 0  # padding stays zero
     assert int(used.sum()) == layout.used_numel
 
 
-def test_load_params_sharded_holds_exactly_its_shard():
+def test_load_params_sharded_holds_its_chunks_and_pack_agrees():
     layout = _layout()
     values = _values()
-    full = _gathered(layout, values)
+    full = _unsharded(layout, values)
     for rank in range(N):
         buf = _buffer(layout, rank, True)
         buf.load_params(values)
-        start, end = layout.shard_bounds(rank)
-        assert torch.equal(buf.data, full[start:end])
+        packed = torch.empty(layout.shard_numel)
+        layout.pack_rank(full, rank, packed)
+        assert torch.equal(buf.data, packed)
+        for slot, value in zip(layout.slots, values, strict=True):
+            piece = value if slot.replicated else _chunk(value, rank, N)
+            region = buf.data[slot.offset : slot.offset + slot.width]
+            assert torch.equal(region[: piece.numel()], piece.reshape(-1))
+            assert torch.count_nonzero(region[piece.numel() :]) == 0  # padded rows
     with pytest.raises(ValueError, match=r"got 2 tensors for 7 parameters"):
         buf.load_params(values[:2])
 
@@ -169,7 +179,7 @@ def test_fetch_and_free_release_memory_and_views_stay_valid():
     fetched = buf.fetch_bucket()
     assert fetched.data_ptr() == bucket.data_ptr() and buf.has_unsharded_data
     assert storage.size() == full_bytes == bucket.untyped_storage().nbytes()
-    fetched.copy_(_gathered(layout, values))  # stands in for the all-gather
+    layout.unpack(_gathered(layout, values), fetched)  # stands in for the all-gather
     for view, value in zip(views, values, strict=True):
         assert torch.equal(view, value)
 
@@ -181,14 +191,48 @@ def test_fetch_and_free_release_memory_and_views_stay_valid():
 
     # Re-fetch: the same view objects see the new data (same storage object, new memory).
     new_values = [v + 1 for v in values]
-    buf.fetch_bucket().copy_(_gathered(layout, new_values))
+    layout.unpack(_gathered(layout, new_values), buf.fetch_bucket())
     assert storage.size() == full_bytes
     for view, value in zip(views, new_values, strict=True):
         assert torch.equal(view, value)
     # The sharded data itself was never touched by any of this.
-    start, end = layout.shard_bounds(1)
-    assert torch.equal(buf.data, _gathered(layout, values)[start:end])
+    assert torch.equal(
+        buf.data, _gathered(layout, values)[: layout.shard_numel * 2][-layout.shard_numel :]
+    )
     buf.free_bucket()
+
+
+def test_coarse_buffers_own_strided_pieces_and_unpack_whole_parameters():
+    """Fully-sharded hybrid sharding: 2 coarse ranks over 4 pieces; coarse rank k owns
+    pieces k and k + 2, and gathering the coarse shards unpacks to the parameters."""
+    layout = _layout()
+    values = _values()
+    fine = [b for b in (_buffer(layout, k, True) for k in range(N))]
+    for b in fine:
+        b.load_params(values)
+    coarse = []
+    for k in range(2):
+        buf = DataParallelBuffer(
+            layout,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            is_data_distributed=True,
+            shard_rank=k,
+            coarse=2,
+        )
+        buf.load_params(values)
+        assert buf.owned_shards == (k, k + 2)
+        assert torch.equal(buf.data, torch.cat([fine[k].data, fine[k + 2].data]))
+        coarse.append(buf)
+    pm = torch.empty(layout.total_numel)
+    layout.unpack(torch.cat([b.data for b in coarse]), pm, coarse=2)
+    for i, value in enumerate(values):
+        assert torch.equal(coarse[0].param_view(pm, i), value)
+    back = torch.empty(layout.total_numel)
+    layout.pack(pm, back, coarse=2)
+    assert torch.equal(back, torch.cat([b.data for b in coarse]))
+    with pytest.raises(RuntimeError, match="coarse shard holds several pieces"):
+        coarse[0].local_param_view(0)
 
 
 def test_views_made_while_fetched_leave_the_bucket_fetched():
@@ -311,15 +355,14 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
     shard_count=st.integers(1, 8),
     dtype=st.sampled_from(_DTYPES),
 )
-def test_every_rank_holds_aligned_whole_rows_of_every_dtype(shapes, shard_count, dtype):
+def test_every_rank_holds_the_dtensor_chunks_of_every_dtype(shapes, shard_count, dtype):
     """In every dtype, with the default alignment: each shard starts on a 16-byte
-    boundary of the flat buffer, each element is held by exactly one rank, and a rank's
-    part of each parameter is whole rows, which joined in rank order give the parameter
-    back bit-exactly."""
+    boundary of the gathered buffer; a rank's part of each parameter is DTensor's
+    ``Shard(0)`` piece; and gathering then unpacking gives every parameter back
+    bit-exactly, as packing gives the gathered shards back."""
     layout = compute_layout(shapes, shard_count)
     g = torch.Generator().manual_seed(len(shapes) * 31 + shard_count)
     values = [(torch.randn(s, generator=g) * 50).to(dtype) for s in shapes]
-    full = _gathered(layout, values, dtype)
     shards = []
     for rank in range(shard_count):
         buf = _buffer(layout, rank, sharded=True, dtype=dtype)
@@ -328,13 +371,15 @@ def test_every_rank_holds_aligned_whole_rows_of_every_dtype(shapes, shard_count,
         assert (start * buf.element_size) % 16 == 0, (start, dtype)
         assert buf.data.numel() == layout.shard_numel
         shards.append(buf)
-    # Each element of the flat buffer is held by exactly one rank: the shards, in rank
-    # order, are the replicated buffer (padding included, which is zero everywhere).
-    assert torch.equal(torch.cat([b.data for b in shards]), full)
+        for i, value in enumerate(values):
+            piece = buf.local_param_view(i)
+            want = value if value.dim() == 0 else _chunk(value, rank, shard_count)
+            assert torch.equal(piece, want)
+    gathered = torch.cat([b.data for b in shards])
+    pm = torch.empty(layout.total_numel, dtype=dtype)
+    layout.unpack(gathered, pm)
     for i, value in enumerate(values):
-        pieces = [b.local_param_view(i) for b in shards]
-        if value.dim() == 0:
-            assert sum(p.numel() for p in pieces) == 1
-            continue
-        assert all(p.shape[1:] == value.shape[1:] for p in pieces)
-        assert torch.equal(torch.cat(pieces), value)
+        assert torch.equal(shards[0].param_view(pm, i), value)
+    back = torch.empty_like(gathered)
+    layout.pack(pm, back)
+    assert torch.equal(back, gathered)

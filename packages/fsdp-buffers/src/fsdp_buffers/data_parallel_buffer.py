@@ -265,7 +265,9 @@ class DataParallelBuffer:
         """This rank's shard as a new contiguous tensor (a copy when replicated)."""
         if self.is_data_distributed:
             return self.data.clone()
-        out = torch.empty(len(self.owned_shards) * self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        out = torch.empty(
+            len(self.owned_shards) * self.layout.shard_numel, dtype=self.dtype, device=self.device
+        )
         self._pack_owned(self.data, out)
         return out
 
@@ -312,8 +314,10 @@ class DataParallelBuffer:
         layout = self.layout
         slot = layout.slots[index]
         if slot.replicated:
-            flat = self.data[slot.offset : slot.offset + 1] if self.is_data_distributed else (
-                self.data[layout.param_offset(index) : layout.param_offset(index) + 1]
+            flat = (
+                self.data[slot.offset : slot.offset + 1]
+                if self.is_data_distributed
+                else (self.data[layout.param_offset(index) : layout.param_offset(index) + 1])
             )
             return flat.view(())
         r0, r1 = layout.local_rows(index, self.shard_rank)

@@ -136,9 +136,7 @@ class FlatLayout:
             cursor += slot.width
             used += slot.numel
         if cursor > s:
-            raise ValueError(
-                f"FlatLayout regions end at {cursor}, past the shard of {s} elements"
-            )
+            raise ValueError(f"FlatLayout regions end at {cursor}, past the shard of {s} elements")
         object.__setattr__(self, "_used_numel", used)
         object.__setattr__(self, "_region_end", cursor)
 

@@ -437,7 +437,9 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
                         else model.copy_local_shard()
                     )
                     layout = model.layout
-                    gathered = torch.empty(layout.total_numel, dtype=model.dtype, device=model.device)
+                    gathered = torch.empty(
+                        layout.total_numel, dtype=model.dtype, device=model.device
+                    )
                     work = collectives.all_gather(
                         gathered,
                         send,
@@ -628,6 +630,14 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
                 self.outer_pending[gid] = self.outer_reduced[gid] = False
                 for p in group.params:
                     p.grad = None
+
+    def main_grad_shard(self, gid: int) -> torch.Tensor:
+        """This rank's shard of the group's main gradients (a copy when they are
+        replicated)."""
+        gbuf = self.groups[gid].main_grad_buffer
+        if gbuf is None:
+            raise RuntimeError(f"group {gid} has no gradient buffer")
+        return gbuf.local_shard if gbuf.is_data_distributed else gbuf.copy_local_shard()
 
     # ---- accounting ----------------------------------------------------------------
     def persistent_bytes(self) -> int:
