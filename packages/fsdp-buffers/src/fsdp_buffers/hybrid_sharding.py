@@ -232,14 +232,17 @@ class HybridSharding:
 
                 return PendingCollective(work, finish_outer_rs, keepalive=(send, out))
             # The part the optimizer reads: the shard after a reduce-scatter (the rest
-            # is zeros), all of it after an all-reduce.
+            # is zeros; packed out of the parameter-major buffer and back), all of it
+            # after an all-reduce.
             sharded_rs = self.sharding[gid].main_weights and not gbuf.is_data_distributed
-            target = gbuf.local_shard if sharded_rs else gbuf.data
+            target = gbuf.copy_local_shard() if sharded_rs else gbuf.data
             send = target if comm_dtype == gbuf.dtype else target.to(comm_dtype)
             work = collectives.all_reduce(send, pg, dist.ReduceOp.SUM, self.stats, label)
 
             def finish_outer_ar() -> None:
-                if send is not target:
+                if sharded_rs:
+                    gbuf.set_local_shard(send)
+                elif send is not target:
                     target.copy_(send)
                 self.outer_reduced[gid] = True
 
