@@ -46,7 +46,7 @@ def test_save_refuses_a_directory_of_other_files(tmp_path, monkeypatch):
     work = tmp_path / "work"
     _user_files(work)
     before = _snapshot(tmp_path)
-    with pytest.raises(CheckpointError, match="not an fsdp checkpoint.*not empty"):
+    with pytest.raises(CheckpointError, match=r"not an fsdp checkpoint.*not empty"):
         save_checkpoint(work, _mlp(0))
     assert _snapshot(tmp_path) == before
     monkeypatch.chdir(work)
@@ -156,7 +156,7 @@ def test_damaged_metadata_of_a_plain_dcp_checkpoint(tmp_path):
     dcp.save({"model": _mlp(0).state_dict()}, checkpoint_id=tmp_path / "plain", no_dist=True)
     target = tmp_path / "plain" / ".metadata"
     _overwrite(target, 0, b"\x00\x01\x02\x03")
-    with pytest.raises(CorruptCheckpointError, match=".metadata"):
+    with pytest.raises(CorruptCheckpointError, match=r"\.metadata"):
         load_checkpoint(tmp_path / "plain", _mlp(1))
 
 
