@@ -49,7 +49,7 @@ from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
 from fsdp_hooks.config import DistributedDataParallelConfig
 from fsdp_hooks.megatron_fsdp import MegatronFSDP
 from fsdp_hooks.optimizers import check_optimizer_supported, move_state_to_main_weights
-from fsdp_hooks.validation import check_outer_strategy
+from fsdp_hooks.validation import check_argument_types, check_outer_strategy
 from fsdp_mesh import FSDPDistributedIndex, warn_once
 
 __all__ = ["fully_shard", "fully_shard_model", "fully_shard_optimizer"]
@@ -121,6 +121,18 @@ def fully_shard_model(
     """Shard ``module`` and return the ``MegatronFSDP`` wrapper (the original module is
     ``wrapper.module``). Its parameters are then DTensors: this rank's shard of the
     main weights."""
+    check_argument_types(
+        "fully_shard_model",
+        module,
+        fsdp_unit_modules,
+        device_mesh=(device_mesh, DeviceMesh, 'init_device_mesh("cuda", (8,), ...)'),
+        expt_device_mesh=(expt_device_mesh, DeviceMesh, "fsdp_mesh.build_device_mesh(...)"),
+        mixed_precision_policy=(
+            mixed_precision_policy,
+            MixedPrecisionPolicy,
+            "MixedPrecisionPolicy(main_params_dtype=torch.float32, grad_comm_dtype=torch.bfloat16)",
+        ),
+    )
     strategy = ShardingStrategy.parse(zero_dp_strategy)
     outer = ShardingStrategy.parse(outer_dp_sharding_strategy)
     if device_mesh is None:
@@ -312,6 +324,7 @@ def fully_shard(
     optimizer built over ``module``'s parameters; returns ``(model, optimizer)``."""
     preproc = kwargs.get("preproc_state_dict_for_dcp_ckpt", True)
     # Before anything is sharded: a refused optimizer leaves the module untouched.
+    check_argument_types("fully_shard", module, kwargs.get("fsdp_unit_modules"))
     strategy = ShardingStrategy.parse(kwargs.get("zero_dp_strategy", 3))
     check_optimizer_supported(optimizer, strategy is not ShardingStrategy.NO_SHARD)
     model = fully_shard_model(module, **kwargs)

@@ -38,6 +38,7 @@ from fsdp_hooks.hooks import FSDPHooks
 from fsdp_hooks.summary import log_unit_summary
 from fsdp_hooks.training_state import TrainingState
 from fsdp_hooks.validation import (
+    check_argument_types,
     check_cuda_only_options,
     check_hybrid_index,
     check_not_wrapped,
@@ -81,6 +82,16 @@ class MegatronFSDP(nn.Module):
         is_expert_param: Callable[[str, nn.Parameter], bool] | str | None = None,
     ) -> None:
         super().__init__()
+        check_argument_types(
+            "MegatronFSDP",
+            module,
+            fsdp_unit_modules,
+            mixed_precision_policy=(
+                mixed_precision_policy,
+                MixedPrecisionPolicy,
+                "MixedPrecisionPolicy(main_params_dtype=torch.float32)",
+            ),
+        )
         check_not_wrapped(module)
         ddp_config = ddp_config if ddp_config is not None else DistributedDataParallelConfig()
         self.ddp_config = ddp_config
