@@ -17,6 +17,7 @@ path never deletes a user's files.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import shutil
 from pathlib import Path
@@ -42,7 +43,8 @@ def old_dir(path: Path) -> Path:
 def check_replaceable(path: Path) -> None:
     """Raise ``CheckpointError`` unless a save may replace what is at ``path``: nothing,
     an empty directory, or an fsdp checkpoint holding only the files its manifest
-    lists. One ``stat`` per file there, no reads but the manifest's."""
+    lists. Reads only the manifest; lists the tree only up to its first file unless
+    it is a checkpoint."""
     if not path.exists() and not path.is_symlink():
         return
     refuse = f"refusing to save a checkpoint to {path}"
@@ -52,15 +54,16 @@ def check_replaceable(path: Path) -> None:
             "a checkpoint directory, so give a path that does not exist, an empty "
             "directory, or an earlier fsdp checkpoint"
         )
-    found = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if not p.is_dir())
-    if not found:
-        return  # an empty directory (or empty subdirectories only)
-    if MANIFEST_NAME not in found:
+    if not (path / MANIFEST_NAME).is_file():
+        # Stop at the first file: the path may be a large tree (a home directory).
+        if next((p for p in path.rglob("*") if not p.is_dir()), None) is None:
+            return  # an empty directory (or empty subdirectories only)
+        shown = sorted(p.name for p in itertools.islice(path.iterdir(), 100))[:_SHOWN]
         raise CheckpointError(
             f"{refuse}: it is a directory that is not an fsdp checkpoint (no "
-            f"{MANIFEST_NAME}) and it is not empty ({len(found)} files, e.g. "
-            f"{found[:_SHOWN]}); a save replaces the whole directory, so save to a new or "
-            "empty directory (e.g. a subdirectory such as checkpoints/step_100)"
+            f"{MANIFEST_NAME}) and it is not empty (it holds {shown}...); a save replaces "
+            "the whole directory, so save to a new or empty directory (e.g. a "
+            "subdirectory such as checkpoints/step_100)"
         )
     try:
         manifest = Manifest.read(path)
@@ -69,7 +72,8 @@ def check_replaceable(path: Path) -> None:
             f"{refuse}: its {MANIFEST_NAME} cannot be read ({exc}), so it cannot be told "
             "from a directory of other files; remove it yourself or save elsewhere"
         ) from exc
-    others = [f for f in found if f != MANIFEST_NAME and f not in manifest.files]
+    found = [p.relative_to(path).as_posix() for p in path.rglob("*") if not p.is_dir()]
+    others = sorted(f for f in found if f != MANIFEST_NAME and f not in manifest.files)
     if others:
         raise CheckpointError(
             f"{refuse}: it is an fsdp checkpoint but also holds {len(others)} file(s) its "
