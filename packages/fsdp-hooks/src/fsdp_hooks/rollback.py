@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["rollback_on_failure"]
 
@@ -53,7 +54,9 @@ class _ParamRecord:
 
 def _readable(t: torch.Tensor) -> bool:
     """Whether every element of ``t`` lies inside its storage (a freed bucket's storage
-    is resized to 0)."""
+    is resized to 0). A DTensor (tensor parallelism): its local tensor."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
     if t.device.type == "meta":
         return False
     if t.numel() == 0:
