@@ -6,6 +6,9 @@ for it runs unchanged. Differences a user may notice:
 - ``fully_shard(module, optimizer)`` keeps the optimizer's parameter groups (and their
   hyperparameters, e.g. weight-decay groups): each original parameter is replaced in
   place by its DTensor main-weight parameter. Megatron-FSDP rebuilds a single group.
+  State the optimizer already holds (Adagrad creates it in ``__init__``) moves onto the
+  main-weight shards; optimizers that cannot step row shards are refused at wrap (see
+  ``fsdp_hooks.optimizers``).
 - With no ``device_mesh``, the default is a mesh over the whole world on CUDA when
   NCCL is the default backend, else on CPU. Its shard dim is named ``dp_shard_dim``
   (``"dp_shard"`` when not given); a given ``tp_dim`` adds a trailing dim of size 1
