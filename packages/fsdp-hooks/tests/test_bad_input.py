@@ -81,6 +81,32 @@ def _body():
     with pytest.raises(ValueError, match="init_model_with_meta_device=True"):
         fully_shard_model(meta)
 
+    # Arguments of the wrong kind: a TypeError saying what is allowed, before anything
+    # is touched (was: a string iterated by character, raw AttributeError/TypeError).
+    units = "fsdp_unit_modules must be a list of nn.Module subclasses or dotted class paths"
+    with pytest.raises(TypeError, match=rf"{units}.*the class Block itself: pass \[Block\]"):
+        fully_shard_model(_gpt(), fsdp_unit_modules=Block)
+    with pytest.raises(TypeError, match=rf"{units}.*letter by letter: pass \['mod.Block'\]"):
+        fully_shard_model(_gpt(), fsdp_unit_modules="mod.Block")
+    with pytest.raises(TypeError, match=rf"{units}.*got dict"):
+        fully_shard_model(_gpt(), fsdp_unit_modules={Block: 1})
+    with pytest.raises(TypeError, match=rf"{units}.*got the class Block"):
+        fully_shard(_gpt(), _sgd(_gpt()), fsdp_unit_modules=Block)
+    with pytest.raises(TypeError, match=r"device_mesh must be a torch\..*DeviceMesh.*got str"):
+        fully_shard_model(_gpt(), device_mesh="x")
+    with pytest.raises(TypeError, match=r"mixed_precision_policy must be a .*MixedPrecisionPolicy"):
+        fully_shard_model(_gpt(), mixed_precision_policy="bf16")
+    with pytest.raises(TypeError, match=r"module to shard must be a torch\.nn\.Module; got str"):
+        fully_shard_model("model")
+    with pytest.raises(TypeError, match=r"module to shard must be a torch\.nn\.Module; got str"):
+        fully_shard("model", _sgd(_gpt()))
+    module = _gpt()
+    with pytest.raises(
+        TypeError, match=r"optimizer must be a torch.optim.Optimizer.*fully_shard_model"
+    ):
+        fully_shard(module, None)
+    assert all(type(p) is nn.Parameter for p in module.parameters())  # left as it was
+
     # After all that, a good model still wraps and runs on every rank.
     module = _gpt()
     model, opt = fully_shard(module, _sgd(module), fsdp_unit_modules=[Block])

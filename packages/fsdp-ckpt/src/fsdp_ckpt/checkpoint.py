@@ -6,7 +6,8 @@ Layout of a checkpoint directory::
     .metadata, __<rank>_0.distcp   DCP: "model.<name>", "optim.state.<name>.<key>",
                                    "optim.param_groups.<i>.<hyperparameter>"
     extra/rank_<r>.pt              user data and RNG states of rank r
-    fsdp_manifest.json             written last: files and sizes, world size, version
+    fsdp_manifest.json             written last: files, sizes and CRC-32s, world size,
+                                   version
 
 This is the layout of ``dcp.save({"model": msd, "optim": osd})`` with torch's
 ``get_state_dict``, so an FSDP2 user loads it with plain ``dcp.load`` and
@@ -32,8 +33,14 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, F
 from torch.distributed.checkpoint.metadata import Metadata
 
 from fsdp_ckpt import _dist
-from fsdp_ckpt.atomic import incomplete_dir, publish, resolve_for_load
-from fsdp_ckpt.errors import CheckpointError, CheckpointMismatchError, ForeignCheckpointWarning
+from fsdp_ckpt.atomic import check_replaceable, incomplete_dir, publish, resolve_for_load
+from fsdp_ckpt.checksums import crc32_of_files
+from fsdp_ckpt.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    ForeignCheckpointWarning,
+)
 from fsdp_ckpt.extra import read_extra, restore_rng_state, write_extra
 from fsdp_ckpt.foreign import is_foreign_dcp, verify_extents
 from fsdp_ckpt.layout import OURS, Layout, detect_layout
@@ -67,17 +74,25 @@ def save_checkpoint(
 ) -> Path:
     """Save ``model`` (and ``optimizer``, and ``extra`` with every rank's RNG states)
     to the directory ``path``, atomically: an existing checkpoint there is replaced
-    only once the new one is complete. Returns the path."""
-    path = Path(path).absolute()
+    only once the new one is complete. Returns the path.
+
+    ``path`` must not exist, or be an empty directory, or an fsdp checkpoint holding
+    only its own files; anything else is refused with ``CheckpointError`` on every
+    rank before anything is written (a save never deletes other files)."""
+    # normpath: "." and ".." name the directory itself, whose parent holds the staging
+    path = Path(os.path.normpath(Path(path).absolute()))
     staging = incomplete_dir(path)
     rank = _dist.rank()
     error: BaseException | None = None
     if rank == 0:
         try:
+            check_replaceable(path)  # never delete what is not a checkpoint
             path.parent.mkdir(parents=True, exist_ok=True)
             if staging.exists():
                 shutil.rmtree(staging)  # left by an interrupted save
             staging.mkdir()
+        except CheckpointError as exc:
+            error = exc
         except OSError as exc:
             error = CheckpointError(f"cannot prepare {staging} for saving: {exc}")
     error = _dist.broadcast_object(error)  # also: nobody writes before it is ready
@@ -102,20 +117,59 @@ def save_checkpoint(
             no_dist=not _dist.is_distributed(),
         )
     _raise_agreed(error)  # every rank has finished writing
+    checksums = _checksum_staging(staging, rank)
 
     if rank == 0:
         try:
             manifest = Manifest.of_directory(
-                staging, world_size=_dist.world_size(), has_optimizer=optimizer is not None
+                staging,
+                world_size=_dist.world_size(),
+                has_optimizer=optimizer is not None,
+                checksums=checksums,
             )
             manifest.write(staging)
             publish(staging, path)
+        except CheckpointError as exc:
+            error = exc
         except OSError as exc:
             error = CheckpointError(f"cannot put the checkpoint in place at {path}: {exc}")
     error = _dist.broadcast_object(error)
     if error is not None:
         raise error
     return path
+
+
+def _checksum_staging(staging: Path, rank: int) -> dict[str, int]:
+    """Every file's CRC-32, each rank reading the files it wrote (see ``checksums``);
+    the whole map on rank 0, ``{}`` elsewhere. An error raises on every rank."""
+    files = _dist.broadcast_object(Manifest.list_files(staging) if rank == 0 else None)
+    mine: dict[str, int] = {}
+    error: BaseException | None = None
+    try:
+        mine = crc32_of_files(staging, files, rank, _dist.world_size())
+    except OSError as exc:
+        error = CheckpointError(f"cannot read back {staging} to checksum it: {exc}")
+    everyone = _dist.all_gather_object((mine, error))
+    for _crcs, err in everyone:
+        if err is not None:
+            raise err
+    return {rel: crc for crcs, _err in everyone for rel, crc in crcs.items()} if rank == 0 else {}
+
+
+def _verify_checksums(directory: Path, manifest: Manifest) -> None:
+    """Every rank checksums its share of the files (see ``checksums``); any mismatch
+    raises ``CorruptCheckpointError`` on every rank, naming every damaged file."""
+    rank, world = _dist.rank(), _dist.world_size()
+    try:
+        computed = crc32_of_files(directory, manifest.checksums, rank, world)
+        problems = manifest.checksum_problems(directory, computed)
+    except OSError as exc:
+        problems = [f"cannot read a file to verify it: {exc}"]
+    found = sorted({p for mine in _dist.all_gather_object(problems) for p in mine})
+    if found:
+        raise CorruptCheckpointError(
+            f"checkpoint {directory} is damaged; refusing to load it: " + "; ".join(found)
+        )
 
 
 def _inspect(directory: Path) -> Manifest | None:
@@ -144,6 +198,8 @@ def _inspect(directory: Path) -> Manifest | None:
     verdict = _dist.broadcast_object(verdict)
     if isinstance(verdict, BaseException):
         raise verdict
+    if verdict is not None and verdict.checksums:
+        _verify_checksums(directory, verdict)
     return verdict
 
 
@@ -222,13 +278,17 @@ def load_checkpoint(
     ``ForeignCheckpointWarning``; it returns ``{}`` and restores no RNG state.
 
     Refuses, on every rank, a directory without a manifest that is not a complete DCP
-    checkpoint (an interrupted save), a file whose size differs from the manifest
-    (truncated), and keys or shapes that do not match (naming them; ``strict=False``
+    checkpoint (an interrupted save), a file whose size or CRC-32 differs from the
+    manifest (truncated or overwritten: ``CorruptCheckpointError`` naming it; one read
+    of every byte, spread over the ranks, see ``checksums``), and keys or shapes that do not match (naming them; ``strict=False``
     ignores model entries of the checkpoint that the model does not have)."""
     directory = resolve_for_load(Path(path).absolute())
     manifest = _inspect(directory)
 
-    metadata = FileSystemReader(directory).read_metadata()
+    try:
+        metadata = FileSystemReader(directory).read_metadata()
+    except Exception as exc:  # a damaged pickle raises anything
+        raise CorruptCheckpointError(f"cannot read {directory}/.metadata: {exc!r}") from exc
     model_sd = get_model_state_dict(model)
     layout = _layout(
         directory, manifest, metadata, list(model_sd), want_optimizer=optimizer is not None

@@ -210,9 +210,9 @@ def consolidate_checkpoint(
 ) -> dict[str, int]:
     """Turn a checkpoint directory of ``save_checkpoint`` into one full model state
     dict file, in this process alone (no process group, no ranks). Verifies the
-    manifest first. Returns ``{"tensors": n, "bytes": b}``."""
+    manifest first (sizes and checksums). Returns ``{"tensors": n, "bytes": b}``."""
     directory = resolve_for_load(Path(checkpoint).absolute())
-    Manifest.read(directory).verify(directory)
+    Manifest.read(directory).verify(directory, checksums=True)
     metadata = FileSystemReader(directory).read_metadata()
     sd: dict[str, Any] = {}
     for key, md in metadata.state_dict_metadata.items():

@@ -22,7 +22,8 @@ class IncompleteCheckpointError(CheckpointError):
 
 
 class CorruptCheckpointError(CheckpointError):
-    """A file listed in the manifest is missing or has the wrong size."""
+    """A file of the checkpoint is missing, has the wrong size or checksum, or cannot
+    be read (a damaged manifest, ``.metadata`` or extra-state file)."""
 
 
 class CheckpointMismatchError(CheckpointError):

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from fsdp_ckpt.errors import CorruptCheckpointError
+
 __all__ = ["EXTRA_DIR", "capture_rng_state", "read_extra", "restore_rng_state", "write_extra"]
 
 EXTRA_DIR = "extra"
@@ -64,4 +66,12 @@ def read_extra(directory: Path, rank: int, same_world: bool) -> dict[str, Any]:
     """The saved ``{"user": ..., "rng": ...}`` for ``rank`` (see the module note).
     Checkpoints are trusted input: the file is unpickled."""
     path = _rank_file(directory, rank if same_world else 0)
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # a damaged pickle raises anything
+        raise CorruptCheckpointError(f"cannot read the extra state {path}: {exc!r}") from exc
+    if not isinstance(saved, dict) or not {"user", "rng"} <= saved.keys():
+        raise CorruptCheckpointError(
+            f"{path} does not hold fsdp's extra state (a dict with 'user' and 'rng')"
+        )
+    return saved

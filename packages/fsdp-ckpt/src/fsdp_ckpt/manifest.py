@@ -1,9 +1,11 @@
 """The manifest: written last, it marks a checkpoint directory complete.
 
-``fsdp_manifest.json`` lists every file of the checkpoint with its size, the world size
-and the format version. A directory without it is an interrupted save (or not an fsdp
-checkpoint) and is refused; a listed file that is missing or has another size is
-refused too, so a truncated shard is never loaded.
+``fsdp_manifest.json`` lists every file of the checkpoint with its size and CRC-32
+(see ``checksums``), the world size and the format version. A directory without it is
+an interrupted save (or not an fsdp checkpoint) and is refused; a listed file that is
+missing, has another size or another checksum is refused too, so a truncated or
+overwritten shard is never loaded. Version 1 manifests (sizes only) still load, their
+files checked by size.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "fsync_
 
 MANIFEST_NAME = "fsdp_manifest.json"
 FORMAT_NAME = "fsdp-ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-file CRC-32 checksums
 
 
 def fsync_dir(path: Path) -> None:
@@ -44,21 +46,42 @@ class Manifest:
     world_size: int
     files: dict[str, int]  # path relative to the checkpoint directory -> bytes
     has_optimizer: bool
+    checksums: dict[str, int] = field(default_factory=dict)  # -> CRC-32; {} in version 1
     format_version: int = FORMAT_VERSION
     created: float = 0.0
     torch_version: str = ""
 
+    @staticmethod
+    def list_files(directory: Path) -> list[str]:
+        """Every file of a checkpoint directory but the manifest, relative, sorted."""
+        return [
+            path.relative_to(directory).as_posix()
+            for path in sorted(directory.rglob("*"))
+            if path.is_file() and path.name != MANIFEST_NAME
+        ]
+
     @classmethod
-    def of_directory(cls, directory: Path, *, world_size: int, has_optimizer: bool) -> Manifest:
+    def of_directory(
+        cls,
+        directory: Path,
+        *,
+        world_size: int,
+        has_optimizer: bool,
+        checksums: dict[str, int],
+    ) -> Manifest:
+        """The manifest of ``directory``'s files, with ``checksums`` of every one."""
         import torch
 
-        files = {}
-        for path in sorted(directory.rglob("*")):
-            if path.is_file() and path.name != MANIFEST_NAME:
-                files[path.relative_to(directory).as_posix()] = path.stat().st_size
+        files = {rel: (directory / rel).stat().st_size for rel in cls.list_files(directory)}
+        if set(checksums) != set(files):
+            raise CorruptCheckpointError(
+                f"files of {directory} changed while it was saved: checksummed "
+                f"{sorted(checksums)}, found {sorted(files)}"
+            )
         return cls(
             world_size=world_size,
             files=files,
+            checksums=dict(sorted(checksums.items())),
             has_optimizer=has_optimizer,
             created=time.time(),
             torch_version=torch.__version__,
@@ -74,6 +97,7 @@ class Manifest:
             "created": self.created,
             "torch_version": self.torch_version,
             "files": self.files,
+            "crc32": self.checksums,
         }
         tmp = directory / f"{MANIFEST_NAME}.tmp"
         with open(tmp, "w") as f:
@@ -96,9 +120,9 @@ class Manifest:
             payload = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise CorruptCheckpointError(f"cannot read {path}: {exc}") from exc
-        if payload.get("format") != FORMAT_NAME:
+        if not isinstance(payload, dict) or payload.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError(
-                f"{path} is not an {FORMAT_NAME} manifest (format={payload.get('format')!r})"
+                f"{path} is not an {FORMAT_NAME} manifest (it holds {str(payload)[:80]!r})"
             )
         version = payload.get("format_version")
         if not isinstance(version, int) or version > FORMAT_VERSION:
@@ -106,14 +130,18 @@ class Manifest:
                 f"{directory} has format version {version!r}; this fsdp-ckpt reads versions "
                 f"up to {FORMAT_VERSION}: upgrade fsdp-ckpt"
             )
-        return cls(
-            world_size=int(payload["world_size"]),
-            files={str(k): int(v) for k, v in payload["files"].items()},
-            has_optimizer=bool(payload.get("has_optimizer", False)),
-            format_version=version,
-            created=float(payload.get("created", 0.0)),
-            torch_version=str(payload.get("torch_version", "")),
-        )
+        try:
+            return cls(
+                world_size=int(payload["world_size"]),
+                files={str(k): int(v) for k, v in payload["files"].items()},
+                checksums={str(k): int(v) for k, v in payload.get("crc32", {}).items()},
+                has_optimizer=bool(payload.get("has_optimizer", False)),
+                format_version=version,
+                created=float(payload.get("created", 0.0)),
+                torch_version=str(payload.get("torch_version", "")),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptCheckpointError(f"{path} is damaged: {exc!r}") from exc
 
     def problems(self, directory: Path) -> list[str]:
         """Every listed file that is missing or has a size other than the listed one."""
@@ -131,9 +159,26 @@ class Manifest:
                 )
         return out
 
-    def verify(self, directory: Path) -> None:
+    def verify(self, directory: Path, *, checksums: bool = False) -> None:
+        """Refuse missing or resized files; with ``checksums``, also read every file
+        here (one process) and refuse changed bytes."""
         problems = self.problems(directory)
+        if checksums and not problems:
+            from fsdp_ckpt.checksums import crc32_of
+
+            computed = {rel: crc32_of(directory / rel) for rel in self.checksums}
+            problems = self.checksum_problems(directory, computed)
         if problems:
             raise CorruptCheckpointError(
                 f"checkpoint {directory} is damaged; refusing to load it: " + "; ".join(problems)
             )
+
+    def checksum_problems(self, directory: Path, computed: dict[str, int]) -> list[str]:
+        """Every file among ``computed`` (``{rel: crc32}`` read now) whose checksum
+        differs from the recorded one."""
+        return [
+            f"{rel}: CRC-32 {crc:08x}, the manifest says {self.checksums[rel]:08x} "
+            f"(its bytes changed since the save)"
+            for rel, crc in sorted(computed.items())
+            if rel in self.checksums and crc != self.checksums[rel]
+        ]

@@ -6,6 +6,9 @@ for it runs unchanged. Differences a user may notice:
 - ``fully_shard(module, optimizer)`` keeps the optimizer's parameter groups (and their
   hyperparameters, e.g. weight-decay groups): each original parameter is replaced in
   place by its DTensor main-weight parameter. Megatron-FSDP rebuilds a single group.
+  State the optimizer already holds (Adagrad creates it in ``__init__``) moves onto the
+  main-weight shards; optimizers that cannot step row shards are refused at wrap (see
+  ``fsdp_hooks.optimizers``).
 - With no ``device_mesh``, the default is a mesh over the whole world on CUDA when
   NCCL is the default backend, else on CPU. Its shard dim is named ``dp_shard_dim``
   (``"dp_shard"`` when not given); a given ``tp_dim`` adds a trailing dim of size 1
@@ -48,7 +51,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
 from fsdp_hooks.config import DistributedDataParallelConfig
 from fsdp_hooks.megatron_fsdp import MegatronFSDP
-from fsdp_hooks.validation import check_outer_strategy
+from fsdp_hooks.optimizers import check_optimizer_supported, move_state_to_main_weights
+from fsdp_hooks.validation import check_argument_types, check_outer_strategy
 from fsdp_mesh import FSDPDistributedIndex, warn_once
 
 __all__ = ["fully_shard", "fully_shard_model", "fully_shard_optimizer"]
@@ -120,6 +124,18 @@ def fully_shard_model(
     """Shard ``module`` and return the ``MegatronFSDP`` wrapper (the original module is
     ``wrapper.module``). Its parameters are then DTensors: this rank's shard of the
     main weights."""
+    check_argument_types(
+        "fully_shard_model",
+        module,
+        fsdp_unit_modules,
+        device_mesh=(device_mesh, DeviceMesh, 'init_device_mesh("cuda", (8,), ...)'),
+        expt_device_mesh=(expt_device_mesh, DeviceMesh, "fsdp_mesh.build_device_mesh(...)"),
+        mixed_precision_policy=(
+            mixed_precision_policy,
+            MixedPrecisionPolicy,
+            "MixedPrecisionPolicy(main_params_dtype=torch.float32, grad_comm_dtype=torch.bfloat16)",
+        ),
+    )
     strategy = ShardingStrategy.parse(zero_dp_strategy)
     outer = ShardingStrategy.parse(outer_dp_sharding_strategy)
     if device_mesh is None:
@@ -235,42 +251,52 @@ def fully_shard_optimizer(
         )
     if getattr(optimizer, "_fsdp_model_ref", None) is not None:
         raise ValueError("this optimizer was already passed to fully_shard_optimizer")
-    if optimizer.state:
-        raise ValueError(
-            "the optimizer already holds state; shard the model and optimizer before the first step"
-        )
+    check_optimizer_supported(
+        optimizer, model.strategy is not ShardingStrategy.NO_SHARD, "fully_shard_optimizer"
+    )
     by_compute = model.hooks.distributed_by_compute
     ours = {id(p) for p in by_compute.values()}
     unknown: list[str] = []
+    replaced: dict[nn.Parameter, nn.Parameter | None] = {}
+    new_groups = []
     for group in optimizer.param_groups:
         new_params = []
         for p in group["params"]:
             if id(p) in ours:
                 new_params.append(p)
             elif p in by_compute:
-                if not p.requires_grad:
-                    continue  # frozen: nothing to optimize
-                new_params.append(by_compute[p])
+                # frozen: nothing to optimize
+                replaced[p] = by_compute[p] if p.requires_grad else None
+                if p.requires_grad:
+                    new_params.append(by_compute[p])
             else:
                 unknown.append(f"{type(p).__name__}{tuple(p.shape)}")
-        group["params"] = new_params
+        new_groups.append(new_params)
     if unknown:
         raise ValueError(
             f"the optimizer holds {len(unknown)} parameter(s) that are not the wrapped "
             f"module's: {unknown[:5]}; build the optimizer over the module's parameters"
         )
+    # State already there (Adagrad makes it in __init__) moves onto the main weights.
+    move_state_to_main_weights(optimizer, replaced)
+    for group, new_params in zip(optimizer.param_groups, new_groups, strict=True):
+        group["params"] = new_params
     _patch_optimizer(optimizer, model)
     return optimizer
 
 
 def _patch_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) -> None:
+    """Wrap ``step`` and ``zero_grad`` of this optimizer instance. They stay bound
+    methods (``types.MethodType``): torch's ``LRScheduler`` built afterwards wraps
+    ``optimizer.step`` through its ``__func__``."""
+    import types
     import weakref
 
     optimizer._fsdp_model_ref = weakref.ref(model)  # type: ignore[attr-defined]
     base_step = optimizer.step
     base_zero_grad = optimizer.zero_grad
 
-    def step(*args: Any, **kwargs: Any) -> Any:
+    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         sync = kwargs.pop("sync_grad_before_optimizer_step", True)
         install = kwargs.pop("install_optimized_model_weights", True)
         if sync:
@@ -282,7 +308,7 @@ def _patch_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) -> N
             model.install_optimized_model_weights()
         return result
 
-    def zero_grad(*args: Any, **kwargs: Any) -> None:
+    def zero_grad(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
         zero_buffer = kwargs.pop("zero_grad_buffer", True)
         base_zero_grad(*args, **kwargs)
         if zero_buffer:
@@ -290,8 +316,8 @@ def _patch_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) -> N
 
     step.__doc__ = base_step.__doc__
     zero_grad.__doc__ = base_zero_grad.__doc__
-    optimizer.step = step  # type: ignore[method-assign]
-    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
 
 
 def fully_shard(
@@ -300,6 +326,10 @@ def fully_shard(
     """``fully_shard_model(module, **kwargs)`` then ``fully_shard_optimizer`` on an
     optimizer built over ``module``'s parameters; returns ``(model, optimizer)``."""
     preproc = kwargs.get("preproc_state_dict_for_dcp_ckpt", True)
+    # Before anything is sharded: a refused optimizer leaves the module untouched.
+    check_argument_types("fully_shard", module, kwargs.get("fsdp_unit_modules"))
+    strategy = ShardingStrategy.parse(kwargs.get("zero_dp_strategy", 3))
+    check_optimizer_supported(optimizer, strategy is not ShardingStrategy.NO_SHARD)
     model = fully_shard_model(module, **kwargs)
     optimizer = fully_shard_optimizer(optimizer, preproc, model=model)
     return model, optimizer

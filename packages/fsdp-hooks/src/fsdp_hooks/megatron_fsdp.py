@@ -35,9 +35,11 @@ from fsdp_hooks.expert_names import ExpertStateNames
 from fsdp_hooks.experts import resolve_is_expert_param
 from fsdp_hooks.grad_norm import clip_grad_norm_
 from fsdp_hooks.hooks import FSDPHooks
+from fsdp_hooks.rollback import rollback_on_failure
 from fsdp_hooks.summary import log_unit_summary
 from fsdp_hooks.training_state import TrainingState
 from fsdp_hooks.validation import (
+    check_argument_types,
     check_cuda_only_options,
     check_hybrid_index,
     check_not_wrapped,
@@ -81,6 +83,16 @@ class MegatronFSDP(nn.Module):
         is_expert_param: Callable[[str, nn.Parameter], bool] | str | None = None,
     ) -> None:
         super().__init__()
+        check_argument_types(
+            "MegatronFSDP",
+            module,
+            fsdp_unit_modules,
+            mixed_precision_policy=(
+                mixed_precision_policy,
+                MixedPrecisionPolicy,
+                "MixedPrecisionPolicy(main_params_dtype=torch.float32)",
+            ),
+        )
         check_not_wrapped(module)
         ddp_config = ddp_config if ddp_config is not None else DistributedDataParallelConfig()
         self.ddp_config = ddp_config
@@ -118,48 +130,50 @@ class MegatronFSDP(nn.Module):
         check_same_model(module, dist_index)
         check_tensor_parallel_replicas(module, dist_index)
         self.module = module
-        if init_model_with_meta_device:
-            from fsdp_hooks.meta_init import prepare_meta_init
+        # From here storage moves into buffers: a failure restores the module.
+        with rollback_on_failure(module):
+            if init_model_with_meta_device:
+                from fsdp_hooks.meta_init import prepare_meta_init
 
-            # Meta parameters get placeholders on self.device in place (see meta_init).
-            prepare_meta_init(module, self.device)
-        self.buffer = ParamAndGradBuffer(
-            module,
-            dist_index,
-            strategy=self.strategy,
-            mixed_precision_policy=self.mixed_precision_policy,
-            fsdp_unit_modules=fsdp_unit_modules,
-            bucket_size=ddp_config.bucket_size,
-            disable_bucketing=disable_bucketing,
-            device=self.device,
-            # NCCL user buffers need persistent double buffers; off CUDA nccl_ub is
-            # ignored (with a warning), and so is what it implies.
-            fsdp_double_buffer=fsdp_double_buffer
-            or ddp_config.fsdp_double_buffer
-            or ((nccl_ub or ddp_config.nccl_ub) and self.device.type == "cuda"),
-            # A per-token loss is normalized by the caller: sum, do not average.
-            gradient_scaling_factor=1.0 if calculate_per_token_loss else None,
-            expert_gradient_scaling_factor=1.0 if calculate_per_token_loss else None,
-            average_in_collective=ddp_config.average_in_collective,
-            is_expert_param=resolve_is_expert_param(
-                is_expert_param, dist_index.expt_device_mesh is not dist_index.device_mesh
-            ),
-            allow_meta=init_model_with_meta_device,
-        )
-        self.all_gather_pipeline = AllGatherPipeline(self.buffer)
-        self.grad_reduce_pipeline = GradReducePipeline(self.buffer)
-        if init_model_with_meta_device:
-            from fsdp_hooks.meta_init import initialize_from_meta
+                # Meta parameters get placeholders on self.device in place (see meta_init).
+                prepare_meta_init(module, self.device)
+            self.buffer = ParamAndGradBuffer(
+                module,
+                dist_index,
+                strategy=self.strategy,
+                mixed_precision_policy=self.mixed_precision_policy,
+                fsdp_unit_modules=fsdp_unit_modules,
+                bucket_size=ddp_config.bucket_size,
+                disable_bucketing=disable_bucketing,
+                device=self.device,
+                # NCCL user buffers need persistent double buffers; off CUDA nccl_ub is
+                # ignored (with a warning), and so is what it implies.
+                fsdp_double_buffer=fsdp_double_buffer
+                or ddp_config.fsdp_double_buffer
+                or ((nccl_ub or ddp_config.nccl_ub) and self.device.type == "cuda"),
+                # A per-token loss is normalized by the caller: sum, do not average.
+                gradient_scaling_factor=1.0 if calculate_per_token_loss else None,
+                expert_gradient_scaling_factor=1.0 if calculate_per_token_loss else None,
+                average_in_collective=ddp_config.average_in_collective,
+                is_expert_param=resolve_is_expert_param(
+                    is_expert_param, dist_index.expt_device_mesh is not dist_index.device_mesh
+                ),
+                allow_meta=init_model_with_meta_device,
+            )
+            self.all_gather_pipeline = AllGatherPipeline(self.buffer)
+            self.grad_reduce_pipeline = GradReducePipeline(self.buffer)
+            if init_model_with_meta_device:
+                from fsdp_hooks.meta_init import initialize_from_meta
 
-            initialize_from_meta(self)
-        self.model_auto_sync = sync_model_each_microbatch
-        self._sync_override: bool | None = None
-        self.hooks = FSDPHooks(self)
-        self._replace_param_with_distributed_if_needed()
-        for _name, dparam in self.buffer.optimizer_named_parameters():
-            dparam.grad = None  # as in a fresh module: none before the first backward
-        self._state_names = self._expert_state_names()
-        log_unit_summary(self)
+                initialize_from_meta(self)
+            self.model_auto_sync = sync_model_each_microbatch
+            self._sync_override: bool | None = None
+            self.hooks = FSDPHooks(self)
+            self._replace_param_with_distributed_if_needed()
+            for _name, dparam in self.buffer.optimizer_named_parameters():
+                dparam.grad = None  # as in a fresh module: none before the first backward
+            self._state_names = self._expert_state_names()
+            log_unit_summary(self)
 
     def _expert_state_names(self) -> ExpertStateNames:
         """Local <-> global expert names for state dicts when experts differ across

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,7 @@ from torch import nn
 from fsdp_mesh import warn_once
 
 __all__ = [
+    "check_argument_types",
     "check_cuda_only_options",
     "check_hybrid_index",
     "check_not_wrapped",
@@ -18,6 +20,49 @@ __all__ = [
     "check_same_model",
     "check_tensor_parallel_replicas",
 ]
+
+
+def _show(value: object) -> str:
+    return f"{type(value).__name__} {value!r:.60}"
+
+
+def check_argument_types(
+    where: str,
+    module: object,
+    fsdp_unit_modules: object = None,
+    **optional: tuple[object, type, str],
+) -> None:
+    """Raise ``TypeError`` naming what is allowed for an argument of the wrong kind,
+    before anything is touched (rather than an AttributeError deep inside, or a string
+    iterated by character). ``optional``: name -> (value, allowed type, example); None
+    is allowed. Local information only: alike on every rank."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"{where}: the module to shard must be a torch.nn.Module; got {_show(module)}"
+        )
+    units = fsdp_unit_modules
+    allowed = (
+        "fsdp_unit_modules must be a list of nn.Module subclasses or dotted class paths, "
+        "e.g. [TransformerBlock] or ['mypkg.model.TransformerBlock'] (or None)"
+    )
+    if isinstance(units, type):
+        raise TypeError(
+            f"{where}: {allowed}; got the class {units.__qualname__} itself: pass "
+            f"[{units.__qualname__}] (as Megatron-FSDP, a single class is not accepted)"
+        )
+    if isinstance(units, str | bytes):
+        raise TypeError(
+            f"{where}: {allowed}; got the string {units!r}, which would be read letter by "
+            f"letter: pass [{units!r}]"
+        )
+    if units is not None and (isinstance(units, Mapping) or not isinstance(units, Iterable)):
+        raise TypeError(f"{where}: {allowed}; got {_show(units)}")
+    for name, (value, kind, example) in optional.items():
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(
+                f"{where}: {name} must be a {kind.__module__}.{kind.__qualname__} (e.g. "
+                f"{example}) or None; got {_show(value)}"
+            )
 
 
 def check_outer_strategy(strategy, outer, has_outer_dim: bool, where: str) -> None:

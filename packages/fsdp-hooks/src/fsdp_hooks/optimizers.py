@@ -1,0 +1,125 @@
+"""Which ``torch.optim`` optimizers can step fsdp's sharded main weights, and moving
+state an optimizer already holds onto them.
+
+The optimizer steps DTensor parameters holding this rank's shard (ZeRO-1/2/3) or a
+replica (``no_shard``). Element-wise optimizers (SGD, Adam, AdamW, Adamax, NAdam, RAdam,
+Adagrad, Adadelta, RMSprop, Rprop, ASGD) give the step of one process on the whole
+tensor. Refused at wrap, with the reason:
+
+- ``LBFGS``: its ``step(closure)`` runs forward and backward itself and reads the
+  gradients before fsdp's ``step`` could reduce them, and it works on one flat vector
+  of every parameter.
+- ``SparseAdam``: it needs sparse gradients; fsdp's gradients are dense buffers.
+- ``Adafactor`` and ``Muon`` under a sharding strategy (1-3), for matrices: they need
+  whole rows and columns (Adafactor's factored second moment) or whole matrices
+  (Muon's orthogonalization), which a row shard does not hold. Under ``no_shard`` (0)
+  every rank holds the whole matrix and they work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+__all__ = ["check_optimizer_supported", "move_state_to_main_weights"]
+
+
+def _class(name: str) -> type | None:
+    return getattr(torch.optim, name, None)
+
+
+def check_optimizer_supported(
+    optimizer: torch.optim.Optimizer, sharded: bool, where: str = "fully_shard"
+) -> None:
+    """Raise ``TypeError`` for an optimizer that cannot step fsdp's main weights (see
+    the module note). ``sharded``: the strategy shards the main weights (1-3). Local
+    information only, alike on every rank."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"{where}: optimizer must be a torch.optim.Optimizer built over the module's "
+            f"parameters; got {type(optimizer).__name__} ({optimizer!r:.80}). Use "
+            "fully_shard_model(module, ...) to shard a model without an optimizer."
+        )
+    name = type(optimizer).__name__
+    lbfgs, sparse_adam = _class("LBFGS"), _class("SparseAdam")
+    if lbfgs is not None and isinstance(optimizer, lbfgs):
+        raise TypeError(
+            f"{where}: {name} is not supported: its step(closure) runs forward and backward "
+            "itself and reads gradients before fsdp reduces them, over one flat vector of "
+            "every parameter; use a first-order optimizer (e.g. AdamW)"
+        )
+    if sparse_adam is not None and isinstance(optimizer, sparse_adam):
+        raise TypeError(
+            f"{where}: {name} is not supported: it needs sparse gradients and fsdp's "
+            "gradients are dense buffers; use Adam or AdamW"
+        )
+    whole_matrix = tuple(c for c in (_class("Adafactor"), _class("Muon")) if c is not None)
+    if sharded and whole_matrix and isinstance(optimizer, whole_matrix):
+        matrices = [
+            tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if p.ndim >= 2
+        ]
+        if matrices:
+            raise TypeError(
+                f"{where}: {name} needs whole matrices (their rows and columns) for each "
+                f"step, and a sharding strategy (zero_dp_strategy 1-3) gives each rank a "
+                f"row shard of the main weights (e.g. of {matrices[0]}), so the step would "
+                "not be the one of a single process; use zero_dp_strategy=0 (no_shard) "
+                "with it, or an element-wise optimizer (Adam, AdamW, SGD, ...)"
+            )
+
+
+def _shard_like(value: torch.Tensor, dparam: DTensor, what: str) -> DTensor:
+    """``value`` (the whole tensor, alike on every rank) as a DTensor placed as
+    ``dparam``: this rank's piece, cut locally (no communication)."""
+    flat = value.detach().reshape(-1)
+    if bool((flat == flat[0]).all()):
+        # A fill (Adagrad's initial accumulator): the same on any placement.
+        return torch.full_like(dparam.detach(), flat[0].item())
+    mesh = dparam.device_mesh
+    whole = DTensor.from_local(
+        value.detach().to(device=dparam.device, dtype=dparam.dtype),
+        mesh,
+        [Replicate()] * mesh.ndim,
+        run_check=False,
+    )
+    piece = whole.redistribute(mesh, dparam.placements)
+    if piece.to_local().shape != dparam.to_local().shape:
+        raise ValueError(
+            f"cannot move the optimizer state {what} onto the sharded main weights: "
+            f"its shard has shape {tuple(piece.to_local().shape)} on this rank, the "
+            f"parameter's {tuple(dparam.to_local().shape)}; build the optimizer's state "
+            "after fully_shard"
+        )
+    return piece
+
+
+def move_state_to_main_weights(
+    optimizer: torch.optim.Optimizer, replaced: dict[nn.Parameter, nn.Parameter | None]
+) -> None:
+    """Re-key the state an optimizer already holds (``Adagrad`` creates it in
+    ``__init__``; any optimizer after steps taken before wrapping) from each original
+    parameter to its main-weight DTensor (``None``: dropped, a frozen parameter).
+    Tensors of the parameter's shape become this rank's piece of them, placed as the
+    parameter (so state from steps before wrapping carries over exactly); others
+    (``step`` counters) are kept."""
+    moved: dict[nn.Parameter, dict[str, Any]] = {}
+    for original, dparam in replaced.items():
+        state = optimizer.state.get(original)
+        if state is None or dparam is None:
+            continue
+        moved[dparam] = {
+            key: _shard_like(value, dparam, repr(key))
+            if isinstance(value, torch.Tensor)
+            and not isinstance(value, DTensor)
+            and value.ndim > 0
+            and value.shape == original.shape
+            else value
+            for key, value in state.items()
+        }
+    # Changed only once every entry could be moved: a refusal leaves it as it was.
+    for original in replaced:
+        optimizer.state.pop(original, None)
+    optimizer.state.update(moved)
