@@ -436,8 +436,6 @@ def _bad_inputs():
         wrap(net)
 
     out["differing_replicas"] = _error_of(differing_replicas)
-    # A tp dim over a model that was never parallelized.
-    out["nothing_parallel"] = _error_of(lambda: wrap(Net()))
     hybrid = build_device_mesh(dp_outer=2, dp_shard=1, tp=2).device_mesh
     out["hybrid"] = _error_of(lambda: wrap(Net(), device_mesh=hybrid, dp_outer_dim="dp_outer"))
     out["meta"] = _error_of(lambda: wrap(Net(), init_model_with_meta_device=True))
@@ -452,7 +450,6 @@ def test_bad_input_errors_on_every_rank(world4):
         "no_partition_dim": ("ValueError", "no 'partition_dim'"),
         "sequence_parallel": ("NotImplementedError", "sequence_parallel=True"),
         "differing_replicas": ("ValueError", "['blocks.1.norm.bias']"),
-        "nothing_parallel": ("ValueError", "no parameter is tensor-parallel"),
         "hybrid": ("NotImplementedError", "hybrid sharding"),
         "meta": ("NotImplementedError", "meta-device initialization with tensor parallelism"),
     }
