@@ -20,7 +20,8 @@ pinned against Megatron-Core's documented behaviour:
   when the config quantizes (fp8), and nothing otherwise.
 - ``sharded_state_dict`` is the wrapped module's.
 - ``FullyShardedDataParallel.param_and_grad_buffer`` has ``parameter_groups`` and
-  ``copy_main_weights_to_model_weights``.
+  ``copy_main_weights_to_model_weights``; ``find_megatron_fsdp`` finds the
+  ``MegatronFSDP`` inside it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from fsdp_hooks import (
     DistributedDataParallelConfig,
     FullyShardedDataParallel,
     finalize_model_grads,
+    find_megatron_fsdp,
 )
 from fsdp_mesh.testing import assert_tensors_close, run_distributed
 from fsdp_mesh.testing.models import GPT, GPTConfig, token_batch
@@ -186,6 +188,9 @@ def _fsdp_api() -> bool:
     model = FullyShardedDataParallel(None, cfg, module)
     _loss(model, 0, dist.get_rank(), dist.get_world_size()).backward()
     finalize_model_grads([model], force_all_reduce=True)  # no effect, as in Megatron-Core
+    # find_megatron_fsdp walks the .module chain (Megatron-FSDP's utils).
+    assert find_megatron_fsdp(model) is model.module
+    assert find_megatron_fsdp(module) is None
     pgb = model.param_and_grad_buffer
     assert pgb.parameter_groups is model.module.buffer.groups
     # One SGD step on the main weights, installed through the name Megatron-Core's

@@ -219,6 +219,10 @@ def _train(model, opt, start, stop):
         rows = slice(dp_rank * ROWS, (dp_rank + 1) * ROWS)  # both tp ranks: the same rows
         loss = F.mse_loss(model(x[rows]), y[rows])
         loss.backward()
+        if isinstance(model, FullyShardedDataParallel):
+            # Automatic sync is off there: as in Megatron-FSDP, .grad is empty until the
+            # sync, so clip after it (Megatron-Core's loop calls finalize_model_grads first).
+            model.finish_grad_sync()
         norms.append(_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         opt.step()
         opt.zero_grad()

@@ -7,6 +7,7 @@
 - ``reset_policy``: Megatron-FSDP's ``reset_mixed_precision_policy`` rule.
 - ``MegatronParamAndGradBuffer``: ``model.param_and_grad_buffer`` as Megatron-FSDP's
   users and Megatron-Core's ``DistributedOptimizer`` read it.
+- ``find_megatron_fsdp``: the ``MegatronFSDP`` inside a chain of wrappers.
 """
 
 from __future__ import annotations
@@ -24,9 +25,26 @@ if TYPE_CHECKING:
 __all__ = [
     "MegatronParamAndGradBuffer",
     "default_ddp_config",
+    "find_megatron_fsdp",
     "reset_policy",
     "warn_ignored_options",
 ]
+
+
+def find_megatron_fsdp(model: Any) -> MegatronFSDP | None:
+    """The first ``MegatronFSDP`` on the chain ``model``, ``model.module``,
+    ``model.module.module``, ... (Megatron-Core's adapter keeps it as ``.module``), or
+    None when there is none (Megatron-FSDP's ``utils.find_megatron_fsdp``)."""
+    from fsdp_hooks.megatron_fsdp import MegatronFSDP  # it imports this module
+
+    seen: set[int] = set()
+    m = model
+    while m is not None and id(m) not in seen:
+        if isinstance(m, MegatronFSDP):
+            return m
+        seen.add(id(m))
+        m = getattr(m, "module", None)
+    return None
 
 
 def default_ddp_config(
