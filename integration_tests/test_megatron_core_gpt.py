@@ -1,9 +1,12 @@
 """A Megatron-Core client: a real ``GPTModel`` (local layer spec, CPU, 2 ranks) trained
-with Megatron-Core's own ``finalize_model_grads``, once under Megatron-Core's own
+with Megatron-Core's own ``finalize_model_grads`` and its own optimizer
+(``get_megatron_optimizer``: Adam; its gradient norm compared too), once under Megatron-Core's own
 ``DistributedDataParallel`` (the reference) and once under each of fsdp's adapters:
-``fsdp.DistributedDataParallel`` (all-reduce) and ``fsdp.FullyShardedDataParallel``
-(``optim_grads_params``, Megatron-Core's ``TransformerLayer`` as the FSDP unit). The
-losses of every step and the final weights must equal the reference's (fp32, 1e-5).
+``fsdp.DistributedDataParallel`` (all-reduce; Megatron-Core's ``FP32Optimizer`` reads
+``main_grad``) and ``fsdp.FullyShardedDataParallel`` (``optim_grads_params``,
+Megatron-Core's ``TransformerLayer`` as the FSDP unit; Megatron-Core's
+``DistributedOptimizer`` on its Megatron-FSDP path reads ``param_and_grad_buffer``).
+The losses of every step and the final weights must equal the reference's (fp32, 1e-5).
 
 megatron-core 0.19's wheel declares Python >= 3.12, and its sources are pure Python
 that imports on 3.11, so the wheel is fetched by package name with pip (cached under
@@ -12,7 +15,8 @@ The test skips, with the reason, when that cannot be done (no pip, no network an
 cache). Megatron-Core assumes CUDA in a few places; those are patched here, in the
 test, never in fsdp: the current device is the CPU, the current stream is a no-op
 object, the CUDA RNG tracker's fork is a no-op (dropout is 0), and the causal mask is
-passed explicitly (its default is built on "cuda").
+passed explicitly (its default is built on "cuda"), and the optimizer modules'
+small tensors made on ``device="cuda"`` are made on the CPU.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ STEPS = 3
 ROWS = 2  # per rank
 SEQ = 8
 VOCAB = 64
-LR = 0.1
+LR = 1e-2
 
 
 def _cache_dir() -> Path:
@@ -80,6 +84,26 @@ def _megatron_core_path() -> str:
 
 
 # ---- on each rank -------------------------------------------------------------------------
+class _CpuFactories:
+    """``torch`` as seen by a Megatron-Core module that allocates small tensors on
+    ``device="cuda"``: those factories allocate on the CPU instead."""
+
+    _FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
+
+    def __init__(self, torch_module: Any) -> None:
+        self._torch = torch_module
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._torch, name)
+        if name not in self._FACTORIES:
+            return attr
+
+        def on_cpu(*args: Any, device: Any = None, **kwargs: Any) -> Any:
+            return attr(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+        return on_cpu
+
+
 def _patch_cuda_isms() -> None:
     """What Megatron-Core needs to run on CPU (see the module note)."""
     from types import SimpleNamespace
@@ -91,6 +115,18 @@ def _patch_cuda_isms() -> None:
         wait_event=lambda event: None, wait_stream=lambda other: None, synchronize=lambda: None
     )
     torch.cuda.current_stream = lambda *args, **kwargs: stream
+    import megatron.core.optimizer.clip_grads
+    import megatron.core.optimizer.distrib_optimizer
+    import megatron.core.optimizer.optimizer
+    import megatron.core.utils
+
+    for module in (
+        megatron.core.optimizer.optimizer,
+        megatron.core.optimizer.distrib_optimizer,
+        megatron.core.optimizer.clip_grads,
+        megatron.core.utils,
+    ):
+        module.torch = _CpuFactories(torch)
 
 
 def _build(torch, parallel_state: Any) -> tuple[Any, Any]:
@@ -136,6 +172,7 @@ def _train(kind: str) -> tuple[list[float], dict[str, Any]]:
     from megatron.core.distributed import DistributedDataParallel as MegatronDDP
     from megatron.core.distributed import DistributedDataParallelConfig as MegatronDDPConfig
     from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     import fsdp
 
@@ -156,22 +193,31 @@ def _train(kind: str) -> tuple[list[float], dict[str, Any]]:
         model = fsdp.FullyShardedDataParallel(config, ddp_config, module)
         assert len(model.module.hooks.units) == config.num_layers  # TransformerLayer units
     sharded = kind == "fsdp"
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR) if sharded else None
-    losses = []
+    # Megatron-Core's optimizer: FP32Optimizer over main_grad for the DDPs, its
+    # DistributedOptimizer (Megatron-FSDP path) for FSDP; Adam, clipping at 1.0.
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=LR, weight_decay=0.0, clip_grad=0.0,
+            use_distributed_optimizer=sharded,
+        ),
+        [model],
+    )  # fmt: skip
+    losses, norms = [], []
     for step in range(STEPS):
-        model.zero_grad_buffer()
+        model.zero_grad_buffer()  # as Megatron-LM's train_step does, then
+        optimizer.zero_grad()
         x, positions, mask, labels = _batch(torch, step)
         loss = model(x, positions, mask, labels=labels).mean()
         loss.backward()
         finalize_model_grads([model])  # Megatron-Core's own
-        with torch.no_grad():
-            if sharded:
-                optimizer.step()
-                optimizer.zero_grad()
-                model.install_optimized_model_weights()
-            else:  # Megatron-Core's contract: the optimizer reads main_grad
-                for p in model.parameters():
-                    p.sub_(LR * p.main_grad)
+        # Its clipping asserts CUDA tensors (so clip_grad=0); the gradient norm it would
+        # clip by is compared: FP32Optimizer reports it from step() (it reads main_grad
+        # there), DistributedOptimizer reports 0 without clipping, so ask it before.
+        before = optimizer.get_grad_norm() if sharded else None
+        updated, grad_norm, _ = optimizer.step()
+        grad_norm = before if sharded else grad_norm
+        assert updated and grad_norm > 0, (kind, step, grad_norm)
+        norms.append(float(grad_norm))
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / WORLD)
@@ -179,7 +225,7 @@ def _train(kind: str) -> tuple[list[float], dict[str, Any]]:
         weights = model.module.buffer.full_parameters()
     else:
         weights = {n: p.detach().clone() for n, p in module.named_parameters()}
-    return losses, weights
+    return losses + norms, weights
 
 
 def _rank(path: str) -> dict[str, Any]:
@@ -202,7 +248,7 @@ def test_megatron_core_gpt_trains_like_megatron_core_ddp(monkeypatch):
     import torch
 
     for out in run_distributed(_rank, WORLD, args=(path,), timeout=240):
-        ref_losses, ref_weights = out["megatron"]
+        ref_losses, ref_weights = out["megatron"]  # losses, then gradient norms
         for kind in ("fsdp_ddp", "fsdp"):
             losses, weights = out[kind]
             torch.testing.assert_close(

@@ -185,6 +185,9 @@ class MegatronFSDP(nn.Module):
         self._replace_param_with_distributed_if_needed()
         for _name, dparam in self.buffer.optimizer_named_parameters():
             dparam.grad = None  # as in a fresh module: none before the first backward
+            # Megatron-FSDP's marker: Megatron-Core's optimizers then read the local
+            # shard of .grad for the gradient norm (a DTensor grad otherwise).
+            dparam.__fsdp_param__ = True
         self._state_names = self._expert_state_names()
         log_unit_summary(self)
 
