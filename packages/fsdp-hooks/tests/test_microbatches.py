@@ -165,6 +165,11 @@ def _scenario(strategy, scenario, ref):
             if scenario == "megatron_deferred":
                 synced = K
             assert calls == synced * nb, f"{label}: {calls} reductions, expected {synced * nb}"
+            if scenario == "megatron_deferred":
+                # Megatron-FSDP: with auto sync off, .grad stays empty until
+                # finish_grad_sync(), even where each backward reduce-scattered.
+                assert all(p.grad is None for p in model.parameters()), label
+                model.finish_grad_sync()
             _assert_matches(model, grads, "grad", f"{label}, step {step}")
             opt.step()
             assert _reductions(model) == 0, f"{label}: the step reduced again"

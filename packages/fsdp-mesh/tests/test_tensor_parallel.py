@@ -17,11 +17,30 @@ def _param(**attrs):
     return p
 
 
-def test_plain_parameter_is_neither():
+def test_plain_parameter_is_duplicated():
+    # Megatron-FSDP: a parameter with no tensor-parallel marking is not split, so every
+    # tensor-parallel rank holds it whole ("duplicated").
     p = _param()
     assert not is_mcore_tensor_model_parallel(p)
-    assert not is_mcore_tensor_parallel_duplicated(p)
+    assert is_mcore_tensor_parallel_duplicated(p)
     assert get_mcore_tensor_parallel_partition_dim(p) is None
+
+
+@pytest.mark.parametrize(("mode", "dim"), [("column", 0), ("row", 1)])
+def test_tensor_parallel_mode(mode, dim):
+    # Megatron-Core's _tensor_parallel_mode comes first: column-parallel weights are
+    # split along dim 0, row-parallel ones along dim 1, whatever else is set.
+    p = _param(_tensor_parallel_mode=mode, tensor_model_parallel=False)
+    assert is_mcore_tensor_model_parallel(p)
+    assert not is_mcore_tensor_parallel_duplicated(p)
+    assert get_mcore_tensor_parallel_partition_dim(p) == dim
+
+
+def test_negative_partition_dim_is_not_split():
+    # Megatron-FSDP reads partition_dim < 0 (Megatron-Core's -1) as not split.
+    p = _param(tensor_model_parallel=True, partition_dim=-1)
+    assert not is_mcore_tensor_model_parallel(p)
+    assert is_mcore_tensor_parallel_duplicated(p)
 
 
 def test_split_parameter():

@@ -19,9 +19,9 @@ Refused with an error (on every rank: the rule reads local, rank-independent fac
 DTensor on any other mesh, or with a ``Partial``/strided placement or pieces that are
 not chunk-sized, DTensors without a ``tp_dim``, Megatron ``partition_stride`` > 1 and
 ``sequence_parallel``/``average_gradients_across_tp_domain`` parameters (their
-gradients need a tp reduction fsdp does not do), a tp dim of several ranks over a
-model none of whose parameters is tensor-parallel, and tp with hybrid sharding or an
-expert mesh.
+gradients need a tp reduction fsdp does not do), and tp with hybrid sharding or an
+expert mesh. A tp dim of several ranks over a model none of whose parameters is
+tensor-parallel is accepted (all replicated over tp), as in Megatron-FSDP.
 
 fsdp then works on the tp-local tensors as on any parameter: layouts, buffers and
 collectives of the shard group see local shapes only, and a shard group holds one tp
@@ -166,7 +166,7 @@ def tensor_parallel_specs(module: nn.Module, dist_index) -> dict[nn.Parameter, T
             "tp_dim naming the dim of device_mesh they are split over (their mesh must be "
             "device_mesh[tp_dim])"
         )
-    if idx.use_hybrid_fsdp or idx.expt_device_mesh is not idx.device_mesh:
+    if idx.use_hybrid_fsdp or idx.has_expert_mesh:
         raise NotImplementedError(
             "tensor parallelism together with hybrid sharding (dp_outer_dim) or an "
             "expert-parallel mesh (expt_device_mesh) is not implemented yet in fsdp"
@@ -183,16 +183,8 @@ def tensor_parallel_specs(module: nn.Module, dist_index) -> dict[nn.Parameter, T
         else _plain_spec(n, p, idx.tp_size)
         for n, p in params.items()
     }
-    if idx.tp_size > 1 and all(s.kind is TPKind.REPLICATED for s in specs.values()):
-        # Almost always a model that was never parallelized: every tp rank would train
-        # the whole model on the same data, tp times the work for nothing.
-        raise ValueError(
-            f"tp_dim={idx.tp_dim!r} has {idx.tp_size} ranks but no parameter is "
-            "tensor-parallel: none is a DTensor on device_mesh[tp_dim] (torch's "
-            "parallelize_module) or carries Megatron-Core's tensor_model_parallel=True "
-            "with a partition_dim; parallelize the model over the tp dim first, or leave "
-            "tp_dim out (or give it size 1)"
-        )
+    # A tp dim over a model with no tensor-parallel parameter is accepted, as in
+    # Megatron-FSDP: every parameter is replicated over tp.
     return specs
 
 

@@ -141,7 +141,7 @@ def _ep_rank(dist_index) -> tuple[int | None, int]:
     """This rank's EP rank (None when the expert mesh does not tell), and the EP size."""
     idx = dist_index
     ep_size = dist.get_world_size() // (idx.expt_dp_size * idx.expt_tp_size)
-    mesh = idx.expt_device_mesh
+    mesh = idx.get_root_mesh(is_expert_parallel=True)
     known = {idx.dp_shard_dim, idx.dp_outer_dim, idx.tp_dim}
     coord = mesh.get_coordinate()
     assert coord is not None  # the expert mesh covers the world (FSDPDistributedIndex)

@@ -40,6 +40,7 @@ for it runs unchanged. Differences a user may notice:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -161,7 +162,11 @@ def fully_shard_model(
         ("expt_fsdp_group_ag", expt_fsdp_group_ag),
     ):
         if value is not None:
-            warn_once(f"fsdp.ignored.{name}", f"{name} is accepted but not used yet; ignored")
+            warn_once(
+                f"fsdp.ignored.{name}",
+                f"{name} is kept on the FSDPDistributedIndex, but fsdp's all-gathers use the "
+                "shard group (no separate all-gather communicator yet)",
+            )
     for name, value in (
         ("enable_fine_grained_param_gather", enable_fine_grained_param_gather),
         ("use_decoupled_grad", use_decoupled_grad),
@@ -182,6 +187,8 @@ def fully_shard_model(
         hsdp_outer_dp_shard=outer is ShardingStrategy.OPTIM,
         expt_device_mesh=expt_device_mesh,
         hybrid_fsdp_expt_group=hybrid_fsdp_expt_group,
+        fsdp_group_ag=fsdp_group_ag,
+        expt_fsdp_group_ag=expt_fsdp_group_ag,
     )
     policy = mixed_precision_policy or MixedPrecisionPolicy()
     ddp_config = DistributedDataParallelConfig(
@@ -321,10 +328,22 @@ def _patch_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) -> N
 
 
 def fully_shard(
-    module: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any
+    module: nn.Module, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any
 ) -> tuple[MegatronFSDP, torch.optim.Optimizer]:
-    """``fully_shard_model(module, **kwargs)`` then ``fully_shard_optimizer`` on an
-    optimizer built over ``module``'s parameters; returns ``(model, optimizer)``."""
+    """``fully_shard_model(module, ...)`` then ``fully_shard_optimizer`` on an optimizer
+    built over ``module``'s parameters; returns ``(model, optimizer)``. Arguments after
+    the optimizer are ``fully_shard_model``'s, positionally in megatron_fsdp's order
+    (``device_mesh``, ``dp_shard_dim``, ``dp_outer_dim``, ``tp_dim``, ...) or by name."""
+    names = _MODEL_ARGUMENTS
+    if len(args) > len(names):
+        raise TypeError(
+            f"fully_shard() takes at most {len(names) + 2} positional arguments (module, "
+            f"optimizer, then {', '.join(names[:3])}, ...) but {len(args) + 2} were given"
+        )
+    for name, value in zip(names[: len(args)], args, strict=True):
+        if name in kwargs:
+            raise TypeError(f"fully_shard() got multiple values for argument {name!r}")
+        kwargs[name] = value
     preproc = kwargs.get("preproc_state_dict_for_dcp_ckpt", True)
     # Before anything is sharded: a refused optimizer leaves the module untouched.
     check_argument_types("fully_shard", module, kwargs.get("fsdp_unit_modules"))
@@ -333,3 +352,8 @@ def fully_shard(
     model = fully_shard_model(module, **kwargs)
     optimizer = fully_shard_optimizer(optimizer, preproc, model=model)
     return model, optimizer
+
+
+# fully_shard_model's parameters after ``module``, in order (megatron_fsdp's, then
+# fsdp's own ``is_expert_param``).
+_MODEL_ARGUMENTS = tuple(inspect.signature(fully_shard_model).parameters)[1:]

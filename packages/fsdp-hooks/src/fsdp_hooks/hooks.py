@@ -404,7 +404,11 @@ class FSDPHooks:
                 for unit in self.units:
                     unit.state = TrainingState.IDLE
                 self.use_distributed_params()
-                self.buffer.attach_grads()
+                # As in Megatron-FSDP, .grad appears only once every gradient is
+                # reduced: after a backward that synced, else at finish_grad_sync().
+                if self.reduce.sync_grads:
+                    self.buffer.attach_grads()
+                self.wrapper.microbatch_count += 1
                 self._callback_queued = False
                 self.root_state = TrainingState.IDLE
 

@@ -35,6 +35,12 @@ from fsdp_hooks.expert_names import ExpertStateNames
 from fsdp_hooks.experts import resolve_is_expert_param
 from fsdp_hooks.grad_norm import clip_grad_norm_
 from fsdp_hooks.hooks import FSDPHooks
+from fsdp_hooks.megatron_compat import (
+    MegatronParamAndGradBuffer,
+    default_ddp_config,
+    reset_policy,
+    warn_ignored_options,
+)
 from fsdp_hooks.rollback import rollback_on_failure
 from fsdp_hooks.summary import log_unit_summary
 from fsdp_hooks.training_state import TrainingState
@@ -68,6 +74,7 @@ class MegatronFSDP(nn.Module):
         module: nn.Module,
         dist_index,  # fsdp_mesh.FSDPDistributedIndex
         ddp_config: DistributedDataParallelConfig | None = None,
+        mixed_precision_policy: MixedPrecisionPolicy | None = None,
         fsdp_unit_modules: Iterable[type[nn.Module] | str] | None = None,
         disable_bucketing: bool = False,
         device: torch.device | None = None,
@@ -77,9 +84,13 @@ class MegatronFSDP(nn.Module):
         keep_fp8_transpose_cache: bool = False,
         nccl_ub: bool = False,
         fsdp_double_buffer: bool = False,
+        fsdp_db_use_persist_buf_on_alloc_fail: bool = False,
         disable_symmetric_registration: bool = False,
+        enable_fine_grained_param_gather_hook: bool = False,
+        enable_fine_grained_param_gather_backward_hook: bool = False,
+        fine_grained_recurse_module_types: tuple[type[nn.Module], ...] | None = None,
+        report_nan_in_param_grad: bool = False,
         *,
-        mixed_precision_policy: MixedPrecisionPolicy | None = None,
         is_expert_param: Callable[[str, nn.Parameter], bool] | str | None = None,
     ) -> None:
         super().__init__()
@@ -94,7 +105,21 @@ class MegatronFSDP(nn.Module):
             ),
         )
         check_not_wrapped(module)
-        ddp_config = ddp_config if ddp_config is not None else DistributedDataParallelConfig()
+        if ddp_config is None:
+            ddp_config = default_ddp_config(
+                keep_fp8_transpose_cache,
+                nccl_ub,
+                fsdp_double_buffer,
+                disable_symmetric_registration,
+            )
+        warn_ignored_options(
+            fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
+            enable_fine_grained_param_gather_hook=enable_fine_grained_param_gather_hook,
+            enable_fine_grained_param_gather_backward_hook=(
+                enable_fine_grained_param_gather_backward_hook
+            ),
+            fine_grained_recurse_module_types=bool(fine_grained_recurse_module_types),
+        )
         self.ddp_config = ddp_config
         self.dist_index = dist_index
         self.device = _resolve_device(device, dist_index)
@@ -113,7 +138,11 @@ class MegatronFSDP(nn.Module):
         )
         self.calculate_per_token_loss = calculate_per_token_loss
         self.init_model_with_meta_device = init_model_with_meta_device
-        self.report_nan_in_param_grad = ddp_config.check_for_nan_in_grad
+        self.report_nan_in_param_grad = report_nan_in_param_grad or ddp_config.check_for_nan_in_grad
+        # Megatron-FSDP's step bookkeeping: backwards since the last finish_grad_sync, and
+        # whether the caller flagged this microbatch as the last (it reduces everything).
+        self.microbatch_count = 0
+        self._is_last_microbatch = False
         self.mixed_precision_policy = mixed_precision_policy or MixedPrecisionPolicy(
             main_params_dtype=ddp_config.megatron_fsdp_main_params_dtype,
             main_grads_dtype=ddp_config.megatron_fsdp_main_grads_dtype,
@@ -156,7 +185,7 @@ class MegatronFSDP(nn.Module):
                 expert_gradient_scaling_factor=1.0 if calculate_per_token_loss else None,
                 average_in_collective=ddp_config.average_in_collective,
                 is_expert_param=resolve_is_expert_param(
-                    is_expert_param, dist_index.expt_device_mesh is not dist_index.device_mesh
+                    is_expert_param, dist_index.has_expert_mesh
                 ),
                 allow_meta=init_model_with_meta_device,
             )
@@ -172,6 +201,9 @@ class MegatronFSDP(nn.Module):
             self._replace_param_with_distributed_if_needed()
             for _name, dparam in self.buffer.optimizer_named_parameters():
                 dparam.grad = None  # as in a fresh module: none before the first backward
+                # Megatron-FSDP's marker: Megatron-Core's optimizers then read the local
+                # shard of .grad for the gradient norm (a DTensor grad otherwise).
+                dparam.__fsdp_param__ = True
             self._state_names = self._expert_state_names()
             log_unit_summary(self)
 
@@ -201,8 +233,58 @@ class MegatronFSDP(nn.Module):
 
     @property
     def sync_grads(self) -> bool:
-        """Whether the backward running now (or next) reduces every gradient."""
-        return self.model_auto_sync if self._sync_override is None else self._sync_override
+        """Whether the backward running now (or next) reduces every gradient: inside
+        ``no_sync()``/``sync()`` as they say, else when ``model_auto_sync`` or
+        ``is_last_microbatch`` is set (Megatron-FSDP's rule). Only a backward that
+        reduces every gradient attaches ``.grad`` at its end; otherwise ``.grad`` stays
+        empty until ``finish_grad_sync()``, as in Megatron-FSDP."""
+        if self._sync_override is not None:
+            return self._sync_override
+        return self.model_auto_sync or self._is_last_microbatch
+
+    @property
+    def is_last_microbatch(self) -> bool:
+        return self._is_last_microbatch
+
+    @is_last_microbatch.setter
+    def is_last_microbatch(self, value: bool) -> None:
+        self._is_last_microbatch = bool(value)
+
+    # ---- Megatron-FSDP's buffer and mixed-precision surface ----------------------------
+    @property
+    def param_and_grad_buffer(self) -> MegatronParamAndGradBuffer:
+        """The ``ParamAndGradBuffer`` as Megatron-FSDP and Megatron-Core's optimizer
+        read it (``parameter_groups``, ``copy_main_weights_to_model_weights()``; other
+        attributes are the buffer's)."""
+        view = self.__dict__.get("_param_and_grad_buffer_view")
+        if view is None:
+            view = self.__dict__["_param_and_grad_buffer_view"] = MegatronParamAndGradBuffer(self)
+        return view
+
+    @property
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        return self.mixed_precision_policy
+
+    def reset_mixed_precision_policy(self, mixed_precision_policy: MixedPrecisionPolicy) -> None:
+        """Megatron-FSDP's: keep the main weight and gradient dtypes (the buffers are
+        allocated in them) and take ``grad_comm_dtype`` from the new policy (gradients
+        are communicated in it from the next reduction on)."""
+        self.mixed_precision_policy = reset_policy(
+            self.mixed_precision_policy, mixed_precision_policy
+        )
+        self.buffer.policy = self.mixed_precision_policy
+
+    @contextlib.contextmanager
+    def mixed_precision_context(
+        self, mixed_precision_policy: MixedPrecisionPolicy
+    ) -> Iterator[None]:
+        """``reset_mixed_precision_policy`` inside, the previous policy restored after."""
+        previous = self.mixed_precision_policy
+        self.reset_mixed_precision_policy(mixed_precision_policy)
+        try:
+            yield
+        finally:
+            self.reset_mixed_precision_policy(previous)
 
     def get_distributed_index(self):
         return self.dist_index
@@ -283,12 +365,15 @@ class MegatronFSDP(nn.Module):
     def synchronize_gradient_reduce(self) -> None:
         self.grad_reduce_pipeline.wait_all()
 
-    def finish_grad_sync(self) -> None:
+    def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
         """Reduce whatever is still unreduced, wait for every reduction, check for
-        NaN/Inf when asked, and attach the main-grad shards to the parameters."""
+        NaN/Inf when asked, and attach the main-grad shards to the parameters.
+        ``force_all_reduce`` is accepted for Megatron-Core's ``finalize_model_grads``
+        and, as in Megatron-FSDP, has no effect."""
         self.grad_reduce_pipeline.reduce_accumulated()
         self.hooks.raise_if_nonfinite_grads()
         self.attach_grad_to_optimizer_state()
+        self.microbatch_count = 0
 
     def clip_grad_norm_(
         self,

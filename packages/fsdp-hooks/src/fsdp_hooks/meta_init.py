@@ -153,8 +153,19 @@ def _full(mod_name: str, attr: str) -> str:
     return f"{mod_name}.{attr}" if mod_name else attr
 
 
+def _reset_method(mod: nn.Module):
+    """The module's initializer, as Megatron-FSDP picks it: ``reset_parameters()``, else
+    ``_reset_parameters()`` (``nn.MultiheadAttention`` and ``nn.Transformer`` define
+    only the latter); None without either."""
+    for name in ("reset_parameters", "_reset_parameters"):
+        method = getattr(mod, name, None)
+        if callable(method):
+            return method
+    return None
+
+
 def _has_reset(mod: nn.Module) -> bool:
-    return callable(getattr(mod, "reset_parameters", None))
+    return _reset_method(mod) is not None
 
 
 def _make_plan(module: nn.Module, pending: set[nn.Parameter]) -> _Plan:
@@ -214,7 +225,8 @@ def _make_plan(module: nn.Module, pending: set[nn.Parameter]) -> _Plan:
         raise ValueError(
             f"meta-device initialization cannot initialize {missing[:10]}"
             f"{f' and {len(missing) - 10} more' if len(missing) > 10 else ''}: neither the "
-            f"module that owns them nor any module above it defines reset_parameters(). "
+            f"module that owns them nor any module above it defines reset_parameters() "
+            f"(or _reset_parameters()). "
             f"fsdp materializes a meta model by calling reset_parameters() on its modules "
             f"(as PyTorch FSDP does); values set in __init__ (nn.Parameter(torch.ones(n)), "
             f"torch.randn(...)) are not recorded on the meta device. Define "
@@ -326,10 +338,10 @@ class _Materializer:
             self._track(scratch_bytes)
             try:
                 with torch.no_grad(), torch.device(self.buffer.device):
-                    mod.reset_parameters()  # type: ignore[operator]
+                    _reset_method(mod)()  # type: ignore[misc]
             except Exception as e:
                 raise RuntimeError(
-                    f"reset_parameters() of module {reset.name or '<root>'!r} "
+                    f"{_reset_method(mod).__name__}() of module {reset.name or '<root>'!r} "
                     f"({type(mod).__name__}) failed during meta-device initialization: {e}"
                 ) from e
             # A reset may assign new Parameter objects or new .data: keep the buffers'.

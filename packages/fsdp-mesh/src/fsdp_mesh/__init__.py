@@ -36,6 +36,7 @@ from fsdp_mesh.tensor_parallel import (
     is_mcore_tensor_model_parallel,
     is_mcore_tensor_parallel_duplicated,
 )
+from fsdp_mesh.utils import log_single_rank, safe_get_rank, using_tensor_parallel
 from fsdp_mesh.versions import ReleaseVersion, get_te_version, is_te_min_version, parse_version
 
 try:
@@ -71,7 +72,10 @@ __all__ = [
     "is_mcore_tensor_parallel_duplicated",
     "is_submodule",
     "is_te_min_version",
+    "log_single_rank",
     "model_parallel_seed",
     "parse_version",
+    "safe_get_rank",
+    "using_tensor_parallel",
     "warn_once",
 ]

@@ -89,6 +89,22 @@ def _flatten(mesh: DeviceMesh, outer: str, shard: str, name: str) -> DeviceMesh:
     return sub._flatten(name)
 
 
+def _check_same_ranks(
+    given: ProcessGroup | None, shard: ProcessGroup | None, arg: str, which: str
+) -> None:
+    """An independent all-gather group must hold exactly the shard group's ranks (a
+    local check: no collective)."""
+    if given is None or shard is None:
+        return
+    mine = dist.get_process_group_ranks(given)
+    expected = dist.get_process_group_ranks(shard)
+    if sorted(mine) != sorted(expected):
+        raise ValueError(
+            f"FSDPDistributedIndex: {arg} has ranks {mine} but the {which} group has "
+            f"{expected}; an independent all-gather group must hold the same ranks"
+        )
+
+
 def _size_rank(group: ProcessGroup | None) -> tuple[int, int]:
     return (1, 0) if group is None else (group.size(), group.rank())
 
@@ -112,6 +128,11 @@ class FSDPDistributedIndex:
             (``tp_dim`` may be absent there: expert TP of size 1); defaults to
             ``device_mesh`` (expert parallelism of size 1).
         hybrid_fsdp_expt_group: the expert outer x shard group, when you already have it.
+        fsdp_group_ag, expt_fsdp_group_ag: Megatron-FSDP's independent all-gather
+            groups (the same ranks as the (expert) shard group, a second communicator
+            so that gathers can overlap reductions on NCCL). Kept and returned by
+            ``get_fsdp_group(..., independent_all_gather=True)``; fsdp's own gathers
+            use the shard group. Their ranks must be the shard group's.
         part_of_world: the meshes span only part of the world, e.g. one data-parallel
             group beside tensor or pipeline groups that fsdp does not manage (each rank
             passes its own). Off by default, so that a sub-mesh passed by mistake (the
@@ -127,9 +148,11 @@ class FSDPDistributedIndex:
         dp_outer_dim: str | None = None,
         tp_dim: str | None = None,
         hybrid_fsdp_group: ProcessGroup | None = None,
+        hybrid_fsdp_expt_group: ProcessGroup | None = None,
         hsdp_outer_dp_shard: bool = False,
         expt_device_mesh: DeviceMesh | None = None,
-        hybrid_fsdp_expt_group: ProcessGroup | None = None,
+        fsdp_group_ag: ProcessGroup | None = None,
+        expt_fsdp_group_ag: ProcessGroup | None = None,
         *,
         part_of_world: bool = False,
     ) -> None:
@@ -138,8 +161,9 @@ class FSDPDistributedIndex:
             hsdp_outer_dp_shard, expt_device_mesh, hybrid_fsdp_expt_group, part_of_world,
         )  # fmt: skip
         self.device_mesh = device_mesh
-        # Expert parallelism of size 1: experts use the dense groups (as Megatron-FSDP).
-        self.expt_device_mesh = expt_device_mesh if expt_device_mesh is not None else device_mesh
+        # None without an expert mesh, as in Megatron-FSDP; expert parameters then use
+        # the dense groups (expert parallelism of size 1).
+        self.expt_device_mesh = expt_device_mesh
         self.dp_shard_dim = dp_shard_dim
         self.dp_outer_dim = dp_outer_dim
         self.tp_dim = tp_dim
@@ -165,7 +189,7 @@ class FSDPDistributedIndex:
         self.hybrid_fsdp_group = hybrid_fsdp_group
 
         # Expert groups, from the expert mesh under the same dim names.
-        expt = self.expt_device_mesh
+        expt = self.get_root_mesh(is_expert_parallel=True)
         expt_has_tp = tp_dim is not None and tp_dim in get_mesh_names(expt)
         if expt is device_mesh:
             self.expt_fsdp_group = self.fsdp_group
@@ -200,6 +224,12 @@ class FSDPDistributedIndex:
         self.expt_tp_size, self.expt_tp_rank = _size_rank(self.expt_tp_group)
         self.expt_dp_size, self.expt_dp_rank = _size_rank(self.get_dp_group(True))
         self._check_group_sizes()
+        _check_same_ranks(fsdp_group_ag, self.fsdp_group, "fsdp_group_ag", "dp_shard")
+        _check_same_ranks(
+            expt_fsdp_group_ag, self.expt_fsdp_group, "expt_fsdp_group_ag", "expert dp_shard"
+        )
+        self.fsdp_group_ag = fsdp_group_ag
+        self.expt_fsdp_group_ag = expt_fsdp_group_ag
 
     @staticmethod
     def _validate(
@@ -325,8 +355,14 @@ class FSDPDistributedIndex:
         assert group is not None  # guaranteed by __init__
         return group
 
-    def get_fsdp_group(self, is_expert_parallel: bool = False) -> ProcessGroup:
-        """Return the shard group (the expert one with ``is_expert_parallel``)."""
+    def get_fsdp_group(
+        self, is_expert_parallel: bool = False, independent_all_gather: bool = False
+    ) -> ProcessGroup | None:
+        """Return the shard group (the expert one with ``is_expert_parallel``); with
+        ``independent_all_gather``, the all-gather group given for it (None if none
+        was given, as in Megatron-FSDP)."""
+        if independent_all_gather:
+            return self.expt_fsdp_group_ag if is_expert_parallel else self.fsdp_group_ag
         group = self.expt_fsdp_group if is_expert_parallel else self.fsdp_group
         assert group is not None  # guaranteed by __init__
         return group
@@ -343,8 +379,17 @@ class FSDPDistributedIndex:
         return self.get_dp_group(is_expert_parallel=True)
 
     def get_root_mesh(self, is_expert_parallel: bool = False) -> DeviceMesh:
-        """Return the mesh this index was built from (not DeviceMesh's own root mesh)."""
-        return self.expt_device_mesh if is_expert_parallel else self.device_mesh
+        """Return the mesh this index was built from (not DeviceMesh's own root mesh);
+        for experts without an expert mesh, the dense one."""
+        if is_expert_parallel and self.expt_device_mesh is not None:
+            return self.expt_device_mesh
+        return self.device_mesh
+
+    @property
+    def has_expert_mesh(self) -> bool:
+        """Whether experts have a mesh of their own (``expt_device_mesh`` given and
+        not the dense mesh); without one they use the dense groups."""
+        return self.expt_device_mesh is not None and self.expt_device_mesh is not self.device_mesh
 
     def get_logical_hybrid_fsdp_rank(self, is_expert_parallel: bool = False) -> int:
         """Return this rank's chunk index under fully-sharded HSDP.

@@ -4,7 +4,9 @@ Megatron-Core marks every parameter of its tensor-parallel layers with
 ``tensor_model_parallel`` (True when the tensor is split across TP ranks, False when
 each TP rank holds a full copy), ``partition_dim`` and ``partition_stride``.
 Megatron-FSDP's own adapter may add ``_mcore_tp``, ``_tp_partition_dim`` and
-``_tp_duplicated``, which take precedence. fsdp uses these to give each parameter's
+``_tp_duplicated``, which take precedence, and Megatron-Core's TE-style layers set
+``_tensor_parallel_mode`` (``"column"``: split along dim 0, ``"row"``: along dim 1),
+which comes first. fsdp uses these to give each parameter's
 DTensor the right placement on the TP mesh dimension: ``Shard(partition_dim)`` for a
 TP-split parameter, ``Replicate()`` for a duplicated one.
 """
@@ -21,30 +23,34 @@ __all__ = [
 
 
 def is_mcore_tensor_model_parallel(param: torch.Tensor) -> bool:
-    """Return whether ``param`` is split across tensor-parallel ranks (Megatron-Core)."""
-    return bool(
-        getattr(param, "_mcore_tp", False) or getattr(param, "tensor_model_parallel", False)
-    )
+    """Return whether ``param`` is split across tensor-parallel ranks (Megatron-Core):
+    it has a partition dim (``get_mcore_tensor_parallel_partition_dim``)."""
+    return get_mcore_tensor_parallel_partition_dim(param) is not None
 
 
 def is_mcore_tensor_parallel_duplicated(param: torch.Tensor) -> bool:
-    """Return whether ``param`` belongs to a TP model but is duplicated on every TP rank.
-
-    True when ``_tp_duplicated`` is set, or when Megatron-Core tagged the parameter
-    explicitly with ``tensor_model_parallel=False`` (its default for non-split weights
-    such as layer norms, which every TP rank holds whole). A parameter with neither
-    attribute comes from a model that knows nothing of TP and is not "duplicated".
-    """
+    """Return whether every tensor-parallel rank holds ``param`` whole: it is not split
+    (Megatron-FSDP's rule: a plain parameter, with no tensor-parallel marking at all, is
+    duplicated too)."""
     if getattr(param, "_tp_duplicated", False):
         return True
-    if is_mcore_tensor_model_parallel(param):
-        return False
-    return hasattr(param, "tensor_model_parallel") and not param.tensor_model_parallel
+    return not is_mcore_tensor_model_parallel(param)
 
 
 def get_mcore_tensor_parallel_partition_dim(param: torch.Tensor) -> int | None:
-    """Return the dimension ``param`` is split along across TP ranks, or None if it is not split."""
-    if not is_mcore_tensor_model_parallel(param):
+    """Return the dimension ``param`` is split along across TP ranks, or None if it is
+    not split. Read, in order: ``_tensor_parallel_mode`` (Megatron-Core's
+    ``"column"`` -> 0, ``"row"`` -> 1), ``_tp_duplicated`` (not split), then
+    ``_mcore_tp``/``tensor_model_parallel`` with ``_tp_partition_dim``/``partition_dim``
+    (a negative dim, Megatron-Core's ``-1``, means not split)."""
+    mode = getattr(param, "_tensor_parallel_mode", None)
+    if mode == "column":
+        return 0
+    if mode == "row":
+        return 1
+    if getattr(param, "_tp_duplicated", False):
+        return None
+    if not (getattr(param, "_mcore_tp", False) or getattr(param, "tensor_model_parallel", False)):
         return None
     dim = getattr(param, "_tp_partition_dim", None)
     if dim is None:
@@ -55,4 +61,4 @@ def get_mcore_tensor_parallel_partition_dim(param: torch.Tensor) -> int | None:
             "no 'partition_dim' (or '_tp_partition_dim') attribute; set it to the dimension "
             "the tensor is split along across tensor-parallel ranks."
         )
-    return int(dim)
+    return int(dim) if int(dim) >= 0 else None

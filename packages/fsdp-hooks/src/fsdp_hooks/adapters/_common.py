@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Mapping
+import weakref
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -32,9 +33,12 @@ from fsdp_mesh import FSDPDistributedIndex
 __all__ = [
     "DP_DIM",
     "TRANSFORMER_OPTIONS",
+    "GradBufferList",
     "coerce_ddp_config",
     "dist_index_over",
     "hybrid_dist_index",
+    "index_from_pg_collection",
+    "set_is_first_microbatch",
     "transformer_option",
 ]
 
@@ -46,6 +50,10 @@ TRANSFORMER_OPTIONS: dict[str, Any] = {
     "calculate_per_token_loss": False,
     "init_model_with_meta_device": False,
     "gradient_accumulation_fusion": False,
+    "fp8": None,
+    "fp4": None,
+    "use_kitchen": False,
+    "quant_recipe": None,
 }
 
 
@@ -185,3 +193,58 @@ def hybrid_dist_index(instances: int, outer_optim: bool, who: str) -> FSDPDistri
     return FSDPDistributedIndex(
         mesh, dp_shard_dim=DP_DIM, dp_outer_dim=OUTER_DIM, hsdp_outer_dp_shard=outer_optim
     )
+
+
+def index_from_pg_collection(pg_collection: Any, who: str) -> FSDPDistributedIndex:
+    """The data-parallel index over Megatron-Core's ``pg_collection.dp_cp`` (or ``dp``)
+    group. Tensor, expert, pipeline and context groups of more than one rank are
+    refused: only data parallelism is read from a pg_collection."""
+    for name in ("tp", "ep", "pp", "cp", "expt_tp"):
+        group = getattr(pg_collection, name, None)
+        if group is not None and dist.get_world_size(group) > 1:
+            raise NotImplementedError(
+                f"{who}: pg_collection.{name} has {dist.get_world_size(group)} ranks; "
+                "tensor, pipeline, context and expert parallel groups from a pg_collection "
+                "are not implemented yet (only data parallelism is). For tensor parallelism "
+                "pass dist_index= (an FSDPDistributedIndex over a (dp_shard, tp) mesh with "
+                "tp_dim) to FullyShardedDataParallel instead"
+            )
+    group = getattr(pg_collection, "dp_cp", None) or getattr(pg_collection, "dp", None)
+    return dist_index_over(group, who, "pg_collection.dp_cp")
+
+
+def set_is_first_microbatch(wrapper: nn.Module, config: object) -> None:
+    """Megatron-Core's ``MegatronModule.set_is_first_microbatch``: when the transformer
+    config quantizes weights (``fp8``, ``fp4``, ``use_kitchen`` or ``quant_recipe``
+    set), set ``is_first_microbatch = True`` on every submodule that has that attribute
+    (Transformer Engine layers then refresh their cached quantized weights); otherwise
+    nothing."""
+    quantized = (
+        transformer_option(config, "fp8") is not None
+        or transformer_option(config, "fp4") is not None
+        or bool(transformer_option(config, "use_kitchen"))
+        or transformer_option(config, "quant_recipe") is not None
+    )
+    if not quantized:
+        return
+    for m in wrapper.modules():
+        if hasattr(m, "is_first_microbatch"):
+            m.is_first_microbatch = True
+
+
+class GradBufferList(list):
+    """Megatron-Core's ``model.buffers``: a list of the model's gradient buffers (what
+    Megatron-Core's optimizer factory and training loop read; there the attribute
+    shadows ``nn.Module.buffers``). This list is also callable, as
+    ``nn.Module.buffers(recurse=True)`` of its owner, so that torch code calling
+    ``model.buffers()`` still iterates the module's registered buffers."""
+
+    def __init__(self, owner: nn.Module, items: Iterator[Any] | list[Any]) -> None:
+        super().__init__(items)
+        self._owner = weakref.ref(owner)
+
+    def __call__(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError("the module owning these buffers no longer exists")
+        return nn.Module.buffers(owner, recurse=recurse)

@@ -47,10 +47,17 @@ from fsdp_buffers import (
     ParamAndGradBuffer,
     ShardingStrategy,
 )
-from fsdp_hooks.adapters._common import dist_index_over, transformer_option
+from fsdp_hooks.adapters._common import (
+    GradBufferList,
+    dist_index_over,
+    index_from_pg_collection,
+    set_is_first_microbatch,
+    transformer_option,
+)
 from fsdp_hooks.adapters.ddp_checks import WHO, effective_ddp_config
 from fsdp_hooks.adapters.ddp_grads import DDPGradHooks
 from fsdp_hooks.validation import check_not_wrapped, check_same_model
+from fsdp_mesh import warn_once
 
 __all__ = ["DistributedDataParallel"]
 
@@ -95,12 +102,25 @@ class DistributedDataParallel(nn.Module):
             ``overlap_grad_reduce``, ``use_distributed_optimizer``,
             ``check_for_nan_in_grad``, ``bucket_size``, ``average_in_collective``.
         module: the model, on this rank's device, the same on every rank.
+        disable_bucketing: one bucket per dtype (as without ``overlap_grad_reduce``).
+        pg_collection: Megatron-Core's ProcessGroupCollection; its ``dp_cp`` group (or
+            ``dp``) is the data-parallel group. Other parallel groups must have one rank.
+        full_param_layout: Megatron-Core's precomputed buffer layout (Megatron-LM passes
+            one with the distributed optimizer). Accepted and ignored, with a warning:
+            fsdp lays out its own buffers, and the layout only serves Megatron-Core's
+            own ``DistributedOptimizer``, which does not drive this adapter's sharded
+            path (use ``distributed_optimizer_params()``).
         data_parallel_group: this rank's group to reduce gradients over (default: the
             world); it may be part of the world, beside tensor or pipeline groups.
+            Keyword only (fsdp's; Megatron-Core passes ``pg_collection``).
         accumulate_allreduce_grads_in_fp32, overlap_grad_reduce,
         use_distributed_optimizer, check_for_nan_in_grad: override the ``ddp_config``
-            fields of the same meaning when given (the older Megatron-Core signature).
-        disable_bucketing: one bucket per dtype (as without ``overlap_grad_reduce``).
+            fields of the same meaning when given (the older Megatron-Core signature;
+            keyword only).
+
+    As in Megatron-Core, ``model.buffers`` is the list of gradient buffers (here one
+    ``ParamAndGradBuffer``) and ``model.expert_parallel_buffers`` the expert ones (none);
+    ``model.buffers()`` still iterates the module's registered buffers.
 
     See the module note for what the optimizer reads and when.
     """
@@ -110,11 +130,14 @@ class DistributedDataParallel(nn.Module):
         config: object,
         ddp_config: object = None,
         module: nn.Module | None = None,
+        disable_bucketing: bool = False,
+        pg_collection: Any = None,
+        full_param_layout: Any = None,
+        *,
         data_parallel_group: dist.ProcessGroup | None = None,
         accumulate_allreduce_grads_in_fp32: bool | None = None,
         overlap_grad_reduce: bool | None = None,
         use_distributed_optimizer: bool | None = None,
-        disable_bucketing: bool = False,
         check_for_nan_in_grad: bool | None = None,
     ) -> None:
         super().__init__()
@@ -132,7 +155,21 @@ class DistributedDataParallel(nn.Module):
             )
         check_not_wrapped(module)
         per_token = bool(transformer_option(config, "calculate_per_token_loss"))
-        dist_index = dist_index_over(data_parallel_group, WHO)
+        if pg_collection is not None and data_parallel_group is not None:
+            raise ValueError(
+                f"{WHO}: pass either pg_collection (Megatron-Core's) or data_parallel_group, "
+                "not both"
+            )
+        if full_param_layout is not None:
+            warn_once(
+                "fsdp.ignored.full_param_layout",
+                f"{WHO}: full_param_layout is accepted and ignored: fsdp lays out its own "
+                "gradient buffers (the layout serves Megatron-Core's DistributedOptimizer)",
+            )
+        if pg_collection is not None:
+            dist_index = index_from_pg_collection(pg_collection, WHO)
+        else:
+            dist_index = dist_index_over(data_parallel_group, WHO)
         device = _module_device(module, dist_index.device_type)
         check_same_model(module, dist_index)
         self.config = config
@@ -154,6 +191,11 @@ class DistributedDataParallel(nn.Module):
             gradient_scaling_factor=1.0 if per_token else None,
             average_in_collective=cfg.average_in_collective,
         )
+        self.buffers = GradBufferList(self, [self.buffer])
+        self.expert_parallel_buffers: list[ParamAndGradBuffer] = []
+        self.pg_collection = pg_collection
+        self._forward_pre_hook_enabled = self._uses_forward_pre_hook
+        self._grad_buffers_offloaded = False
         self.grad_reduce_pipeline = GradReducePipeline(self.buffer)
         self._hooks = DDPGradHooks(
             self.buffer,
@@ -182,9 +224,20 @@ class DistributedDataParallel(nn.Module):
         stream this completes before returning)."""
         self.grad_reduce_pipeline.reduce_accumulated()
 
-    def finish_grad_sync(self) -> None:
+    def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
         """Reduce whatever is still unreduced, wait for every reduction, and raise on
-        every rank if ``check_for_nan_in_grad`` found NaN/Inf in a local gradient."""
+        every rank if ``check_for_nan_in_grad`` found NaN/Inf in a local gradient.
+
+        ``force_all_reduce`` (Megatron-Core's ``finalize_model_grads`` passes it) asks
+        Megatron-Core's buckets to all-reduce instead of reduce-scatter; here it is
+        accepted, and only ``False``/``None`` are honoured: with the distributed
+        optimizer gradients are reduce-scattered, so ``True`` there raises."""
+        if force_all_reduce and self.ddp_config.use_distributed_optimizer:
+            raise NotImplementedError(
+                f"{WHO}: finish_grad_sync(force_all_reduce=True) with "
+                "use_distributed_optimizer=True is not implemented: gradients are "
+                "reduce-scattered into this rank's shard"
+            )
         self.grad_reduce_pipeline.reduce_accumulated()
         self._hooks.raise_if_nonfinite(self.data_parallel_group)
         self.buffer.attach_grads()
@@ -251,6 +304,84 @@ class DistributedDataParallel(nn.Module):
         """Make every rank's parameters equal to data-parallel rank 0's."""
         self.buffer.broadcast_params()
 
+    # ---- Megatron-Core's training-loop hooks -------------------------------------------
+    @property
+    def _uses_forward_pre_hook(self) -> bool:
+        # Megatron-Core registers forward pre-hooks (waiting for parameter all-gathers)
+        # exactly when the distributed optimizer overlaps the parameter gather.
+        cfg = self.ddp_config
+        return bool(cfg.use_distributed_optimizer and cfg.overlap_param_gather)
+
+    def enable_forward_pre_hook(self) -> None:
+        """Megatron-Core's pre-hooks wait, module by module, for parameter all-gathers
+        launched asynchronously. Here ``start_param_sync`` gathers synchronously, so
+        there is nothing to wait for; the call is checked as Megatron-Core checks it
+        (only with the distributed optimizer and ``overlap_param_gather``, and not
+        twice)."""
+        self._check_forward_pre_hook("enable_forward_pre_hook")
+        if self._forward_pre_hook_enabled:
+            raise RuntimeError(f"{WHO}: enable_forward_pre_hook(): the hooks are already enabled")
+        self._forward_pre_hook_enabled = True
+
+    def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
+        """As Megatron-Core: the pre-hooks are off, and with ``param_sync`` the
+        parameters are synchronized now (``start_param_sync(force_sync=True)``)."""
+        self._check_forward_pre_hook("disable_forward_pre_hook")
+        if not self._forward_pre_hook_enabled:
+            raise RuntimeError(f"{WHO}: disable_forward_pre_hook(): the hooks are already disabled")
+        self._forward_pre_hook_enabled = False
+        if param_sync:
+            with torch.no_grad():
+                self.start_param_sync(force_sync=True)
+
+    def _check_forward_pre_hook(self, what: str) -> None:
+        if not self._uses_forward_pre_hook:
+            raise RuntimeError(
+                f"{WHO}: {what}() needs ddp_config.use_distributed_optimizer=True and "
+                "overlap_param_gather=True (Megatron-Core has forward pre-hooks only then)"
+            )
+
+    def set_is_first_microbatch(self) -> None:
+        """Megatron-Core's: with a quantizing transformer config (fp8, fp4, kitchen or a
+        quant recipe), flag every submodule that has ``is_first_microbatch``."""
+        set_is_first_microbatch(self, self.config)
+
+    def _grad_tensors(self) -> list[torch.Tensor]:
+        return [
+            group.main_grad_buffer.data
+            for group in self.buffer.groups
+            if group.main_grad_buffer is not None
+        ]
+
+    def offload_grad_buffers(self, synchronize: bool = True, empty_cache: bool = True) -> None:
+        """Free the gradient buffers' memory (Megatron-Core's): their storage is resized
+        to zero, so every ``param.main_grad`` view stays a valid object but must not
+        be read until ``restore_grad_buffers()``."""
+        if self._grad_buffers_offloaded:
+            raise RuntimeError(f"{WHO}: offload_grad_buffers(): already offloaded")
+        cuda = self.buffer.device.type == "cuda"
+        if synchronize and cuda:
+            torch.cuda.synchronize()
+        for data in self._grad_tensors():
+            data.untyped_storage().resize_(0)
+        self._grad_buffers_offloaded = True
+        if empty_cache and cuda:
+            torch.cuda.empty_cache()
+
+    def restore_grad_buffers(self, synchronize: bool = True) -> None:
+        """Reallocate the gradient buffers, zeroed; the ``main_grad`` views are valid
+        again (they share the storage)."""
+        if not self._grad_buffers_offloaded:
+            raise RuntimeError(
+                f"{WHO}: restore_grad_buffers() without offload_grad_buffers() before"
+            )
+        for data in self._grad_tensors():
+            data.untyped_storage().resize_(data.numel() * data.element_size())
+            data.zero_()
+        self._grad_buffers_offloaded = False
+        if synchronize and self.buffer.device.type == "cuda":
+            torch.cuda.synchronize()
+
     # ---- state dicts ---------------------------------------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict, under its own names (no ``module.`` prefix)."""
@@ -260,6 +391,17 @@ class DistributedDataParallel(nn.Module):
         self, prefix: str = "", keep_vars: bool = False
     ) -> dict[str, Any]:
         return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def sharded_state_dict(self, prefix: str = "", *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's ``sharded_state_dict`` (Megatron-Core's distributed
+        checkpointing), as Megatron-Core's wrappers delegate it."""
+        inner = getattr(self.module, "sharded_state_dict", None)
+        if not callable(inner):
+            raise AttributeError(
+                f"{WHO}: the wrapped {type(self.module).__name__} has no sharded_state_dict(); "
+                "it is a Megatron-Core MegatronModule method (use state_dict() otherwise)"
+            )
+        return inner(prefix, *args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Copy into the parameters (which stay views into the weight buffer), then

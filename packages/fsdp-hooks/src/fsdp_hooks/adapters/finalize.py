@@ -13,6 +13,7 @@ stages do not exist, as pipeline parallelism is not implemented.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,12 +34,17 @@ def _dp_group(chunk: nn.Module) -> dist.ProcessGroup:
 
 
 def finalize_model_grads(
-    model: Sequence[nn.Module] | nn.Module, num_tokens: torch.Tensor | None = None
+    model: Sequence[nn.Module] | nn.Module,
+    num_tokens: torch.Tensor | None = None,
+    pg_collection: Any = None,
+    force_all_reduce: bool | None = False,
 ) -> None:
     """Finish gradient sync of every chunk of ``model`` (a list of model chunks, or one
     model). With ``num_tokens`` (this rank's token count, a tensor), the counts are
     summed over the data-parallel group and every gradient is divided by the total,
-    as with ``config.calculate_per_token_loss``."""
+    as with ``config.calculate_per_token_loss``. Megatron-Core's signature:
+    ``pg_collection`` is accepted (the chunks carry their own groups) and
+    ``force_all_reduce`` is passed to every chunk's ``finish_grad_sync``."""
     chunks = [model] if isinstance(model, nn.Module) else list(model)
     if not chunks:
         raise ValueError("finalize_model_grads: got no model chunks")
@@ -49,7 +55,7 @@ def finalize_model_grads(
                 "pass models built by DistributedDataParallel, FullyShardedDataParallel "
                 "or fully_shard"
             )
-        chunk.finish_grad_sync()
+        chunk.finish_grad_sync(force_all_reduce=force_all_reduce)
     if num_tokens is None:
         return
     if not isinstance(num_tokens, torch.Tensor):

@@ -34,6 +34,8 @@ from fsdp_hooks.adapters._common import (
     coerce_ddp_config,
     dist_index_over,
     hybrid_dist_index,
+    index_from_pg_collection,
+    set_is_first_microbatch,
     transformer_option,
 )
 from fsdp_hooks.adapters.fsdp_checks import check_fsdp_config
@@ -52,21 +54,6 @@ def _default_units(module: nn.Module, strategy: ShardingStrategy) -> list[type[n
         return []
     found = {type(m) for m in module.modules() if type(m).__name__ == _DEFAULT_UNIT_CLASS_NAME}
     return sorted(found, key=lambda c: f"{c.__module__}.{c.__qualname__}")
-
-
-def _index_from_pg_collection(pg_collection: Any) -> FSDPDistributedIndex:
-    for name in ("tp", "ep", "pp", "cp", "expt_tp"):
-        group = getattr(pg_collection, name, None)
-        if group is not None and dist.get_world_size(group) > 1:
-            raise NotImplementedError(
-                f"FullyShardedDataParallel: pg_collection.{name} has "
-                f"{dist.get_world_size(group)} ranks; tensor, pipeline, context and expert "
-                "parallel groups from a pg_collection are not implemented yet (only data "
-                "parallelism is). For tensor parallelism pass dist_index= (an "
-                "FSDPDistributedIndex over a (dp_shard, tp) mesh with tp_dim) instead"
-            )
-    group = getattr(pg_collection, "dp_cp", None) or getattr(pg_collection, "dp", None)
-    return dist_index_over(group, "FullyShardedDataParallel", "pg_collection.dp_cp")
 
 
 def _check_given_index(dist_index: FSDPDistributedIndex, instances: int) -> None:
@@ -144,7 +131,7 @@ class FullyShardedDataParallel(nn.Module):
         elif instances > 1:
             dist_index = hybrid_dist_index(instances, outer_optim, who)
         elif pg_collection is not None:
-            dist_index = _index_from_pg_collection(pg_collection)
+            dist_index = index_from_pg_collection(pg_collection, who)
         else:
             dist_index = dist_index_over(None, who)
         units = (
@@ -167,7 +154,9 @@ class FullyShardedDataParallel(nn.Module):
             init_model_with_meta_device=meta_init,
             mixed_precision_policy=mixed_precision_policy,
         )
-        self.param_and_grad_buffer = self.module.buffer
+        # Megatron-Core's DistributedOptimizer (use_megatron_fsdp) reads
+        # parameter_groups and calls copy_main_weights_to_model_weights() on it.
+        self.param_and_grad_buffer = self.module.param_and_grad_buffer
 
     # ---- forward ------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -187,10 +176,12 @@ class FullyShardedDataParallel(nn.Module):
     def start_grad_sync(self, *unused: Any) -> None:
         self.module.start_grad_sync()
 
-    def finish_grad_sync(self) -> None:
+    def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
         """Reduce what is still unreduced, wait, check NaN/Inf when asked, and attach the
-        main-grad shards to the parameters."""
-        self.module.finish_grad_sync()
+        main-grad shards to the parameters. ``force_all_reduce`` (Megatron-Core's
+        ``finalize_model_grads`` passes it) has no effect, as in Megatron-Core's
+        FSDP adapter."""
+        self.module.finish_grad_sync(force_all_reduce=force_all_reduce)
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False) -> None:
         self.module.start_param_sync(force_sync=force_sync)
@@ -229,6 +220,11 @@ class FullyShardedDataParallel(nn.Module):
     def comm_stats(self, reset: bool = False) -> dict[str, dict[str, float]]:
         return self.module.comm_stats(reset=reset)
 
+    def set_is_first_microbatch(self) -> None:
+        """Megatron-Core's: with a quantizing transformer config (fp8, fp4, kitchen or a
+        quant recipe), flag every submodule that has ``is_first_microbatch``."""
+        set_is_first_microbatch(self, self.config)
+
     # ---- state dicts -------------------------------------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict under its own names (DTensor shards)."""
@@ -241,3 +237,13 @@ class FullyShardedDataParallel(nn.Module):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def sharded_state_dict(self, prefix: str = "", *args: Any, **kwargs: Any) -> Any:
+        """Megatron-Core's distributed checkpointing entry point is not implemented here:
+        its ShardedTensors describe Megatron-FSDP's own buffer layout. Raises; use
+        ``state_dict()`` (DTensors) with ``torch.distributed.checkpoint`` or fsdp_ckpt."""
+        raise NotImplementedError(
+            "FullyShardedDataParallel.sharded_state_dict() (Megatron-Core's dist-checkpointing "
+            "format) is not implemented; save state_dict() (DTensor shards) with "
+            "torch.distributed.checkpoint or fsdp_ckpt instead"
+        )
