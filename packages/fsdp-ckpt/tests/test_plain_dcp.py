@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn import functional as F
 
@@ -129,6 +130,13 @@ def _round_trip(path: str, strategy: int) -> None:
     }
     assert saved_optim, "the optimizer has state after two steps"
     dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
+    if _rank_world()[0] == 0:  # torch's offline converter reads the same values
+        flat = f"{path}.pt"
+        dcp_to_torch_save(path, flat)
+        converted = torch.load(flat, weights_only=False)["model"]
+        assert set(converted) == set(saved_model)
+        for key, value in saved_model.items():
+            torch.testing.assert_close(converted[key], value, rtol=0, atol=0, msg=key)
 
     # Scramble everything the checkpoint should restore.
     with torch.no_grad():
