@@ -48,8 +48,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
 from fsdp_hooks.config import DistributedDataParallelConfig
 from fsdp_hooks.megatron_fsdp import MegatronFSDP
+from fsdp_hooks.optim_init import InitialState, init_optimizer_state
 from fsdp_hooks.validation import check_outer_strategy
 from fsdp_mesh import FSDPDistributedIndex, warn_once
+from fsdp_mesh.dtensor_chunks import preprocess_state_dict_for_uneven_dtensor
 
 __all__ = ["fully_shard", "fully_shard_model", "fully_shard_optimizer"]
 
@@ -151,7 +153,6 @@ def fully_shard_model(
         ("use_decoupled_grad", use_decoupled_grad),
         ("cuda_graph_mode", cuda_graph_mode),
         ("fsdp_db_use_persist_buf_on_alloc_fail", fsdp_db_use_persist_buf_on_alloc_fail),
-        ("preproc_state_dict_for_dcp_ckpt", not preproc_state_dict_for_dcp_ckpt),
     ):
         if value:
             warn_once(f"fsdp.ignored.{name}", f"{name} has no effect in fsdp; ignored")
@@ -183,7 +184,7 @@ def fully_shard_model(
         megatron_fsdp_main_grads_dtype=policy.main_grads_dtype,
         megatron_fsdp_grad_comm_dtype=policy.grad_comm_dtype,
     )
-    return MegatronFSDP(
+    model = MegatronFSDP(
         module,
         dist_index,
         ddp_config=ddp_config,
@@ -200,6 +201,12 @@ def fully_shard_model(
         mixed_precision_policy=policy,
         is_expert_param=is_expert_param,
     )
+    # As Megatron-FSDP: state_dict() attaches measured chunk metadata to its DTensors
+    # (not under no_shard). Unlike it, TE's ``_extra_state`` is kept, since fsdp saves it.
+    model.preproc_state_dict_for_dcp_ckpt = (
+        preproc_state_dict_for_dcp_ckpt and strategy is not ShardingStrategy.NO_SHARD
+    )
+    return model
 
 
 def _model_of(optimizer: torch.optim.Optimizer) -> MegatronFSDP | None:
@@ -259,11 +266,30 @@ def fully_shard_optimizer(
             f"the optimizer holds {len(unknown)} parameter(s) that are not the wrapped "
             f"module's: {unknown[:5]}; build the optimizer over the module's parameters"
         )
-    _patch_optimizer(optimizer, model)
+    # Megatron-FSDP initialises the state here too: a fresh optimizer is then a valid
+    # target for dcp.load (see optim_init).
+    initial = init_optimizer_state(optimizer)
+    _patch_optimizer(optimizer, model, initial)
+    if preproc_state_dict_for_dcp_ckpt:
+        register_optimizer_dcp_preprocessing(optimizer)
     return optimizer
 
 
-def _patch_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) -> None:
+def register_optimizer_dcp_preprocessing(optimizer: torch.optim.Optimizer) -> None:
+    """``preproc_state_dict_for_dcp_ckpt``: as in Megatron-FSDP, ``optimizer.state_dict()``
+    attaches measured chunk metadata to its DTensors (``fsdp_mesh.dtensor_chunks``).
+    Every trainable parameter has state from the start (``optim_init``), so ranks hold
+    the same DTensors and no empty state needs to be mocked."""
+
+    def hook(_optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        preprocess_state_dict_for_uneven_dtensor(state_dict["state"])
+
+    optimizer.register_state_dict_post_hook(hook)
+
+
+def _patch_optimizer(
+    optimizer: torch.optim.Optimizer, model: MegatronFSDP, initial: InitialState
+) -> None:
     import weakref
 
     optimizer._fsdp_model_ref = weakref.ref(model)  # type: ignore[attr-defined]
@@ -277,6 +303,8 @@ def _patch_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) -> N
             model.finish_grad_sync()
         else:
             model.attach_grad_to_optimizer_state()
+        if initial.created:
+            initial.drop_untouched(optimizer)
         result = base_step(*args, **kwargs)
         if install:
             model.install_optimized_model_weights()

@@ -35,6 +35,7 @@ from fsdp_hooks.expert_names import ExpertStateNames
 from fsdp_hooks.experts import resolve_is_expert_param
 from fsdp_hooks.grad_norm import clip_grad_norm_
 from fsdp_hooks.hooks import FSDPHooks
+from fsdp_hooks.inner_module import InnerModuleAttributes
 from fsdp_hooks.summary import log_unit_summary
 from fsdp_hooks.training_state import TrainingState
 from fsdp_hooks.validation import (
@@ -44,13 +45,14 @@ from fsdp_hooks.validation import (
     check_same_model,
     check_tensor_parallel_replicas,
 )
+from fsdp_mesh.dtensor_chunks import preprocess_state_dict_for_uneven_dtensor
 
 __all__ = ["MegatronFSDP"]
 
 logger = logging.getLogger("fsdp_hooks")
 
 
-class MegatronFSDP(nn.Module):
+class MegatronFSDP(InnerModuleAttributes):
     """Fully Sharded Data Parallel training of ``module`` over ``dist_index``'s groups.
 
     Strategies (``ddp_config.data_parallel_sharding_strategy``): ``no_shard`` (plain
@@ -159,6 +161,9 @@ class MegatronFSDP(nn.Module):
         for _name, dparam in self.buffer.optimizer_named_parameters():
             dparam.grad = None  # as in a fresh module: none before the first backward
         self._state_names = self._expert_state_names()
+        # fully_shard(preproc_state_dict_for_dcp_ckpt=True) turns this on: state_dict()
+        # then attaches measured chunk metadata (fsdp_mesh.dtensor_chunks) for DCP.
+        self.preproc_state_dict_for_dcp_ckpt = False
         log_unit_summary(self)
 
     def _expert_state_names(self) -> ExpertStateNames:
@@ -339,6 +344,8 @@ class MegatronFSDP(nn.Module):
                 if key.startswith(prefix):
                     key = prefix + self._state_names.to_global(key[len(prefix) :])
                 sd[key] = value
+        if self.preproc_state_dict_for_dcp_ckpt:
+            preprocess_state_dict_for_uneven_dtensor(sd)
         return sd
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
