@@ -43,10 +43,10 @@ class InnerModuleAttributes(nn.Module):
                 raise
             try:
                 return getattr(inner, name)
-            except AttributeError:
+            except AttributeError as inner_error:
                 raise AttributeError(
-                    f"'{type(self).__name__}' object has no attribute '{name}' (nor has "
-                    f"the wrapped '{type(inner).__name__}' module)"
+                    f"'{type(self).__name__}' object has no attribute '{name}', nor has "
+                    f"the module it wraps: {inner_error}"
                 ) from None
 
     def _fqn_modifiers(self) -> dict[str, str]:
