@@ -77,9 +77,7 @@ def _run() -> dict:
     out["fsdp_adapter"] = _check(adapter, inner, "own")  # its own config wins
     torch.manual_seed(0)
     inner = Net()
-    out["ddp_adapter"] = _check(
-        DistributedDataParallel("own", None, inner), inner, "own", run=True
-    )
+    out["ddp_adapter"] = _check(DistributedDataParallel("own", None, inner), inner, "own", run=True)
     return out
 
 

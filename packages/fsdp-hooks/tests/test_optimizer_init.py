@@ -86,7 +86,9 @@ def _run(root: str) -> dict:
             got = out[kind, strategy] = {}
             module = _build()
             model, opt = fully_shard(
-                module, _optimizer(kind, module.parameters()), fsdp_unit_modules=[nn.Linear],
+                module,
+                _optimizer(kind, module.parameters()),
+                fsdp_unit_modules=[nn.Linear],
                 zero_dp_strategy=strategy,
             )
             got["state"] = _fresh_state(model, opt)
@@ -100,7 +102,9 @@ def _run(root: str) -> dict:
 
             module = _build(seed=1)
             fresh, fresh_opt = fully_shard(
-                module, _optimizer(kind, module.parameters()), fsdp_unit_modules=[nn.Linear],
+                module,
+                _optimizer(kind, module.parameters()),
+                fsdp_unit_modules=[nn.Linear],
                 zero_dp_strategy=strategy,
             )
             state = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}

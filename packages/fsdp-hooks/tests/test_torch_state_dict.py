@@ -119,13 +119,13 @@ def _wrap(kind: str, config: str, seed: int):
     module = _build(kind, seed)
     if config == "adapter":
         ddp_config = {"data_parallel_sharding_strategy": "optim_grads_params"}
-        model = FullyShardedDataParallel(
-            None, ddp_config, module, fsdp_unit_modules=_units(kind)
-        )
+        model = FullyShardedDataParallel(None, ddp_config, module, fsdp_unit_modules=_units(kind))
         return model, fully_shard_optimizer(_optimizer(model.parameters()))
     strategy = int(config[-1])
     return fully_shard(
-        module, _optimizer(module.parameters()), fsdp_unit_modules=_units(kind),
+        module,
+        _optimizer(module.parameters()),
+        fsdp_unit_modules=_units(kind),
         zero_dp_strategy=strategy,
     )
 
@@ -199,9 +199,7 @@ def _reference_on_rank0(kind: str) -> dict[str, torch.Tensor]:
     "kind",
     [
         "even",
-        pytest.param(
-            "uneven", marks=pytest.mark.skip(reason="needs chunk layout (issue 14)")
-        ),
+        pytest.param("uneven", marks=pytest.mark.skip(reason="needs chunk layout (issue 14)")),
     ],
 )
 def test_torch_state_dict_api_and_plain_dcp_round_trip(kind, tmp_path):

@@ -9,6 +9,7 @@ collective over the DTensor's mesh.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,15 +59,15 @@ def uneven_dtensor_to_full_tensor(dtensor: DTensor) -> torch.Tensor:
         group = dtensor.device_mesh.get_group(mesh_dim)
         everyone: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, pieces, group=group)
-        bufs = [
-            torch.empty(
-                sum(shape.numel() for shape, _ in theirs), dtype=local.dtype, device=local.device
-            )
-            for theirs in everyone
-        ]
-        dist.all_gather(bufs, flat, group=group)
+        counts = [sum(shape.numel() for shape, _ in theirs) for theirs in everyone]
+        # Padded to the largest: not every backend (gloo) gathers unequal sizes.
+        longest = max(counts)
+        padded = flat.new_zeros(longest)
+        padded[: flat.numel()] = flat
+        bufs = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(bufs, padded, group=group)
         pieces = [piece for theirs in everyone for piece in theirs]
-        flat = torch.cat(bufs)
+        flat = torch.cat([buf[:n] for buf, n in zip(bufs, counts, strict=True)])
     full = torch.zeros(dtensor.shape, dtype=local.dtype, device=local.device)
     start = 0
     for shape, offset in pieces:
@@ -120,7 +121,7 @@ def split_dtensor(
     mine_start = chunk.offsets[dim]
     mine_stop = mine_start + chunk.sizes[dim]
     local = dtensor.to_local()
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+    for lo, hi in itertools.pairwise(bounds):
         start, stop = max(lo, mine_start), min(hi, mine_stop)
         piece = (
             local.narrow(dim, start - mine_start, stop - start)
