@@ -51,7 +51,7 @@ from fsdp_hooks.megatron_fsdp import MegatronFSDP
 from fsdp_hooks.optim_init import InitialState, init_optimizer_state
 from fsdp_hooks.validation import check_outer_strategy
 from fsdp_mesh import FSDPDistributedIndex, warn_once
-from fsdp_mesh.dtensor_chunks import preprocess_state_dict_for_uneven_dtensor
+from fsdp_mesh.dtensor_chunks import preprocess_state_dict_for_dcp
 
 __all__ = ["fully_shard", "fully_shard_model", "fully_shard_optimizer"]
 
@@ -282,7 +282,7 @@ def register_optimizer_dcp_preprocessing(optimizer: torch.optim.Optimizer) -> No
     the same DTensors and no empty state needs to be mocked."""
 
     def hook(_optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-        preprocess_state_dict_for_uneven_dtensor(state_dict["state"])
+        preprocess_state_dict_for_dcp(state_dict["state"])
 
     optimizer.register_state_dict_post_hook(hook)
 

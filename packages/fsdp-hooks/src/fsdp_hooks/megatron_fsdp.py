@@ -45,7 +45,7 @@ from fsdp_hooks.validation import (
     check_same_model,
     check_tensor_parallel_replicas,
 )
-from fsdp_mesh.dtensor_chunks import preprocess_state_dict_for_uneven_dtensor
+from fsdp_mesh.dtensor_chunks import preprocess_state_dict_for_dcp
 
 __all__ = ["MegatronFSDP"]
 
@@ -345,7 +345,7 @@ class MegatronFSDP(InnerModuleAttributes):
                     key = prefix + self._state_names.to_global(key[len(prefix) :])
                 sd[key] = value
         if self.preproc_state_dict_for_dcp_ckpt:
-            preprocess_state_dict_for_uneven_dtensor(sd)
+            preprocess_state_dict_for_dcp(sd)
         return sd
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:

@@ -28,6 +28,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = [
     "gather_and_compute_chunk_metadata",
+    "preprocess_state_dict_for_dcp",
     "preprocess_state_dict_for_uneven_dtensor",
     "update_uneven_dtensor_chunk_metadata",
 ]
@@ -102,14 +103,28 @@ def update_uneven_dtensor_chunk_metadata(dtensor: DTensor) -> None:
     local.__create_write_items__ = _write_items(chunk)  # type: ignore[attr-defined]
 
 
-def _dtensor_paths(tree: dict, path: tuple = ()) -> list[tuple]:
+def _dtensor_paths(tree: dict, accept: Callable[[DTensor], bool], path: tuple = ()) -> list[tuple]:
     found: list[tuple] = []
     for key, value in tree.items():
         if isinstance(value, dict):
-            found += _dtensor_paths(value, (*path, key))
-        elif isinstance(value, DTensor):
+            found += _dtensor_paths(value, accept, (*path, key))
+        elif isinstance(value, DTensor) and accept(value):
             found.append((*path, key))
     return found
+
+
+def _one_split_per_dim(dtensor: DTensor) -> bool:
+    dims = [p.dim for p in dtensor.placements if isinstance(p, Shard)]
+    return len(dims) == len(set(dims))
+
+
+def preprocess_state_dict_for_dcp(state_dict: dict) -> dict:
+    """``preprocess_state_dict_for_uneven_dtensor`` for ``fully_shard``'s
+    ``preproc_state_dict_for_dcp_ckpt``, on the DTensors whose every tensor dim is split
+    by at most one mesh dim. Megatron-FSDP's offset sum takes the last mesh dim as the
+    outermost split, where DTensor takes the first; for a dim split twice the measured
+    offsets would then contradict the data, so those keep DTensor's own metadata."""
+    return _preprocess(state_dict, _one_split_per_dim)
 
 
 def preprocess_state_dict_for_uneven_dtensor(state_dict: dict) -> dict:
@@ -117,7 +132,11 @@ def preprocess_state_dict_for_uneven_dtensor(state_dict: dict) -> dict:
     dict, in sorted key order; returns ``state_dict`` (changed in place). A collective:
     every rank must hold DTensors under the same keys (checked; a clear error on every
     rank otherwise)."""
-    paths = sorted(_dtensor_paths(state_dict), key=lambda p: tuple(map(str, p)))
+    return _preprocess(state_dict, lambda _dtensor: True)
+
+
+def _preprocess(state_dict: dict, accept: Callable[[DTensor], bool]) -> dict:
+    paths = sorted(_dtensor_paths(state_dict, accept), key=lambda p: tuple(map(str, p)))
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, [tuple(map(str, p)) for p in paths])
