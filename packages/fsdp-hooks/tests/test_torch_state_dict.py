@@ -11,7 +11,9 @@
   optimizer.state_dict()})`` and back (``load_state_dict`` on both) does the same: the
   fresh optimizer has state to load into before its first step;
 - ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`` loads the
-  one-process weights.
+  one-process weights;
+- ``set_state_dict(full_state_dict=True)`` of ``get_state_dict(full_state_dict=True)``
+  into a fresh pair restores weights and moments, and the next step matches.
 
 The "even" model has one parameter per bucket with dim-0 sizes divisible by 2, so its
 shards are ``torch.chunk`` pieces today; the "uneven" one (tied GPT) needs the chunk
@@ -188,6 +190,21 @@ def _run(kind: str, root: str) -> dict:
             bcast, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         )
         got["broadcast"] = _full(bcast)
+
+        # Full model and optimizer state dicts (on every rank) into a fresh pair.
+        whole = StateDictOptions(full_state_dict=True)
+        full_model, full_optim = get_state_dict(model, opt, options=whole)
+        again, again_opt = _wrap(kind, config, seed=4)
+        set_state_dict(
+            again,
+            again_opt,
+            model_state_dict=full_model,
+            optim_state_dict=full_optim,
+            options=whole,
+        )
+        got["full_loaded"], got["full_moments"] = _full(again), _moments(again, again_opt)
+        _step(kind, again, again_opt, 1, rows)
+        got["full_two"] = _full(again)
     return out
 
 
@@ -210,8 +227,9 @@ def test_torch_state_dict_api_and_plain_dcp_round_trip(kind, tmp_path):
         assert set(res["one"]) == set(ref["one"]), where  # the wrapped module's names
         assert_tensors_close(res["one"], ref["one"], where=f"{where} after one step")
         assert_tensors_close(res["moments"], ref["moments"], where=f"{where} moments")
-        for how in ("api", "plain"):
+        for how in ("api", "plain", "full"):
             assert_tensors_close(res[f"{how}_loaded"], ref["one"], where=f"{where} {how} load")
             assert_tensors_close(res[f"{how}_two"], ref["two"], where=f"{where} {how} next step")
-        assert_tensors_close(res["api_moments"], ref["moments"], where=f"{where} loaded moments")
+        for how in ("api", "full"):
+            assert_tensors_close(res[f"{how}_moments"], ref["moments"], where=f"{where} {how}")
         assert_tensors_close(res["broadcast"], ref["one"], where=f"{where} broadcast")
