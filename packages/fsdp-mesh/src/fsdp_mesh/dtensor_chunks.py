@@ -52,25 +52,36 @@ def gather_and_compute_chunk_metadata(dtensor: DTensor) -> ChunkStorageMetadata:
     local shapes of the ranks on each sharded mesh dim (a collective)."""
     if not isinstance(dtensor, DTensor):
         raise TypeError(f"expected a DTensor, got {type(dtensor).__name__}")
-    local_shape = tuple(dtensor.to_local().shape)
-    offsets = [0] * len(local_shape)
-    covered = list(local_shape)  # the extent gathered so far, per tensor dim
-    for mesh_dim in _shard_mesh_dims(dtensor):
-        placement = dtensor.placements[mesh_dim]
+    return _gather_chunks([dtensor])[0]
+
+
+def _gather_chunks(dtensors: list[DTensor]) -> list[ChunkStorageMetadata]:
+    """``gather_and_compute_chunk_metadata`` of DTensors on one mesh with one set of
+    placements, with one ``all_gather_object`` per sharded mesh dim for all of them."""
+    first = dtensors[0]
+    locals_ = [tuple(d.to_local().shape) for d in dtensors]
+    offsets = [[0] * len(shape) for shape in locals_]
+    covered = [list(shape) for shape in locals_]  # the extent gathered so far
+    for mesh_dim in _shard_mesh_dims(first):
+        placement = first.placements[mesh_dim]
         if isinstance(placement, Replicate):
             continue
         if not isinstance(placement, Shard):  # _StridedShard is a Shard
             raise ValueError(
                 f"unsupported placement {placement} on mesh dim {mesh_dim} of a DTensor "
-                f"of shape {tuple(dtensor.shape)}; expected Shard, _StridedShard or Replicate"
+                f"of shape {tuple(first.shape)}; expected Shard, _StridedShard or Replicate"
             )
-        group = dtensor.device_mesh.get_group(mesh_dim)
-        shapes: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(shapes, covered, group=group)
+        group = first.device_mesh.get_group(mesh_dim)
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, covered, group=group)
         dim, rank = placement.dim, dist.get_rank(group)
-        offsets[dim] += sum(s[dim] for s in shapes[:rank])
-        covered[dim] = sum(s[dim] for s in shapes)
-    return ChunkStorageMetadata(offsets=tuple(offsets), sizes=local_shape)
+        for i in range(len(dtensors)):
+            offsets[i][dim] += sum(theirs[i][dim] for theirs in everyone[:rank])
+            covered[i][dim] = sum(theirs[i][dim] for theirs in everyone)
+    return [
+        ChunkStorageMetadata(offsets=tuple(off), sizes=shape)
+        for off, shape in zip(offsets, locals_, strict=True)
+    ]
 
 
 def _write_items(chunk: ChunkStorageMetadata) -> Callable[[str, DTensor], list[WriteItem]]:
@@ -97,7 +108,10 @@ def update_uneven_dtensor_chunk_metadata(dtensor: DTensor) -> None:
     """Make DCP place ``dtensor``'s local tensor at its measured offset (a collective):
     sets ``__create_chunk_list__`` and ``__create_write_items__`` on the local tensor,
     which ``DTensor`` consults first."""
-    chunk = gather_and_compute_chunk_metadata(dtensor)
+    _attach(dtensor, gather_and_compute_chunk_metadata(dtensor))
+
+
+def _attach(dtensor: DTensor, chunk: ChunkStorageMetadata) -> None:
     local = dtensor._local_tensor
     local.__create_chunk_list__ = lambda: [chunk]  # type: ignore[attr-defined]
     local.__create_write_items__ = _write_items(chunk)  # type: ignore[attr-defined]
@@ -111,6 +125,12 @@ def _dtensor_paths(tree: dict, accept: Callable[[DTensor], bool], path: tuple = 
         elif isinstance(value, DTensor) and accept(value):
             found.append((*path, key))
     return found
+
+
+def _at(tree: dict, path: tuple) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
 
 
 def _one_split_per_dim(dtensor: DTensor) -> bool:
@@ -137,7 +157,11 @@ def preprocess_state_dict_for_uneven_dtensor(state_dict: dict) -> dict:
 
 def _preprocess(state_dict: dict, accept: Callable[[DTensor], bool]) -> dict:
     paths = sorted(_dtensor_paths(state_dict, accept), key=lambda p: tuple(map(str, p)))
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    values = [_at(state_dict, path) for path in paths]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    # The key check spans the world only where every DTensor does (a model on part of
+    # the world, e.g. one pipeline stage, must not wait for the others).
+    if world > 1 and all(v.device_mesh.size() == world for v in values):
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, [tuple(map(str, p)) for p in paths])
         if any(other != everyone[0] for other in everyone):
@@ -147,9 +171,12 @@ def _preprocess(state_dict: dict, accept: Callable[[DTensor], bool]) -> dict:
                 "ranks hold DTensors under different state-dict keys, so their chunk "
                 f"metadata cannot be gathered together; keys not on every rank: {odd[:5]}"
             )
-    for path in paths:
-        value: Any = state_dict
-        for key in path:
-            value = value[key]
-        update_uneven_dtensor_chunk_metadata(value)
+    # One gather per (mesh, placements) and sharded mesh dim, in the same order on
+    # every rank (the paths are).
+    batches: dict[tuple, list[DTensor]] = {}
+    for value in values:
+        batches.setdefault((value.device_mesh, tuple(value.placements)), []).append(value)
+    for batch in batches.values():
+        for dtensor, chunk in zip(batch, _gather_chunks(batch), strict=True):
+            _attach(dtensor, chunk)
     return state_dict
