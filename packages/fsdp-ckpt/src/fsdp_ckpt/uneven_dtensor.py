@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_mesh.dtensor_chunks import (
     gather_and_compute_chunk_metadata,
@@ -51,7 +52,7 @@ def uneven_dtensor_to_full_tensor(dtensor: DTensor) -> torch.Tensor:
     for mesh_dim, placement in enumerate(dtensor.placements):
         if isinstance(placement, Replicate):
             continue
-        if not isinstance(placement, Shard):
+        if not isinstance(placement, (Shard, _StridedShard)):
             raise ValueError(
                 f"Unexpected placement {placement} at mesh dimension {mesh_dim}. "
                 "Expected Shard, _StridedShard, or Replicate."

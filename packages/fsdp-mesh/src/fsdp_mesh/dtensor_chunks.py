@@ -66,7 +66,7 @@ def _gather_chunks(dtensors: list[DTensor]) -> list[ChunkStorageMetadata]:
         placement = first.placements[mesh_dim]
         if isinstance(placement, Replicate):
             continue
-        if not isinstance(placement, Shard):  # _StridedShard is a Shard
+        if not isinstance(placement, (Shard, _StridedShard)):
             raise ValueError(
                 f"unsupported placement {placement} on mesh dim {mesh_dim} of a DTensor "
                 f"of shape {tuple(first.shape)}; expected Shard, _StridedShard or Replicate"
@@ -134,7 +134,7 @@ def _at(tree: dict, path: tuple) -> Any:
 
 
 def _one_split_per_dim(dtensor: DTensor) -> bool:
-    dims = [p.dim for p in dtensor.placements if isinstance(p, Shard)]
+    dims = [p.dim for p in dtensor.placements if isinstance(p, (Shard, _StridedShard))]
     return len(dims) == len(set(dims))
 
 
