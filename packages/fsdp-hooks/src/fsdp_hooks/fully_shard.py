@@ -52,6 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
 from fsdp_hooks.config import DistributedDataParallelConfig
 from fsdp_hooks.megatron_fsdp import MegatronFSDP
+from fsdp_hooks.optim_init import InitialState, init_optimizer_state
 from fsdp_hooks.optimizers import check_optimizer_supported, move_state_to_main_weights
 from fsdp_hooks.validation import check_argument_types, check_outer_strategy
 from fsdp_mesh import FSDPDistributedIndex, warn_once
@@ -172,7 +173,6 @@ def fully_shard_model(
         ("use_decoupled_grad", use_decoupled_grad),
         ("cuda_graph_mode", cuda_graph_mode),
         ("fsdp_db_use_persist_buf_on_alloc_fail", fsdp_db_use_persist_buf_on_alloc_fail),
-        ("preproc_state_dict_for_dcp_ckpt", not preproc_state_dict_for_dcp_ckpt),
     ):
         if value:
             warn_once(f"fsdp.ignored.{name}", f"{name} has no effect in fsdp; ignored")
@@ -206,7 +206,7 @@ def fully_shard_model(
         megatron_fsdp_main_grads_dtype=policy.main_grads_dtype,
         megatron_fsdp_grad_comm_dtype=policy.grad_comm_dtype,
     )
-    return MegatronFSDP(
+    model = MegatronFSDP(
         module,
         dist_index,
         ddp_config=ddp_config,
@@ -223,6 +223,11 @@ def fully_shard_model(
         mixed_precision_policy=policy,
         is_expert_param=is_expert_param,
     )
+    # Recorded only (see MegatronFSDP.__init__): the pieces are torch.chunk ones.
+    model.preproc_state_dict_for_dcp_ckpt = (
+        preproc_state_dict_for_dcp_ckpt and strategy is not ShardingStrategy.NO_SHARD
+    )
+    return model
 
 
 def _model_of(optimizer: torch.optim.Optimizer) -> MegatronFSDP | None:
@@ -288,11 +293,16 @@ def fully_shard_optimizer(
     move_state_to_main_weights(optimizer, replaced)
     for group, new_params in zip(optimizer.param_groups, new_groups, strict=True):
         group["params"] = new_params
-    _patch_optimizer(optimizer, model)
+    # Megatron-FSDP initialises the state here too: a fresh optimizer is then a valid
+    # target for dcp.load (see optim_init).
+    initial = init_optimizer_state(optimizer)
+    _patch_optimizer(optimizer, model, initial)
     return optimizer
 
 
-def _patch_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) -> None:
+def _patch_optimizer(
+    optimizer: torch.optim.Optimizer, model: MegatronFSDP, initial: InitialState
+) -> None:
     """Wrap ``step`` and ``zero_grad`` of this optimizer instance. They stay bound
     methods (``types.MethodType``): torch's ``LRScheduler`` built afterwards wraps
     ``optimizer.step`` through its ``__func__``."""
@@ -310,6 +320,8 @@ def _patch_optimizer(optimizer: torch.optim.Optimizer, model: MegatronFSDP) -> N
             model.finish_grad_sync()
         else:
             model.attach_grad_to_optimizer_state()
+        if initial.created:
+            initial.drop_untouched(optimizer)
         result = base_step(*args, **kwargs)
         if install:
             model.install_optimized_model_weights()

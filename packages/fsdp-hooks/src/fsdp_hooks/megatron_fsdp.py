@@ -35,6 +35,7 @@ from fsdp_hooks.expert_names import ExpertStateNames
 from fsdp_hooks.experts import resolve_is_expert_param
 from fsdp_hooks.grad_norm import clip_grad_norm_
 from fsdp_hooks.hooks import FSDPHooks
+from fsdp_hooks.inner_module import InnerModuleAttributes
 from fsdp_hooks.megatron_compat import (
     MegatronParamAndGradBuffer,
     default_ddp_config,
@@ -58,7 +59,7 @@ __all__ = ["MegatronFSDP"]
 logger = logging.getLogger("fsdp_hooks")
 
 
-class MegatronFSDP(nn.Module):
+class MegatronFSDP(InnerModuleAttributes):
     """Fully Sharded Data Parallel training of ``module`` over ``dist_index``'s groups.
 
     Strategies (``ddp_config.data_parallel_sharding_strategy``): ``no_shard`` (plain
@@ -205,6 +206,10 @@ class MegatronFSDP(nn.Module):
                 # shard of .grad for the gradient norm (a DTensor grad otherwise).
                 dparam.__fsdp_param__ = True
             self._state_names = self._expert_state_names()
+            # Megatron-FSDP's flag, recorded: its preprocessing measures where uneven pieces
+            # lie; fsdp's pieces are DTensor's torch.chunk ones, so DCP's own metadata is
+            # already exact and nothing (no collective) is done per state_dict().
+            self.preproc_state_dict_for_dcp_ckpt = False
             log_unit_summary(self)
 
     def _expert_state_names(self) -> ExpertStateNames:

@@ -56,6 +56,7 @@ from fsdp_hooks.adapters._common import (
 )
 from fsdp_hooks.adapters.ddp_checks import WHO, effective_ddp_config
 from fsdp_hooks.adapters.ddp_grads import DDPGradHooks
+from fsdp_hooks.inner_module import InnerModuleAttributes
 from fsdp_hooks.validation import check_not_wrapped, check_same_model
 from fsdp_mesh import warn_once
 
@@ -91,7 +92,7 @@ def _module_device(module: nn.Module, mesh_device_type: str) -> torch.device:
     return device
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(InnerModuleAttributes):
     """Megatron-Core's ``DistributedDataParallel(config, ddp_config, module, ...)``.
 
     Args:

@@ -39,6 +39,7 @@ from fsdp_hooks.adapters._common import (
     transformer_option,
 )
 from fsdp_hooks.adapters.fsdp_checks import check_fsdp_config
+from fsdp_hooks.inner_module import InnerModuleAttributes
 from fsdp_hooks.megatron_fsdp import MegatronFSDP
 from fsdp_mesh import FSDPDistributedIndex
 
@@ -66,7 +67,7 @@ def _check_given_index(dist_index: FSDPDistributedIndex, instances: int) -> None
         )
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(InnerModuleAttributes):
     """Megatron-Core's ``FullyShardedDataParallel(config, ddp_config, module, ...)``.
 
     Args:
