@@ -152,11 +152,11 @@ def test_fsdp2_spelling_is_accepted():
 
 
 def test_fsdp2_spelling_bad_input():
-    with pytest.raises(ValueError, match="reduce_dtype=torch.bfloat16.*grad_comm_dtype"):
+    with pytest.raises(ValueError, match=r"reduce_dtype=torch\.bfloat16.*grad_comm_dtype"):
         MixedPrecisionPolicy(reduce_dtype=bf16, grad_comm_dtype=fp16)
     with pytest.raises(TypeError, match="cast_forward_inputs must be a bool"):
         MixedPrecisionPolicy(cast_forward_inputs="yes")
     with pytest.raises(ValueError, match="output_dtype must be a floating-point"):
         MixedPrecisionPolicy(output_dtype=torch.int32)
-    with pytest.raises(TypeError, match="param_dtype must be a torch.dtype"):
+    with pytest.raises(TypeError, match=r"param_dtype must be a torch\.dtype"):
         MixedPrecisionPolicy(param_dtype="bf16")
