@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from fsdp_mesh.testing import run_distributed
 
@@ -109,6 +110,26 @@ def _logits_match(cases: list[tuple[str, str]]) -> dict[str, float]:
     return out
 
 
+def _generate(directory: str) -> dict[str, Any]:
+    import fsdp
+
+    cls, _ = _make("llama")
+    model = fsdp.from_pretrained(cls, directory, zero_dp_strategy=3)
+    ref = cls.from_pretrained(directory, dtype=torch.float32)
+    ids = _inputs("llama")["input_ids"]
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    got = model.generate(ids, **kw)
+    want = ref.generate(ids, **kw)
+    # The model is usable afterwards: a training forward and backward.
+    model.train()
+    model(input_ids=ids).logits.sum().backward()
+    return {
+        "equal": torch.equal(got, want),
+        "new": got.shape[1] - ids.shape[1],
+        "distributed": all(isinstance(p, DTensor) for p in model.module.parameters()),
+    }
+
+
 def _errors_of(arch: str, directories: list[str]) -> list[str]:
     import fsdp
 
@@ -178,6 +199,14 @@ def test_logits_equal_transformers(tmp_path: Path) -> None:
     results = run_distributed(_logits_match, WORLD, args=(cases,), timeout=240)
     for rank, diffs in enumerate(results):
         assert diffs and all(d == 0.0 for d in diffs.values()), (rank, diffs)
+
+
+def test_generate_under_zero3(tmp_path: Path) -> None:
+    """Before: ``model.module.generate`` failed ("mixed torch.Tensor and DTensor"). Now
+    ``model.generate`` gathers as forward does and gives transformers' tokens."""
+    directory = str(_save("llama", tmp_path / "llama"))
+    for rank, r in enumerate(run_distributed(_generate, WORLD, args=(directory,), timeout=120)):
+        assert r == {"equal": True, "new": 6, "distributed": True}, (rank, r)
 
 
 def test_bad_checkpoints_name_the_entry(tmp_path: Path) -> None:

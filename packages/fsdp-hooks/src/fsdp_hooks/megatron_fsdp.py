@@ -12,6 +12,7 @@ they are reachable from, so they stay tied.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -197,15 +198,49 @@ class MegatronFSDP(nn.Module):
 
     # ---- forward --------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self._root_call(self.module, inputs, kwargs)
+
+    def _root_call(self, fn: Callable[..., Any], inputs: tuple, kwargs: dict) -> Any:
+        """``fn(*inputs, **kwargs)`` as one root forward: the root groups gathered and the
+        compute parameters in place around it, the policy's input and output casts."""
         policy = self.mixed_precision_policy
         if policy.cast_forward_inputs and policy.param_dtype is not None:
             inputs, kwargs = _cast_floating((inputs, kwargs), policy.param_dtype)
         inputs, kwargs = self.hooks.root_pre_forward(inputs, kwargs)
-        output = self.module(*inputs, **kwargs)
+        output = fn(*inputs, **kwargs)
         output = self.hooks.root_post_forward(output)
         if policy.output_dtype is not None:
             output = _cast_floating(output, policy.output_dtype)
         return output
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's ``generate`` (a Hugging Face ``GenerationMixin``), every
+        forward it makes run as the wrapper's forward does: parameters gathered unit by
+        unit (ZeRO-3 included) and released after each step. Same tokens as the
+        unwrapped model."""
+        inner = self.module
+        generate = getattr(inner, "generate", None)
+        if not callable(generate):
+            raise AttributeError(
+                f"{type(inner).__name__} has no generate(): MegatronFSDP.generate runs the "
+                f"wrapped model's own (a transformers GenerationMixin)"
+            )
+        if "forward" in inner.__dict__:
+            raise RuntimeError(
+                f"{type(inner).__name__} has an instance attribute 'forward'; generate() "
+                f"routes the model's forward through the wrapper by setting one"
+            )
+        original = inner.forward
+
+        @functools.wraps(original)  # generate inspects forward's signature
+        def forward(*a: Any, **k: Any) -> Any:
+            return self._root_call(original, a, k)
+
+        inner.forward = forward
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            del inner.forward
 
     # ---- parameter views ------------------------------------------------------------
     def _replace_param_with_distributed_if_needed(self) -> None:
