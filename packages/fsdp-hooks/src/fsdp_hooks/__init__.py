@@ -20,7 +20,7 @@ from fsdp_hooks.experts import DEFAULT_EXPERT_PATTERN, default_is_expert_param, 
 from fsdp_hooks.fully_shard import fully_shard, fully_shard_model, fully_shard_optimizer
 from fsdp_hooks.hooks import FSDPUnit
 from fsdp_hooks.megatron_fsdp import MegatronFSDP
-from fsdp_hooks.pretrained import from_pretrained
+from fsdp_hooks.pretrained import from_pretrained, save_pretrained
 from fsdp_hooks.summary import unit_summary
 from fsdp_hooks.training_state import TrainingState
 
@@ -43,5 +43,6 @@ __all__ = [
     "fully_shard_model",
     "fully_shard_optimizer",
     "mark_expert_params",
+    "save_pretrained",
     "unit_summary",
 ]

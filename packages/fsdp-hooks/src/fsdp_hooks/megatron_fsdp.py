@@ -213,6 +213,13 @@ class MegatronFSDP(nn.Module):
             output = _cast_floating(output, policy.output_dtype)
         return output
 
+    def save_pretrained(self, directory: Any, **kwargs: Any) -> None:
+        """``fsdp.save_pretrained(self, directory, **kwargs)``: the wrapped transformers
+        model written as its ``save_pretrained`` does, consolidated. Call on every rank."""
+        from fsdp_hooks.pretrained import save_pretrained
+
+        save_pretrained(self, directory, **kwargs)
+
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's ``generate`` (a Hugging Face ``GenerationMixin``), every
         forward it makes run as the wrapper's forward does: parameters gathered unit by

@@ -44,7 +44,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from fsdp_hooks.fully_shard import fully_shard_model
 from fsdp_hooks.megatron_fsdp import MegatronFSDP
 
-__all__ = ["from_pretrained"]
+__all__ = ["from_pretrained", "save_pretrained"]
 
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
@@ -373,3 +373,45 @@ def from_pretrained(
     load_pretrained_weights(wrapper, directory)
     wrapper.eval()  # as transformers' from_pretrained returns it: call .train() to train
     return wrapper
+
+
+def _full_state_dict(wrapper: MegatronFSDP) -> dict[str, torch.Tensor]:
+    """Every entry of ``wrapper.module.state_dict()`` as a full tensor, on every rank
+    (collectives in key order, the same on every rank)."""
+    state = wrapper.module.state_dict()
+    rows = _uneven_rows(state)
+    full: dict[str, torch.Tensor] = {}
+    for name, value in state.items():
+        if not isinstance(value, DTensor):
+            full[name] = value.detach().cpu()
+        elif name in rows:  # transitional: uneven Shard(0) rows, rank-ordered
+            mesh = value.device_mesh
+            pieces: list[Any] = [None] * mesh.size()
+            dist.all_gather_object(pieces, value.to_local().cpu(), group=mesh.get_group())
+            full[name] = torch.cat(pieces, dim=0)
+        else:
+            full[name] = value.full_tensor().cpu()
+    return full
+
+
+def save_pretrained(
+    wrapper: MegatronFSDP, directory: str | os.PathLike[str], **kwargs: Any
+) -> None:
+    """Write the wrapped transformers model as ``save_pretrained`` does (config,
+    safetensors with transformers' on-disk names, sharded with an index past
+    ``max_shard_size``), loadable by ``from_pretrained`` of either library. Collective:
+    call it on every rank; rank 0 writes (it holds the consolidated model meanwhile).
+    ``kwargs`` go to transformers' ``save_pretrained`` (``max_shard_size``, ...)."""
+    _import_transformers()
+    full = _full_state_dict(wrapper)
+    error: list[str | None] = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            wrapper.module.save_pretrained(directory, state_dict=full, **kwargs)
+        except Exception as e:
+            error[0] = f"{type(e).__name__}: {e}"
+    del full
+    if dist.is_initialized():
+        dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise RuntimeError(f"save_pretrained to {directory} failed on rank 0: {error[0]}")
