@@ -161,6 +161,21 @@ def _round_trip(arch: str, directory: str, out: str) -> dict[str, Any]:
     }
 
 
+def _train_and_checkpoint(arch: str, directory: str, ckpt: str) -> torch.Tensor:
+    import fsdp
+
+    cls, _ = _make(arch)
+    model = fsdp.from_pretrained(cls, directory)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(**_inputs(arch)).logits.square().mean().backward()
+    opt.step()
+    fsdp.save_checkpoint(ckpt, model, opt)
+    model.eval()
+    with torch.no_grad():
+        return model(**_inputs(arch)).logits
+
+
 def _errors_of(arch: str, directories: list[str]) -> list[str]:
     import fsdp
 
@@ -250,6 +265,27 @@ def test_save_pretrained_round_trip(arch: str, tmp_path: Path) -> None:
     results = run_distributed(_round_trip, WORLD, args=(arch, directory, out), timeout=180)
     for rank, r in enumerate(results):
         assert r == {"equal": True, "changed": True, "index": True}, (rank, r)
+
+
+def test_consolidate_hf(tmp_path: Path) -> None:
+    """``fsdp-consolidate --hf``: a checkpoint of a trained ZeRO-3 Mixtral (3-D fused
+    experts in memory) becomes a save_pretrained directory (per-expert on-disk names,
+    sharded with an index) that transformers' from_pretrained loads to the same logits."""
+    from fsdp_ckpt.cli import main
+
+    directory = str(_save("mixtral", tmp_path / "in"))
+    ckpt, out = str(tmp_path / "ckpt"), tmp_path / "out"
+    trained = run_distributed(
+        _train_and_checkpoint, WORLD, args=("mixtral", directory, ckpt), timeout=180
+    )[0]
+    assert main([ckpt, str(out), "--hf", directory, "--max-shard-size", "8KB"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert any(".experts.0." in k for k in index["weight_map"])
+    cls, _ = _make("mixtral")
+    back = cls.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        # Another process (its own thread count, so reduction order): fp32 within 1e-5.
+        torch.testing.assert_close(back(**_inputs("mixtral")).logits, trained, atol=1e-5, rtol=1e-5)
 
 
 def test_bad_checkpoints_name_the_entry(tmp_path: Path) -> None:
