@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch._dynamo
 from torch.nn import functional as F
 
 from fsdp_hooks import fully_shard_model
@@ -24,8 +25,6 @@ STEPS = 3
 
 
 def _train(compiled: bool) -> tuple[list[float], dict[str, Any]]:
-    import torch._dynamo
-
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = fully_shard_model(GPT(CFG), fsdp_unit_modules=[Block], zero_dp_strategy=3)
