@@ -346,3 +346,14 @@ def test_meta_init_uses_model_initializer(arch: str) -> None:
         for name, std in r["stds"].items():
             # normal(0, initializer_range) over >= 128 elements: within 40%
             assert abs(std - cfg.initializer_range) < 0.4 * cfg.initializer_range, (name, std)
+
+
+def test_load_checkpoint_of_a_save_pretrained_dir_points_to_from_pretrained(
+    tmp_path: Path,
+) -> None:
+    """Before: "an interrupted save". Now the message names fsdp.from_pretrained."""
+    import fsdp
+
+    directory = _save("llama", tmp_path / "hf")
+    with pytest.raises(fsdp.IncompleteCheckpointError, match="fsdp.from_pretrained"):
+        fsdp.load_checkpoint(directory, torch.nn.Linear(2, 2))
