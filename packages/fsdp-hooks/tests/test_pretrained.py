@@ -355,5 +355,5 @@ def test_load_checkpoint_of_a_save_pretrained_dir_points_to_from_pretrained(
     import fsdp
 
     directory = _save("llama", tmp_path / "hf")
-    with pytest.raises(fsdp.IncompleteCheckpointError, match="fsdp.from_pretrained"):
+    with pytest.raises(fsdp.IncompleteCheckpointError, match=r"fsdp\.from_pretrained"):
         fsdp.load_checkpoint(directory, torch.nn.Linear(2, 2))
