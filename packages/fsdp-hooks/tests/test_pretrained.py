@@ -40,6 +40,10 @@ def _make(arch: str) -> tuple[type, Any]:
         return T.LlamaForCausalLM, T.LlamaConfig(**common, tie_word_embeddings=False)
     if arch == "llama_tied":
         return T.LlamaForCausalLM, T.LlamaConfig(**common, tie_word_embeddings=True)
+    if arch == "llama_big":  # ~23 MB in fp32, largest tensor (embedding) 4 MiB
+        big = dict(common, vocab_size=4096, hidden_size=256, intermediate_size=512)
+        big.update(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+        return T.LlamaForCausalLM, T.LlamaConfig(**big, tie_word_embeddings=False)
     if arch == "mixtral":
         return T.MixtralForCausalLM, T.MixtralConfig(
             **common, num_local_experts=4, num_experts_per_tok=2
@@ -176,6 +180,40 @@ def _train_and_checkpoint(arch: str, directory: str, ckpt: str) -> torch.Tensor:
         return model(**_inputs(arch)).logits
 
 
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _load_memory(directory: str) -> dict[str, int]:
+    """Peak RSS growth (VmHWM, reset through /proc/self/clear_refs) while the checkpoint
+    is loaded into the wrapped model, after a first load has paid for lazy imports and
+    transformers' conversion tables; glibc is told to map every large block on its own,
+    so a freed tensor leaves RSS (as test_meta_init's memory test does)."""
+    import ctypes
+
+    from fsdp_hooks import fully_shard_model
+    from fsdp_hooks.pretrained import _build_on_meta, _default_units, load_pretrained_weights
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    cls, _ = _make("llama_big")
+    model = _build_on_meta(cls, Path(directory), torch.float32)
+    wrapper = fully_shard_model(
+        model, init_model_with_meta_device=True, fsdp_unit_modules=_default_units(model)
+    )
+    load_pretrained_weights(wrapper, directory)  # warm-up
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    before = _rss_kib("VmRSS")
+    load_pretrained_weights(wrapper, directory)
+    growth = (_rss_kib("VmHWM") - before) * 1024
+    sizes = [p.numel() * 4 for p in model.parameters()]
+    return {"growth": growth, "largest": max(sizes), "full": sum(sizes)}
+
+
 def _errors_of(arch: str, directories: list[str]) -> list[str]:
     import fsdp
 
@@ -286,6 +324,19 @@ def test_consolidate_hf(tmp_path: Path) -> None:
     with torch.no_grad():
         # Another process (its own thread count, so reduction order): fp32 within 1e-5.
         torch.testing.assert_close(back(**_inputs("mixtral")).logits, trained, atol=1e-5, rtol=1e-5)
+
+
+def test_load_peak_memory(tmp_path: Path) -> None:
+    """Loading holds this rank's shards plus about one tensor: peak RSS grows by at most
+    half the full model while loading (the largest tensor is under a quarter of it; the
+    shards exist before). RSS, not the torch allocator: safetensors maps the file, and
+    the profiler counts that file-backed mapping as an allocation of the whole file."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux /proc to reset the peak RSS")
+    directory = str(_save("llama_big", tmp_path / "big"))
+    for rank, r in enumerate(run_distributed(_load_memory, WORLD, args=(directory,))):
+        assert r["full"] > 4 * r["largest"], r  # the bound is about one tensor, not all
+        assert r["growth"] <= 0.5 * r["full"], (rank, r)
 
 
 def test_bad_checkpoints_name_the_entry(tmp_path: Path) -> None:
