@@ -11,10 +11,17 @@ bf16, fp16, fp32, fp64 = torch.bfloat16, torch.float16, torch.float32, torch.flo
 
 def test_fields_names_order_and_defaults_are_megatron_fsdps():
     fields = [(f.name, f.default) for f in dataclasses.fields(MixedPrecisionPolicy)]
-    assert fields == [
+    assert fields[:3] == [
         ("main_params_dtype", fp32),
         ("main_grads_dtype", None),
         ("grad_comm_dtype", None),
+    ]
+    # Then FSDP2's fields, keyword only in practice, with FSDP2's defaults.
+    assert fields[3:] == [
+        ("param_dtype", None),
+        ("reduce_dtype", None),
+        ("output_dtype", None),
+        ("cast_forward_inputs", True),
     ]
     # Positional construction in Megatron's order.
     policy = MixedPrecisionPolicy(fp32, bf16, fp16)
@@ -131,3 +138,25 @@ def test_non_float_parameters_are_not_handled(method, policy):
         getattr(policy, method)(torch.int64)
     with pytest.raises(TypeError, match=re.escape("Expected a parameter's torch.dtype")):
         getattr(policy, method)("float32")
+
+
+def test_fsdp2_spelling_is_accepted():
+    """Before: TypeError (unexpected keyword). reduce_dtype is grad_comm_dtype."""
+    policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+    assert policy.param_dtype == bf16
+    assert policy.grad_comm_dtype_for(bf16) == fp32
+    assert policy.main_params_dtype_for(bf16) == fp32  # main weights stay fp32
+    assert MixedPrecisionPolicy(reduce_dtype=bf16).grad_comm_dtype_for(fp32) == bf16
+    same = MixedPrecisionPolicy(grad_comm_dtype=bf16, reduce_dtype=bf16)
+    assert same.grad_comm_dtype_for(fp32) == bf16
+
+
+def test_fsdp2_spelling_bad_input():
+    with pytest.raises(ValueError, match=r"reduce_dtype=torch\.bfloat16.*grad_comm_dtype"):
+        MixedPrecisionPolicy(reduce_dtype=bf16, grad_comm_dtype=fp16)
+    with pytest.raises(TypeError, match="cast_forward_inputs must be a bool"):
+        MixedPrecisionPolicy(cast_forward_inputs="yes")
+    with pytest.raises(ValueError, match="output_dtype must be a floating-point"):
+        MixedPrecisionPolicy(output_dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"param_dtype must be a torch\.dtype"):
+        MixedPrecisionPolicy(param_dtype="bf16")

@@ -46,14 +46,49 @@ class MixedPrecisionPolicy:
 
     Main weights are never narrower than the parameter: with the default
     ``main_params_dtype=torch.float32`` an fp64 parameter keeps fp64 main weights.
+
+    **PyTorch FSDP2's spelling** (``torch.distributed.fsdp.MixedPrecisionPolicy``) is
+    accepted beside these fields, by keyword:
+
+    - ``param_dtype``: the dtype the model computes in (the compute weights). The
+      compute copy is not made by the library yet: the wrapper requires the model's
+      floating parameters to be in ``param_dtype`` already (``model.to(torch.bfloat16)``
+      before wrapping; main weights stay ``main_params_dtype``, fp32 by default) and
+      raises otherwise, rather than computing in another dtype than asked.
+    - ``reduce_dtype``: FSDP2's name for ``grad_comm_dtype`` (give one, or both equal).
+    - ``output_dtype``: floating outputs of the wrapper's forward are cast to it.
+    - ``cast_forward_inputs``: floating inputs of the wrapper's forward are cast to
+      ``param_dtype`` (when it is set). Default ``True``, as FSDP2.
     """
 
     main_params_dtype: torch.dtype | None = torch.float32
     main_grads_dtype: torch.dtype | None = None
     grad_comm_dtype: torch.dtype | None = None
+    # PyTorch FSDP2's fields (keyword use; see the class docstring).
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(
+                f"MixedPrecisionPolicy.cast_forward_inputs must be a bool, got "
+                f"{self.cast_forward_inputs!r}"
+            )
+        if (
+            self.reduce_dtype is not None
+            and self.grad_comm_dtype is not None
+            and self.reduce_dtype != self.grad_comm_dtype
+        ):
+            raise ValueError(
+                f"MixedPrecisionPolicy: reduce_dtype={self.reduce_dtype} (FSDP2's name) and "
+                f"grad_comm_dtype={self.grad_comm_dtype} (Megatron-FSDP's) name the same "
+                f"thing, the dtype gradients are reduced in; give one of them"
+            )
         for f in fields(self):
+            if f.name == "cast_forward_inputs":
+                continue
             dtype = getattr(self, f.name)
             if dtype is None:
                 continue
@@ -69,7 +104,7 @@ class MixedPrecisionPolicy:
                     f"{dtype}; use e.g. torch.float32, torch.bfloat16 or torch.float16, "
                     "or None."
                 )
-            if f.name != "grad_comm_dtype" and dtype.itemsize < 2:
+            if f.name in ("main_params_dtype", "main_grads_dtype") and dtype.itemsize < 2:
                 raise ValueError(
                     f"MixedPrecisionPolicy.{f.name}={dtype} is too narrow: main weights and "
                     "main gradients need at least 16 bits (fp8 cannot hold optimizer "
@@ -96,9 +131,10 @@ class MixedPrecisionPolicy:
 
     def grad_comm_dtype_for(self, param_dtype: torch.dtype) -> torch.dtype:
         """dtype gradients of a ``param_dtype`` parameter are reduced in."""
-        if self.grad_comm_dtype is not None:
+        comm = self.grad_comm_dtype if self.grad_comm_dtype is not None else self.reduce_dtype
+        if comm is not None:
             _check_param_dtype(param_dtype)
-            return self.grad_comm_dtype
+            return comm
         return self.main_grads_dtype_for(param_dtype)
 
 

@@ -22,7 +22,24 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("checkpoint", help="the checkpoint directory")
-    p.add_argument("output", help="the file to write (.safetensors selects safetensors)")
+    p.add_argument(
+        "output",
+        help="the file to write (.safetensors selects safetensors); with --hf, a directory",
+    )
+    p.add_argument(
+        "--hf",
+        metavar="CONFIG_DIR",
+        default=None,
+        help=(
+            "write a Hugging Face save_pretrained directory instead (transformers' on-disk "
+            "names, sharded safetensors with an index), with the config.json in CONFIG_DIR"
+        ),
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="with --hf: the largest safetensors file (default 5GB)",
+    )
     p.add_argument(
         "--format",
         choices=("torch", "safetensors"),
@@ -34,6 +51,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.hf is not None:
+        from fsdp_ckpt.hf_export import export_hf_checkpoint
+
+        try:
+            summary = export_hf_checkpoint(
+                args.checkpoint, args.hf, args.output, max_shard_size=args.max_shard_size
+            )
+        except (CheckpointError, FileNotFoundError, ValueError, ImportError) as exc:
+            print(f"fsdp-consolidate: error: {exc}", file=sys.stderr)
+            return 1
+        print(f"wrote {summary['tensors']} tensors to {args.output} (save_pretrained format)")
+        return 0
     try:
         summary = consolidate_checkpoint(args.checkpoint, args.output, args.format)
     except (CheckpointError, FileNotFoundError) as exc:

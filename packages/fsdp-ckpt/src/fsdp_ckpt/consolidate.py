@@ -211,6 +211,17 @@ def consolidate_checkpoint(
     """Turn a checkpoint directory of ``save_checkpoint`` into one full model state
     dict file, in this process alone (no process group, no ranks). Verifies the
     manifest first (sizes and checksums). Returns ``{"tensors": n, "bytes": b}``."""
+    full = read_full_model_state(checkpoint, prefix=prefix)
+    write_state_dict_file(full, output, format)
+    tensors = [v for v in full.values() if isinstance(v, torch.Tensor)]
+    return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors)}
+
+
+def read_full_model_state(
+    checkpoint: str | os.PathLike[str], *, prefix: str = "model."
+) -> dict[str, Any]:
+    """The full model state dict of a ``save_checkpoint`` directory, read in this
+    process alone (the manifest verified first)."""
     directory = resolve_for_load(Path(checkpoint).absolute())
     Manifest.read(directory).verify(directory, checksums=True)
     metadata = FileSystemReader(directory).read_metadata()
@@ -226,7 +237,4 @@ def consolidate_checkpoint(
         raise CheckpointError(f"{directory} has no entries under {prefix!r}")
     with _dist.quiet_single_process():
         dcp.load(sd, storage_reader=FileSystemReader(directory), no_dist=True)
-    full = _unflatten(sd, prefix, metadata.planner_data)
-    write_state_dict_file(full, output, format)
-    tensors = [v for v in full.values() if isinstance(v, torch.Tensor)]
-    return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors)}
+    return _unflatten(sd, prefix, metadata.planner_data)

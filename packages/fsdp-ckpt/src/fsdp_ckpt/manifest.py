@@ -111,6 +111,15 @@ class Manifest:
     def read(cls, directory: Path) -> Manifest:
         path = directory / MANIFEST_NAME
         if not path.is_file():
+            if (directory / "config.json").is_file() and any(
+                (directory / n).is_file()
+                for n in ("model.safetensors", "model.safetensors.index.json")
+            ):
+                raise IncompleteCheckpointError(
+                    f"{directory} is a Hugging Face save_pretrained directory, not an fsdp "
+                    f"checkpoint: load it with fsdp.from_pretrained(model_class, "
+                    f"{str(directory)!r}, **fully_shard_model options)"
+                )
             raise IncompleteCheckpointError(
                 f"{directory} has no {MANIFEST_NAME}: it is an interrupted save or not an "
                 f"fsdp checkpoint (complete checkpoints get their manifest last); load an "

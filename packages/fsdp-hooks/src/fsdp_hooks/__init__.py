@@ -21,6 +21,7 @@ from fsdp_hooks.fully_shard import fully_shard, fully_shard_model, fully_shard_o
 from fsdp_hooks.hooks import FSDPUnit
 from fsdp_hooks.megatron_compat import find_megatron_fsdp
 from fsdp_hooks.megatron_fsdp import MegatronFSDP
+from fsdp_hooks.pretrained import from_pretrained, save_pretrained
 from fsdp_hooks.summary import unit_summary
 from fsdp_hooks.training_state import TrainingState
 
@@ -39,9 +40,11 @@ __all__ = [
     "default_is_expert_param",
     "finalize_model_grads",
     "find_megatron_fsdp",
+    "from_pretrained",
     "fully_shard",
     "fully_shard_model",
     "fully_shard_optimizer",
     "mark_expert_params",
+    "save_pretrained",
     "unit_summary",
 ]

@@ -12,6 +12,7 @@ they are reachable from, so they stay tied.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
+from torch.utils._pytree import tree_map_only
 
 from fsdp_buffers import (
     AllGatherPipeline,
@@ -149,6 +151,7 @@ class MegatronFSDP(InnerModuleAttributes):
             main_grads_dtype=ddp_config.megatron_fsdp_main_grads_dtype,
             grad_comm_dtype=ddp_config.megatron_fsdp_grad_comm_dtype,
         )
+        _check_param_dtype(module, self.mixed_precision_policy)
         has_meta = any(p.device.type == "meta" for p in module.parameters())
         if has_meta and not init_model_with_meta_device:
             raise ValueError(
@@ -296,9 +299,56 @@ class MegatronFSDP(InnerModuleAttributes):
 
     # ---- forward --------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self._root_call(self.module, inputs, kwargs)
+
+    def _root_call(self, fn: Callable[..., Any], inputs: tuple, kwargs: dict) -> Any:
+        """``fn(*inputs, **kwargs)`` as one root forward: the root groups gathered and the
+        compute parameters in place around it, the policy's input and output casts."""
+        policy = self.mixed_precision_policy
+        if policy.cast_forward_inputs and policy.param_dtype is not None:
+            inputs, kwargs = _cast_floating((inputs, kwargs), policy.param_dtype)
         inputs, kwargs = self.hooks.root_pre_forward(inputs, kwargs)
-        output = self.module(*inputs, **kwargs)
-        return self.hooks.root_post_forward(output)
+        output = fn(*inputs, **kwargs)
+        output = self.hooks.root_post_forward(output)
+        if policy.output_dtype is not None:
+            output = _cast_floating(output, policy.output_dtype)
+        return output
+
+    def save_pretrained(self, directory: Any, **kwargs: Any) -> None:
+        """``fsdp.save_pretrained(self, directory, **kwargs)``: the wrapped transformers
+        model written as its ``save_pretrained`` does, consolidated. Call on every rank."""
+        from fsdp_hooks.pretrained import save_pretrained
+
+        save_pretrained(self, directory, **kwargs)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's ``generate`` (a Hugging Face ``GenerationMixin``), every
+        forward it makes run as the wrapper's forward does: parameters gathered unit by
+        unit (ZeRO-3 included) and released after each step. Same tokens as the
+        unwrapped model."""
+        inner = self.module
+        generate = getattr(inner, "generate", None)
+        if not callable(generate):
+            raise AttributeError(
+                f"{type(inner).__name__} has no generate(): MegatronFSDP.generate runs the "
+                f"wrapped model's own (a transformers GenerationMixin)"
+            )
+        if "forward" in inner.__dict__:
+            raise RuntimeError(
+                f"{type(inner).__name__} has an instance attribute 'forward'; generate() "
+                f"routes the model's forward through the wrapper by setting one"
+            )
+        original = inner.forward
+
+        @functools.wraps(original)  # generate inspects forward's signature
+        def forward(*a: Any, **k: Any) -> Any:
+            return self._root_call(original, a, k)
+
+        inner.forward = forward
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            del inner.forward
 
     # ---- parameter views ------------------------------------------------------------
     def _replace_param_with_distributed_if_needed(self) -> None:
@@ -504,3 +554,28 @@ def _resolve_device(device: torch.device | str | None, dist_index) -> torch.devi
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with its floating tensors cast to ``dtype`` (FSDP2's input/output casts)."""
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+
+def _check_param_dtype(module: nn.Module, policy: MixedPrecisionPolicy) -> None:
+    """FSDP2's ``param_dtype``: the compute copy in another dtype than the parameters' is
+    not made by the buffers yet, so a model in another dtype is refused, never run in
+    a dtype other than the one asked for."""
+    want = policy.param_dtype
+    if want is None:
+        return
+    other = sorted(
+        {str(p.dtype) for p in module.parameters() if p.is_floating_point() and p.dtype != want}
+    )
+    if other:
+        raise ValueError(
+            f"MixedPrecisionPolicy(param_dtype={want}): the model has {other} parameters. "
+            f"fsdp does not make the {want} compute copy itself yet: cast the model "
+            f"before wrapping (model.to({want})); the main weights stay in "
+            f"main_params_dtype={policy.main_params_dtype} (fp32 by default), so the "
+            f"optimizer still steps fp32 weights"
+        )

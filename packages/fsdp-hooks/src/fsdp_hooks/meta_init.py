@@ -15,7 +15,15 @@ into a trained-ready sharded model without any rank ever holding the whole of it
    parent: the order in which ``__init__`` methods *finish*, hence the order in which an
    eager construction calls ``reset_parameters()``) and calls ``reset_parameters()`` on
    every module whose subtree held something on the meta device, the convention of
-   PyTorch FSDP's meta-device initialization. Every rank runs every reset on full
+   PyTorch FSDP's meta-device initialization (``_reset_parameters()`` where a torch
+   module spells it so). A module under a model with ``_init_weights(module)`` (a
+   Hugging Face ``PreTrainedModel``: the nearest one above it) then gets
+   ``model._init_weights(module)``, which overrides the reset's values as its
+   ``post_init`` does in an eager construction; rotary ``inv_freq``, norms, routers and
+   fused experts are initialized so. The values follow the model's own initializer;
+   the random stream is not the eager construction's for such models (eager draws all
+   resets first, then all ``_init_weights``; this draws both per module, to hold one
+   unit at a time). Every rank runs every reset on full
    tensors, so the random stream is consumed exactly as by the eager construction
    ``torch.manual_seed(s); Model()``, and each rank then keeps its own rows. A
    parameter group is materialized from the first reset that can touch it to the last
@@ -56,6 +64,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -120,6 +129,7 @@ class _Reset:
     index: int
     name: str
     module: nn.Module
+    run: Callable[[], None]  # reset_parameters() and/or the model's _init_weights(module)
     scratch: list[str]  # direct parameters swapped for scratch tensors during the call
     touches: list[nn.Parameter]  # pending parameters the call may write
 
@@ -153,19 +163,55 @@ def _full(mod_name: str, attr: str) -> str:
     return f"{mod_name}.{attr}" if mod_name else attr
 
 
-def _reset_method(mod: nn.Module):
-    """The module's initializer, as Megatron-FSDP picks it: ``reset_parameters()``, else
-    ``_reset_parameters()`` (``nn.MultiheadAttention`` and ``nn.Transformer`` define
-    only the latter); None without either."""
-    for name in ("reset_parameters", "_reset_parameters"):
-        method = getattr(mod, name, None)
-        if callable(method):
-            return method
+def _own_reset(mod: nn.Module) -> Callable[[], object] | None:
+    """The module's own reset: ``reset_parameters()``, else ``_reset_parameters()``
+    (``nn.MultiheadAttention`` and other torch modules that spell it so)."""
+    for attr in ("reset_parameters", "_reset_parameters"):
+        fn = getattr(mod, attr, None)
+        if callable(fn):
+            return fn
     return None
 
 
-def _has_reset(mod: nn.Module) -> bool:
-    return _reset_method(mod) is not None
+def _model_initializers(module: nn.Module) -> dict[int, nn.Module]:
+    """For every module, the nearest module at or above it with a callable
+    ``_init_weights(module)``: a Hugging Face ``PreTrainedModel`` initializes its
+    modules through it (``initialize_weights`` dispatches each module to the nearest
+    such model above it, nested sub-models included), the convention this follows."""
+    owners: dict[int, nn.Module] = {}
+
+    seen: set[int] = set()
+
+    def visit(mod: nn.Module, owner: nn.Module | None) -> None:
+        seen.add(id(mod))  # a module reachable twice: its first place, as _post_order
+        if callable(getattr(mod, "_init_weights", None)):
+            owner = mod
+        if owner is not None:
+            owners[id(mod)] = owner
+        for child in mod._modules.values():
+            if child is not None and id(child) not in seen:
+                visit(child, owner)
+
+    visit(module, None)
+    return owners
+
+
+def _initializer(mod: nn.Module, owner: nn.Module | None) -> Callable[[], None] | None:
+    """What initializes ``mod``: its own reset, then (for a Hugging Face model) the
+    model's ``_init_weights(mod)``, which overrides what the reset drew, as in an eager
+    construction (``__init__`` resets, then ``post_init`` runs ``_init_weights``)."""
+    reset = _own_reset(mod)
+    init_weights = getattr(owner, "_init_weights", None) if owner is not None else None
+    if reset is None and init_weights is None:
+        return None
+
+    def run() -> None:
+        if reset is not None:
+            reset()
+        if init_weights is not None:
+            init_weights(mod)
+
+    return run
 
 
 def _make_plan(module: nn.Module, pending: set[nn.Parameter]) -> _Plan:
@@ -184,10 +230,18 @@ def _make_plan(module: nn.Module, pending: set[nn.Parameter]) -> _Plan:
 
     covered: set[nn.Parameter] = set()
     covered_buffer_modules: set[int] = set()
+    owners = _model_initializers(module)
     for index, (name, mod, start) in enumerate(order):
-        if not _has_reset(mod):
+        run = _initializer(mod, owners.get(id(mod)))
+        if run is None:
             continue
-        subtree = [m for _n, m, _s in order[start : index + 1]]
+        # A reset may reach its whole subtree (torch's convention); a model's
+        # _init_weights(module) initializes that module's own tensors (it is applied to
+        # every module, as nn.Module.apply does).
+        if _own_reset(mod) is not None:
+            subtree = [m for _n, m, _s in order[start : index + 1]]
+        else:
+            subtree = [mod]
         reached = [
             p for m in subtree for p in m._parameters.values() if p is not None and p in pending
         ]
@@ -209,7 +263,7 @@ def _make_plan(module: nn.Module, pending: set[nn.Parameter]) -> _Plan:
                 touches.append(p)
         covered.update(touches)
         covered_buffer_modules.update(id(m) for m in subtree)
-        plan.resets.append(_Reset(index, name, mod, scratch, touches))
+        plan.resets.append(_Reset(index, name, mod, run, scratch, touches))
 
     missing = [
         f"{plan.param_names[p]} ({type(order[owner[p]][1]).__name__})"
@@ -226,9 +280,9 @@ def _make_plan(module: nn.Module, pending: set[nn.Parameter]) -> _Plan:
             f"meta-device initialization cannot initialize {missing[:10]}"
             f"{f' and {len(missing) - 10} more' if len(missing) > 10 else ''}: neither the "
             f"module that owns them nor any module above it defines reset_parameters() "
-            f"(or _reset_parameters()). "
-            f"fsdp materializes a meta model by calling reset_parameters() on its modules "
-            f"(as PyTorch FSDP does); values set in __init__ (nn.Parameter(torch.ones(n)), "
+            f"(or _reset_parameters(), or a model's _init_weights(module)). fsdp "
+            f"materializes a meta model by calling reset_parameters() on its modules (as "
+            f"PyTorch FSDP does), then a Hugging Face model's _init_weights(module); values set in __init__ (nn.Parameter(torch.ones(n)), "
             f"torch.randn(...)) are not recorded on the meta device. Define "
             f"reset_parameters() on those modules to initialize them, or build them on a "
             f"real device before wrapping (tensors not on the meta device keep their values)."
@@ -338,10 +392,10 @@ class _Materializer:
             self._track(scratch_bytes)
             try:
                 with torch.no_grad(), torch.device(self.buffer.device):
-                    _reset_method(mod)()  # type: ignore[misc]
+                    reset.run()
             except Exception as e:
                 raise RuntimeError(
-                    f"{_reset_method(mod).__name__}() of module {reset.name or '<root>'!r} "
+                    f"initialization (reset_parameters() / the model's _init_weights) of module {reset.name or '<root>'!r} "
                     f"({type(mod).__name__}) failed during meta-device initialization: {e}"
                 ) from e
             # A reset may assign new Parameter objects or new .data: keep the buffers'.

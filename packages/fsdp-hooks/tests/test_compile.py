@@ -1,0 +1,69 @@
+"""torch.compile with fsdp: the recommended pattern compiles each unit's ``forward``
+(``block.forward = torch.compile(block.forward)``), so fsdp's hooks (gather before,
+release after, gradient reduction) stay outside the graph and break nothing.
+
+Checked at world size 2 under ZeRO-3: ``torch._dynamo.explain`` of a unit's forward, run
+while the unit is gathered, reports zero graph breaks and one graph; training with the
+compiled units matches the same model trained eagerly step by step (fp32 within 1e-5).
+``aot_eager`` traces through AOTAutograd like inductor does, without a C++ toolchain.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch._dynamo
+from torch.nn import functional as F
+
+from fsdp_hooks import fully_shard_model
+from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
+
+CFG = GPTConfig(vocab_size=64, max_seq_len=8, dim=32, n_heads=4, n_layers=2)
+STEPS = 3
+
+
+def _train(compiled: bool) -> tuple[list[float], dict[str, Any]]:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = fully_shard_model(GPT(CFG), fsdp_unit_modules=[Block], zero_dp_strategy=3)
+    explained: dict[str, Any] = {}
+    if compiled:
+        block = model.module.blocks[0]
+        eager_forward = block.forward
+
+        def explain(_module: Any, args: tuple) -> None:
+            if not explained:  # once, while fsdp has gathered the unit
+                with torch.no_grad():
+                    e = torch._dynamo.explain(eager_forward)(*args)
+                explained.update(breaks=e.graph_break_count, graphs=e.graph_count)
+
+        handle = block.register_forward_pre_hook(explain)
+        for b in model.module.blocks:
+            b.forward = torch.compile(b.forward, backend="aot_eager", fullgraph=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        x, y = token_batch(step, 4, CFG.max_seq_len, CFG.vocab_size)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if compiled and step == 0:
+            handle.remove()
+    return losses, explained
+
+
+def _body() -> dict[str, Any]:
+    eager, _ = _train(False)
+    compiled, explained = _train(True)
+    return {"eager": eager, "compiled": compiled, **explained}
+
+
+def test_compiled_units_no_graph_breaks_and_eager_parity() -> None:
+    for rank, r in enumerate(run_distributed(_body, 2, timeout=240)):
+        assert r["breaks"] == 0 and r["graphs"] == 1, (rank, r)
+        for step, (a, b) in enumerate(zip(r["eager"], r["compiled"], strict=True)):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (rank, step, a, b)

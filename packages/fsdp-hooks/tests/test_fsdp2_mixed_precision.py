@@ -1,0 +1,86 @@
+"""FSDP2's mixed-precision spelling on the wrapper: ``param_dtype``, ``reduce_dtype``,
+``output_dtype``, ``cast_forward_inputs``.
+
+The compute copy in ``param_dtype`` is not made by the library yet, so a model in
+another dtype is refused with the instruction (never run in the wrong dtype); a model
+already in ``param_dtype`` computes in it, its floating inputs are cast to it and its
+outputs to ``output_dtype``. Logits equal the unwrapped bf16 model's exactly: the
+gathered compute weights are the same bf16 values and the kernels the same.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fsdp_buffers import MixedPrecisionPolicy
+from fsdp_hooks import fully_shard_model
+from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
+
+CFG = GPTConfig(vocab_size=64, max_seq_len=8, dim=32, n_heads=4, n_layers=2)
+
+
+class _FloatIn(nn.Module):
+    """Records the dtype of a floating input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen: torch.dtype | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = x.dtype
+        return self.lin(x)
+
+
+def _body() -> dict[str, object]:
+    out: dict[str, object] = {}
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+    )
+    torch.manual_seed(0)
+    try:
+        fully_shard_model(GPT(CFG), fsdp_unit_modules=[Block], mixed_precision_policy=policy)
+    except ValueError as e:
+        out["fp32_model"] = str(e)
+
+    torch.manual_seed(0)
+    ref = GPT(CFG).to(torch.bfloat16)
+    torch.manual_seed(0)
+    model = fully_shard_model(
+        GPT(CFG).to(torch.bfloat16), fsdp_unit_modules=[Block], mixed_precision_policy=policy
+    )
+    x, _ = token_batch(0, 2, CFG.max_seq_len, CFG.vocab_size)
+    with torch.no_grad():
+        got = model(x)
+        want = ref(x)
+    out["dtype"] = str(got.dtype)
+    out["equal"] = torch.equal(got, want.float())
+
+    mod = _FloatIn().to(torch.bfloat16)
+    wrapped = fully_shard_model(mod, mixed_precision_policy=policy)
+    y = wrapped(torch.ones(2, 4))
+    out["input_cast"] = str(wrapped.module.seen)
+    out["output"] = str(y.dtype)
+    no_cast = fully_shard_model(
+        _FloatIn().to(torch.bfloat16),
+        mixed_precision_policy=MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, cast_forward_inputs=False
+        ),
+    )
+    try:
+        no_cast(torch.ones(2, 4))
+    except RuntimeError:
+        out["no_cast"] = "dtype error"  # bf16 weights, fp32 input: torch refuses
+    return out
+
+
+def test_fsdp2_mixed_precision_fields_on_the_wrapper() -> None:
+    for rank, r in enumerate(run_distributed(_body, 2, timeout=120)):
+        assert "cast the model before wrapping" in str(r.get("fp32_model")), (rank, r)
+        assert r["dtype"] == "torch.float32", (rank, r)
+        assert r["equal"] is True, (rank, r)
+        assert r["input_cast"] == "torch.bfloat16", (rank, r)
+        assert r["output"] == "torch.float32", (rank, r)
+        assert r["no_cast"] == "dtype error", (rank, r)
