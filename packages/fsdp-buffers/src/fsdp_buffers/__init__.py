@@ -1,6 +1,6 @@
 """fsdp-buffers: where the bytes live and how they move.
 
-Parameter grouping (``ParameterGroup``), the pure flat layout (``compute_layout``),
+Parameter grouping (``ParameterGroup``), the shard layout (``compute_layout``),
 sharded or replicated storage (``DataParallelBuffer``), every group's buffers as a
 sharding strategy asks (``ParamAndGradBuffer``), the collective pipelines
 (``AllGatherPipeline``, ``GradReducePipeline``), mixed precision

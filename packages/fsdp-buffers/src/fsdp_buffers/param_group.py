@@ -35,7 +35,7 @@ class ParameterGroup:
 
     ``fsdp_unit_id`` is the index of the FSDP unit the parameters belong to, or None for
     parameters outside every unit. ``chunk_size_factor`` is Megatron-FSDP's field, always
-    1 here: the flat layout's alignment does its job. The buffers are filled in by ``ParamAndGradBuffer``
+    1 here: the shard layout's alignment does its job. The buffers are filled in by ``ParamAndGradBuffer``
     according to the sharding strategy; a buffer that the strategy does not need is None:
     ``transpose_weight_buffer`` is for FP8 weights' transposes (none yet), ``hsdp_gbuf``
     the gradients of main weights sharded over the outer dim too (fully-sharded hybrid).

@@ -1,11 +1,12 @@
 """Uneven row shards in DCP: which rows each rank holds, and telling DCP about them.
 
 Note on uneven shards. DCP places a DTensor's local shard at the offset that DTensor's
-metadata implies, and DTensor assumes ``torch.chunk`` sizes. fsdp's parameters are
-``Shard(0)`` DTensors whose local shards are whole dim-0 row ranges chosen by the flat
-layout, not chunk-sized, so by default they would be written at wrong offsets. Each
-such parameter carries ``_fsdp_row_partition`` (one ``(row_start, row_end)`` per
-coordinate of its shard mesh). For DCP we rebuild the DTensor around a
+metadata implies, and DTensor assumes ``torch.chunk`` sizes. fsdp's own pieces are
+``torch.chunk`` ones (fsdp-buffers' Note [shard layout]), so DCP alone places them right;
+a DTensor whose pieces are not (another library's, or fsdp's before that layout) would
+be written at wrong offsets. fsdp's sharded DTensors carry ``_fsdp_row_partition`` (one
+``(row_start, row_end)`` per coordinate of its shard mesh), which states the offsets
+without a collective. For DCP we rebuild the DTensor around a
 ``RowShards`` local tensor (torch's ``LocalShardsWrapper``, which DTensor delegates
 ``__create_write_items__``/``__create_chunk_list__``/``__get_tensor_shard__`` to)
 holding the *same* local tensor, not a copy, at its explicit row offset: DCP then

@@ -12,7 +12,8 @@ tensor. Refused at wrap, with the reason:
 - ``SparseAdam``: it needs sparse gradients; fsdp's gradients are dense buffers.
 - ``Adafactor`` and ``Muon`` under a sharding strategy (1-3), for matrices: they need
   whole rows and columns (Adafactor's factored second moment) or whole matrices
-  (Muon's orthogonalization), which a row shard does not hold. Under ``no_shard`` (0)
+  (Muon's orthogonalization), which a row piece does not hold locally (their exact
+  support under sharding is issue "whole-matrix optimizers"). Under ``no_shard`` (0)
   every rank holds the whole matrix and they work.
 """
 
