@@ -115,6 +115,14 @@ class GradReducePipeline:
                 self.reduce_outer()
             self._begin_backward()
 
+    def abort(self) -> None:
+        """After a backward that raised (its ``finish`` never ran): wait for the
+        reductions it launched (every rank launched the same ones) and start afresh.
+        Gradients already accumulated stay where they are, as ``.grad`` does in plain
+        PyTorch, until ``zero_grad_buffer``."""
+        self.wait_all()
+        self._begin_backward()
+
     def reduce_accumulated(self) -> None:
         """Outside backward: reduce, in order, every bucket still holding unreduced
         gradients (left by backwards run with ``sync_grads=False``), and wait."""

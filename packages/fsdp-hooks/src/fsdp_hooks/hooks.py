@@ -235,6 +235,7 @@ class FSDPHooks:
     # ---- root -----------------------------------------------------------------------
     def root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         with annotate("fsdp.root_pre_forward"):
+            self.recover_if_backward_aborted()
             self.root_state = TrainingState.FORWARD
             self.use_compute_params()
             self.gather.all_gather_params(self.root_groups, prefetch=False)
@@ -407,6 +408,25 @@ class FSDPHooks:
                 self.buffer.attach_grads()
                 self._callback_queued = False
                 self.root_state = TrainingState.IDLE
+
+    def recover_if_backward_aborted(self) -> bool:
+        """Reset the per-step state when the last backward raised (an OOM-skipped batch,
+        Ctrl-C): the engine never ran its end-of-backward callback, so its flag, the
+        gathered buckets, the launched reductions, the compute parameters and the units'
+        states are as the exception left them. Runs at the next forward and at
+        ``zero_grad_buffer``; True when it reset."""
+        if not self._callback_queued or in_backward():
+            return False
+        self.reduce.abort()
+        self._release_all()
+        self._reset_call_counts()
+        for unit in self.units:
+            unit.state = TrainingState.IDLE
+        self.use_distributed_params()
+        self._nonfinite.clear()
+        self._callback_queued = False
+        self.root_state = TrainingState.IDLE
+        return True
 
     def _release_all(self) -> None:
         self.gather.reset()

@@ -308,6 +308,7 @@ class MegatronFSDP(nn.Module):
         self.buffer.scale_gradients(scaling_factor)
 
     def zero_grad_buffer(self) -> None:
+        self.hooks.recover_if_backward_aborted()  # reductions in flight land first
         self.buffer.zero_grad_buffer()
         self.hooks.clear_nonfinite_grads()
 
