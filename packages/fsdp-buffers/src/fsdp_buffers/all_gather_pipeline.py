@@ -133,6 +133,15 @@ class AllGatherPipeline:
             for gid in ids:
                 self.wait_bucket_ready(gid)
 
+    def gather_for_immediate_use(self, gid: int) -> None:
+        """Gather ``gid`` and wait, for a read that ends before the next gather (a weight
+        unpacked for one autograd node). It stays evictable, as a prefetched bucket is:
+        a double-buffer slot it holds can go to the next bucket asked for."""
+        asked = gid in self._asked
+        self.wait_bucket_ready(gid)
+        if not asked:
+            self._asked.discard(gid)
+
     def _prefetch(self, ids: list[int], order: PrefetchOrder) -> None:
         position = self._position[order]
         sequence = (

@@ -61,6 +61,7 @@ trainable parameters), and its buckets are reduced at the end of backward.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from dataclasses import dataclass, field
@@ -71,7 +72,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_buffers import PrefetchOrder, annotate, module_is_fully_no_shard
+from fsdp_buffers import BucketStatus, PrefetchOrder, annotate, module_is_fully_no_shard
 from fsdp_hooks.backward import (
     in_backward,
     queue_end_of_backward_callback,
@@ -84,6 +85,14 @@ if TYPE_CHECKING:
     from fsdp_hooks.megatron_fsdp import MegatronFSDP
 
 __all__ = ["FSDPHooks", "FSDPUnit"]
+
+
+@dataclass(frozen=True, eq=False)
+class _SavedWeight:
+    """A unit's compute weight saved for backward, and its bucket."""
+
+    weight: torch.Tensor
+    gid: int
 
 
 @dataclass(eq=False)
@@ -178,6 +187,13 @@ class FSDPHooks:
         self._using_compute = True
         self.distributed_by_compute = by_param
         self._assign_unit_locations()
+        # Compute parameters a unit frees after its forward -> their bucket: a backward
+        # that reads one (saved for backward) gathers the bucket first when needed.
+        self._released_weights = {
+            compute: self.buffer.group_of(compute)[0]
+            for unit in self.units
+            for _m, _a, compute, _d in unit.locations
+        }
 
     @property
     def wrapper(self) -> MegatronFSDP:
@@ -231,6 +247,33 @@ class FSDPHooks:
             if dparam is param:
                 return self.buffer.group_of(compute)[0]
         raise KeyError("parameter is not managed by this MegatronFSDP model")
+
+    # ---- weights saved for backward -------------------------------------------------
+    def saved_weights_hooks(self) -> contextlib.AbstractContextManager:
+        """Around the whole forward: a unit's weight that autograd saves for backward is
+        packed as a reference, and unpacking it gathers its bucket if it is released.
+        A gradient path into the weights that bypasses the unit's outputs (an auxiliary
+        loss kept on the module, ``self.aux = f(self.fc.weight)``, backpropagated on its
+        own) reaches them before (or without) the unit's pre-backward; it would read
+        freed memory, or another unit's weights in a shared double-buffer slot."""
+        if not self._released_weights:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
+
+    def _pack_saved(self, tensor: torch.Tensor) -> Any:
+        gid = self._released_weights.get(tensor)  # type: ignore[call-overload]
+        return tensor if gid is None else _SavedWeight(tensor, gid)
+
+    def _unpack_saved(self, packed: Any) -> torch.Tensor:
+        if type(packed) is not _SavedWeight:
+            return packed
+        gid = packed.gid
+        if self.gather.status[gid] is not BucketStatus.READY_TO_USE:
+            # Every rank runs the same graph, so every rank gathers here; the end of
+            # backward (queued now if no hook of this backward did) releases it.
+            self._begin_backward()
+            self.gather.gather_for_immediate_use(gid)
+        return packed.weight
 
     # ---- root -----------------------------------------------------------------------
     def root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

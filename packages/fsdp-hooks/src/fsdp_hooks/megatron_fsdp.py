@@ -196,7 +196,8 @@ class MegatronFSDP(nn.Module):
     # ---- forward --------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         inputs, kwargs = self.hooks.root_pre_forward(inputs, kwargs)
-        output = self.module(*inputs, **kwargs)
+        with self.hooks.saved_weights_hooks():
+            output = self.module(*inputs, **kwargs)
         return self.hooks.root_post_forward(output)
 
     # ---- parameter views ------------------------------------------------------------
