@@ -157,4 +157,4 @@ def test_aux_loss_on_weights_and_dataclass_outputs(trained, config):
         rtol=1e-5,
         atol=0,
     )
-    assert_tensors_close(got["params"], ref["params"], where=f"zero{config[0]}")
+    assert_tensors_close(got["params"], ref["params"], where=f"{mode} zero{config[0]}")
