@@ -115,7 +115,28 @@ class MegatronFSDP(nn.Module):
             )
         if not has_meta:
             module.to(self.device)
-        check_same_model(module, dist_index)
+        split_experts = dist_index.expt_dp_size != dist_index.dp_size
+        check_same_model(
+            module,
+            dist_index,
+            {
+                "ddp_config": ddp_config,
+                "fsdp_unit_modules": fsdp_unit_modules,
+                "disable_bucketing": disable_bucketing,
+                "device": self.device.type,
+                "calculate_per_token_loss": calculate_per_token_loss,
+                "init_model_with_meta_device": init_model_with_meta_device,
+                "sync_model_each_microbatch": sync_model_each_microbatch,
+                "keep_fp8_transpose_cache": keep_fp8_transpose_cache,
+                "nccl_ub": nccl_ub,
+                "fsdp_double_buffer": fsdp_double_buffer,
+                "disable_symmetric_registration": disable_symmetric_registration,
+                "mixed_precision_policy": self.mixed_precision_policy,
+                "is_expert_param": is_expert_param,
+            },
+            # Experts differ across ranks on an expert-parallel mesh.
+            skip_values=resolve_is_expert_param(is_expert_param, True) if split_experts else None,
+        )
         check_tensor_parallel_replicas(module, dist_index)
         self.module = module
         if init_model_with_meta_device:
