@@ -79,6 +79,7 @@ from fsdp_hooks.backward import (
     register_pre_backward,
     wrap_inputs_for_post_backward,
 )
+from fsdp_hooks.schedule_check import Phase, ScheduleCheck, schedule_check_requested
 from fsdp_hooks.training_state import TrainingState
 
 if TYPE_CHECKING:
@@ -187,6 +188,13 @@ class FSDPHooks:
         self._using_compute = True
         self.distributed_by_compute = by_param
         self._assign_unit_locations()
+        # Opt-in (FSDP_CHECK_SCHEDULE=1): ranks agree on each point that issues collectives.
+        self.schedule: ScheduleCheck | None = None
+        if schedule_check_requested() and dist.is_initialized():
+            device = buffer.device if buffer.device.type != "meta" else torch.device("cpu")
+            self.schedule = ScheduleCheck(
+                wrapper.dist_index.get_dp_group(), [u.name for u in self.units], device
+            )
         # Compute parameters a unit frees after its forward -> their bucket: a backward
         # that reads one (saved for backward) gathers the bucket first when needed.
         self._released_weights = {
@@ -279,6 +287,8 @@ class FSDPHooks:
     def root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         with annotate("fsdp.root_pre_forward"):
             self.recover_if_backward_aborted()
+            if self.schedule is not None and not in_backward():
+                self.schedule.check(Phase.FORWARD)
             self.root_state = TrainingState.FORWARD
             self.use_compute_params()
             self.gather.all_gather_params(self.root_groups, prefetch=False)
@@ -358,6 +368,8 @@ class FSDPHooks:
             # A recompute runs inside the unit's backward: PRE_BACKWARD even when no
             # pre-backward hook fired (reentrant checkpoint ran the forward under no_grad).
             unit.state = TrainingState.PRE_BACKWARD if recompute else TrainingState.FORWARD
+            if not recompute and self.schedule is not None:
+                self.schedule.check(Phase.UNIT_FORWARD, unit.index)
             if not recompute:
                 # Counted under no_grad too: a reentrant checkpoint's first forward is one
                 # call, whose backward comes with its recompute.
@@ -386,6 +398,8 @@ class FSDPHooks:
 
     def _unit_pre_backward(self, unit: FSDPUnit) -> None:
         with annotate("fsdp.pre_backward"):
+            if self.schedule is not None:
+                self.schedule.check(Phase.UNIT_BACKWARD, unit.index)
             self._begin_backward()
             self.root_state = TrainingState.PRE_BACKWARD
             unit.state = TrainingState.PRE_BACKWARD
@@ -440,6 +454,8 @@ class FSDPHooks:
         with annotate("fsdp.end_of_backward"):
             self.root_state = TrainingState.POST_BACKWARD
             try:
+                if self.schedule is not None:
+                    self.schedule.check(Phase.END_OF_BACKWARD)
                 self.reduce.finish()
                 self.raise_if_nonfinite_grads()
             finally:
