@@ -79,6 +79,7 @@ from fsdp_hooks.backward import (
     register_pre_backward,
     wrap_inputs_for_post_backward,
 )
+from fsdp_hooks.param_state import ParamState
 from fsdp_hooks.schedule_check import Phase, ScheduleCheck, schedule_check_requested
 from fsdp_hooks.training_state import TrainingState
 
@@ -188,6 +189,7 @@ class FSDPHooks:
         self._using_compute = True
         self.distributed_by_compute = by_param
         self._assign_unit_locations()
+        self.params = ParamState(self)
         # Opt-in (FSDP_CHECK_SCHEDULE=1): ranks agree on each point that issues collectives.
         self.schedule: ScheduleCheck | None = None
         if schedule_check_requested() and dist.is_initialized():
@@ -287,8 +289,13 @@ class FSDPHooks:
     def root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         with annotate("fsdp.root_pre_forward"):
             self.recover_if_backward_aborted()
-            if self.schedule is not None and not in_backward():
-                self.schedule.check(Phase.FORWARD)
+            if not in_backward():
+                if self.schedule is not None:
+                    self.schedule.check(Phase.FORWARD)
+                self.params.sync_requires_grad()
+                if self.root_state is TrainingState.IDLE and self.params.main_weights_changed():
+                    # In-place writes to the main weights since the last install.
+                    self.wrapper.install_optimized_model_weights()
             self.root_state = TrainingState.FORWARD
             self.use_compute_params()
             self.gather.all_gather_params(self.root_groups, prefetch=False)
@@ -427,9 +434,8 @@ class FSDPHooks:
         if not units or gid in self._marked or any(u.pending_backward for u in units):
             return
         self._marked.add(gid)
-        for param in self.buffer.groups[gid].params:
-            if param.requires_grad:
-                self.reduce.mark_param_grad_ready(param)
+        for param in self.buffer.groups[gid].params:  # frozen after wrapping included
+            self.reduce.mark_param_grad_ready(param)
 
     def _reset_call_counts(self) -> None:
         for unit in self.units:
@@ -438,6 +444,7 @@ class FSDPHooks:
 
     # ---- gradients ------------------------------------------------------------------
     def _on_param_grad(self, param: torch.Tensor) -> None:
+        self.params.on_grad(param)  # type: ignore[arg-type]
         if self.wrapper.report_nan_in_param_grad and param.grad is not None:
             grad = param.grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad  # tp: no collective
@@ -458,6 +465,7 @@ class FSDPHooks:
                     self.schedule.check(Phase.END_OF_BACKWARD)
                 self.reduce.finish()
                 self.raise_if_nonfinite_grads()
+                self.params.agree_on_reached()
             finally:
                 self._release_all()
                 self._reset_call_counts()
@@ -465,6 +473,7 @@ class FSDPHooks:
                     unit.state = TrainingState.IDLE
                 self.use_distributed_params()
                 self.buffer.attach_grads()
+                self.params.drop_unreached_grads()
                 self._callback_queued = False
                 self.root_state = TrainingState.IDLE
 
@@ -492,6 +501,7 @@ class FSDPHooks:
 
     def clear_nonfinite_grads(self) -> None:
         self._nonfinite.clear()
+        self.params.clear()
 
     def raise_if_nonfinite_grads(self) -> None:
         """With ``check_for_nan_in_grad``/``report_nan_in_param_grad``: agree across

@@ -325,6 +325,7 @@ class MegatronFSDP(nn.Module):
         the groups a backward filled since ``zero_grad_buffer`` (a step without
         backward after ``zero_grad()`` then behaves as in plain PyTorch)."""
         self.buffer.attach_grads(only_with_grads=True)
+        self.hooks.params.drop_unreached_grads()
 
     def scale_gradients(self, scaling_factor: float) -> None:
         self.buffer.scale_gradients(scaling_factor)
@@ -339,8 +340,12 @@ class MegatronFSDP(nn.Module):
 
     # ---- weights ----------------------------------------------------------------------
     def install_optimized_model_weights(self) -> None:
+        """Copy the main weights into the compute weights (after an optimizer step, or
+        in-place writes to the parameters; the next forward does it by itself when a
+        main weight's version moved since the last install)."""
         self.all_gather_pipeline.reset()  # gathered copies are stale after a step
         self.buffer.install_optimized_model_weights()
+        self.hooks.params.record_versions()
 
     def broadcast_params(self) -> None:
         self.all_gather_pipeline.reset()
