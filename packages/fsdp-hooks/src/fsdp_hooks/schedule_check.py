@@ -23,7 +23,13 @@ import torch.distributed as dist
 
 from fsdp_buffers.collectives import wait_with_timeout
 
-__all__ = ["SCHEDULE_CHECK_ENV", "Phase", "ScheduleCheck", "schedule_check_requested"]
+__all__ = [
+    "SCHEDULE_CHECK_ENV",
+    "Phase",
+    "ScheduleCheck",
+    "ScheduleDivergedError",
+    "schedule_check_requested",
+]
 
 SCHEDULE_CHECK_ENV = "FSDP_CHECK_SCHEDULE"
 
