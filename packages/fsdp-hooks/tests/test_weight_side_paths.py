@@ -32,7 +32,8 @@ LR = 1e-2
 AUX = 1e-2
 CONFIGS = ((0, False), (1, False), (2, False), (3, False), (3, True))
 # How the auxiliary loss reaches backward: added to the loss, or through a backward of
-# its own before the main one (its graph reaches no unit's output at all).
+# its own before the main one (its graph reaches no unit's output at all: only with
+# FSDP_REGATHER_SAVED_WEIGHTS=1, see test_separate_side_backward_raises_by_default).
 MODES = ("summed", "separate")
 
 
@@ -143,7 +144,34 @@ def reference() -> dict:
 
 @pytest.fixture(scope="module", params=MODES)
 def trained(request) -> tuple[str, dict]:
-    return request.param, run_distributed(_train, WORLD, args=(request.param,), timeout=120)[0]
+    env = {"FSDP_REGATHER_SAVED_WEIGHTS": "1"} if request.param == "separate" else {}
+    runs = run_distributed(_train, WORLD, args=(request.param,), timeout=120, env=env)
+    return request.param, runs[0]
+
+
+def _separate_by_default() -> str:
+    module = build()
+    model, _opt = fully_shard(
+        module,
+        torch.optim.AdamW(module.parameters()),
+        fsdp_unit_modules=[AuxBlock],
+        zero_dp_strategy=3,
+        fsdp_double_buffer=True,  # the read lands in a live slot: no crash before the check
+    )
+    x, y = batch(0, dist.get_rank())
+    try:
+        _loss(model(x), y, model.module.aux_loss(), "separate")
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_separate_side_backward_raises_by_default():
+    """Without FSDP_REGATHER_SAVED_WEIGHTS a backward that reads a released unit's weights
+    (under double buffering: another unit's, silently, before) raises on every rank."""
+    for message in run_distributed(_separate_by_default, WORLD, timeout=60):
+        assert "without going through the unit's outputs" in message, message
+        assert "FSDP_REGATHER_SAVED_WEIGHTS=1" in message, message
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"zero{c[0]}-double{int(c[1])}")

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -86,7 +87,9 @@ from fsdp_hooks.training_state import TrainingState
 if TYPE_CHECKING:
     from fsdp_hooks.megatron_fsdp import MegatronFSDP
 
-__all__ = ["FSDPHooks", "FSDPUnit"]
+__all__ = ["REGATHER_ENV", "FSDPHooks", "FSDPUnit"]
+
+REGATHER_ENV = "FSDP_REGATHER_SAVED_WEIGHTS"
 
 
 @dataclass(frozen=True, eq=False)
@@ -197,13 +200,13 @@ class FSDPHooks:
             self.schedule = ScheduleCheck(
                 wrapper.dist_index.get_dp_group(), [u.name for u in self.units], device
             )
-        # Compute parameters a unit frees after its forward -> their bucket: a backward
-        # that reads one (saved for backward) gathers the bucket first when needed.
-        self._released_weights = {
-            compute: self.buffer.group_of(compute)[0]
+        # Compute parameters a unit frees after its forward -> (bucket, unit).
+        self._released_weights: dict[nn.Parameter, tuple[int, FSDPUnit]] = {
+            compute: (self.buffer.group_of(compute)[0], unit)
             for unit in self.units
             for _m, _a, compute, _d in unit.locations
         }
+        self.regather_saved_weights = os.environ.get(REGATHER_ENV, "0") not in ("", "0")
 
     @property
     def wrapper(self) -> MegatronFSDP:
@@ -260,19 +263,23 @@ class FSDPHooks:
 
     # ---- weights saved for backward -------------------------------------------------
     def saved_weights_hooks(self) -> contextlib.AbstractContextManager:
-        """Around the whole forward: a unit's weight that autograd saves for backward is
-        packed as a reference, and unpacking it gathers its bucket if it is released.
-        A gradient path into the weights that bypasses the unit's outputs (an auxiliary
-        loss kept on the module, ``self.aux = f(self.fc.weight)``, backpropagated on its
-        own) reaches them before (or without) the unit's pre-backward; it would read
-        freed memory, or another unit's weights in a shared double-buffer slot."""
-        if not self._released_weights:
+        """Around the whole forward, with ``FSDP_REGATHER_SAVED_WEIGHTS=1`` at wrap: a
+        unit's weight that autograd saves for backward is packed as a reference, and
+        unpacking it gathers its bucket if it is released. A gradient path into the
+        weights that bypasses the unit's outputs and runs before the unit's backward
+        (an auxiliary loss kept on the module, ``self.aux = f(self.fc.weight)``,
+        backpropagated on its own) then reads the right weights. Opt-in: with any
+        saved-tensor hooks, autograd hands a backward a new tensor object for a saved
+        parameter, without its Python attributes (``weight.main_grad`` of Megatron-Core's
+        fused weight-gradient accumulation). Without it such a path raises when its
+        gradient arrives (``_check_side_path``), or crashes reading freed memory first."""
+        if not (self.regather_saved_weights and self._released_weights):
             return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
 
     def _pack_saved(self, tensor: torch.Tensor) -> Any:
-        gid = self._released_weights.get(tensor)  # type: ignore[call-overload]
-        return tensor if gid is None else _SavedWeight(tensor, gid)
+        entry = self._released_weights.get(tensor)  # type: ignore[call-overload]
+        return tensor if entry is None else _SavedWeight(tensor, entry[0])
 
     def _unpack_saved(self, packed: Any) -> torch.Tensor:
         if type(packed) is not _SavedWeight:
@@ -284,6 +291,26 @@ class FSDPHooks:
             self._begin_backward()
             self.gather.gather_for_immediate_use(gid)
         return packed.weight
+
+    def _check_side_path(self, param: nn.Parameter) -> None:
+        """A gradient for a unit's weight while the unit is not in backward (its forward
+        ran, no gradient reached its outputs yet): it came through a path that bypasses
+        the unit's outputs and read the weight while it was released (freed, or another
+        unit's in a double-buffer slot). Every rank runs the same graph: all raise."""
+        entry = self._released_weights.get(param)  # type: ignore[call-overload]
+        if entry is None or self.regather_saved_weights:
+            return
+        unit = entry[1]
+        if unit.state is TrainingState.IDLE and unit.pending_backward > 0:
+            name = self._param_names[param]
+            raise RuntimeError(
+                f"the gradient of {name!r} (FSDP unit {unit.name!r}) was computed by a backward "
+                "that reached the weight without going through the unit's outputs (e.g. an "
+                "auxiliary loss kept on the module, backpropagated on its own), while ZeRO-3 "
+                "had released the unit's weights: it read freed memory. Add that loss to the "
+                "main loss before one backward, or set FSDP_REGATHER_SAVED_WEIGHTS=1 before "
+                "wrapping to gather such weights when backward reads them"
+            )
 
     # ---- root -----------------------------------------------------------------------
     def root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -444,6 +471,7 @@ class FSDPHooks:
 
     # ---- gradients ------------------------------------------------------------------
     def _on_param_grad(self, param: torch.Tensor) -> None:
+        self._check_side_path(param)  # type: ignore[arg-type]
         self.params.on_grad(param)  # type: ignore[arg-type]
         if self.wrapper.report_nan_in_param_grad and param.grad is not None:
             grad = param.grad
