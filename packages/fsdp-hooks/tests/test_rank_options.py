@@ -3,8 +3,9 @@
 Only the parameters' names, shapes and dtypes used to be compared at wrap: a different
 strategy on one rank hung, different units or ``grad_comm_dtype`` aborted in gloo,
 ``calculate_per_token_loss`` on one rank trained silently different weights, and a
-per-rank seed left ZeRO-0 replicas diverged. Now each raises at wrap, on every rank,
-naming the option (or the parameters) and the rank that differs.
+per-rank seed left ZeRO-0 replicas diverged. Now a differing option raises at wrap, on
+every rank, naming the option and the rank; differing initial values are replaced by
+data-parallel rank 0's, as torch DDP does.
 """
 
 from __future__ import annotations
@@ -70,9 +71,14 @@ def _wrap_with(case: str) -> str:
     kwargs = {"zero_dp_strategy": 3, "fsdp_unit_modules": [Block], **kwargs}
     optimizer = torch.optim.AdamW(module.parameters())
     try:
-        fully_shard(module, optimizer, **kwargs)
+        model, _opt = fully_shard(module, optimizer, **kwargs)
     except ValueError as err:
         return str(err)
+    if case == "seed":
+        expected = dict(build(seed=0).named_parameters())
+        got = model.buffer.full_parameters()
+        same = all(torch.equal(got[n], expected[n].detach()) for n in expected)
+        return "rank 0's values" if same else "values differ"
     return "wrapped"
 
 
@@ -86,16 +92,17 @@ def messages() -> list[dict[str, str]]:
     return run_distributed(_wrap_each, WORLD, timeout=90)
 
 
-@pytest.mark.parametrize("case", [*CASES, "seed"])
+@pytest.mark.parametrize("case", list(CASES))
 def test_differing_option_raises_on_every_rank(messages, case):
     for per_rank in messages:
         message = per_rank[case]
-        if case == "seed":
-            assert "different initial values" in message, message
-            assert "0.fc.weight (ranks [1])" in message, message
-        else:
-            assert "options differ across data-parallel ranks" in message, message
-            assert CASES[case][2] in message and "rank 1" in message, message
+        assert "options differ across data-parallel ranks" in message, message
+        assert CASES[case][2] in message and "rank 1" in message, message
+
+
+def test_differing_initial_values_take_rank_0s(messages):
+    """ZeRO-0 with a per-rank seed: every rank holds rank 0's model after wrapping."""
+    assert [m["seed"] for m in messages] == ["rank 0's values"] * WORLD
 
 
 def test_same_options_and_values_wrap(messages):

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdp_buffers import (
@@ -116,7 +117,7 @@ class MegatronFSDP(nn.Module):
         if not has_meta:
             module.to(self.device)
         split_experts = dist_index.expt_dp_size != dist_index.dp_size
-        check_same_model(
+        differ = check_same_model(
             module,
             dist_index,
             {
@@ -137,6 +138,8 @@ class MegatronFSDP(nn.Module):
             # Experts differ across ranks on an expert-parallel mesh.
             skip_values=resolve_is_expert_param(is_expert_param, True) if split_experts else None,
         )
+        if differ:
+            _broadcast_from_dp_rank0(module, differ, dist_index)
         check_tensor_parallel_replicas(module, dist_index)
         self.module = module
         if init_model_with_meta_device:
@@ -424,6 +427,27 @@ def _resolve_device(device: torch.device | str | None, dist_index) -> torch.devi
     if dist_index.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(dist_index.device_type)
+
+
+def _broadcast_from_dp_rank0(module: nn.Module, names: list[str], dist_index) -> None:
+    """Initial values that differ across data-parallel ranks (a per-rank seed): take
+    data-parallel rank 0's, as torch DDP does at construction, and say so once."""
+    group = dist_index.get_dp_group()
+    src = dist.get_global_rank(group, 0)
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name in names:
+            p = params[name]
+            local = p.to_local() if isinstance(p, DTensor) else p
+            dist.broadcast(local.data, src=src, group=group)
+    if dist.get_rank(group) == 0:
+        logger.warning(
+            "fsdp: %d parameters (%s) held different initial values across data-parallel "
+            "ranks; data-parallel rank 0's were broadcast, as torch DDP does. Seed the "
+            "initialization alike on every rank to avoid this.",
+            len(names),
+            ", ".join(names[:5]) + (", ..." if len(names) > 5 else ""),
+        )
 
 
 def _world() -> int:

@@ -182,7 +182,8 @@ def check_same_model(
     options: Mapping[str, Any] | None = None,
     *,
     skip_values: Callable[[str, nn.Parameter], bool] | None = None,
-) -> None:
+    check_values: bool = True,
+) -> list[str]:
     """Every data-parallel rank must wrap the same model with the same options: compare
     a fingerprint of parameter names, shapes, dtypes and requires_grad, of the wrapping
     ``options`` (strategy, units, mixed precision, ...) and of the parameters' initial
@@ -190,15 +191,16 @@ def check_same_model(
     instead of hanging in a collective or training different replicas. One all-gather
     of two integers; details are gathered only when something differs.
 
-    Initial values: torch DDP broadcasts rank 0's; fsdp refuses instead (a per-rank seed
-    is usually a bug, and a broadcast of the whole model would cost every wrap).
-    ``skip_values`` names parameters that may differ (experts of an expert-parallel mesh)."""
+    Initial values (``check_values``): the names of the parameters whose values differ
+    from data-parallel rank 0's are returned (the same list on every rank), for the
+    caller to broadcast rank 0's as torch DDP does; ``skip_values`` names parameters that
+    may differ (experts of an expert-parallel mesh)."""
     if not dist.is_initialized():
-        return
+        return []
     group = dist_index.get_dp_group()
     entries = _fingerprint(module)
     described = {k: describe_option(v) for k, v in (options or {}).items()}
-    value_names, checksums = _value_checksums(module, skip_values)
+    value_names, checksums = _value_checksums(module, skip_values) if check_values else ([], None)
     structure = _digest(repr((entries, sorted(described.items()))).encode())
     values = _digest(
         repr(value_names).encode() + (checksums.numpy().tobytes() if checksums is not None else b"")
@@ -212,7 +214,7 @@ def check_same_model(
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     if all(torch.equal(t, mine) for t in everyone):
-        return
+        return []
     summaries: list[Any] = [None] * dist.get_world_size(group)
     mine_details = (dist.get_rank(), entries, described, value_names, checksums)
     dist.all_gather_object(summaries, mine_details, group=group)
@@ -245,19 +247,14 @@ def check_same_model(
             "fsdp wrapping options differ across data-parallel ranks; every rank must wrap "
             "with the same options:\n" + "\n".join(lines)
         )
-    differ: dict[str, list[int]] = {}
-    for rank, _e, _o, names, sums in summaries[1:]:
+    differ: list[str] = []
+    for _rank, _e, _o, names, sums in summaries[1:]:
         for j, name in enumerate(names):
+            if name in differ:
+                continue
             if ref_sums is None or not torch.equal(sums[j], ref_sums[ref_names.index(name)]):
-                differ.setdefault(name, []).append(rank)
-    shown = [f"{name} (ranks {ranks})" for name, ranks in list(differ.items())[:5]]
-    raise ValueError(
-        f"parameters hold different initial values across data-parallel ranks: {shown} "
-        f"differ from rank {reference_rank}'s ({len(differ)} in all); seed the model's "
-        "initialization alike on every rank (torch.manual_seed with one seed before building "
-        "it) or load the same weights before wrapping (torch DDP broadcasts rank 0's "
-        "weights; fsdp refuses rather than hide a per-rank seed)"
-    )
+                differ.append(name)
+    return differ
 
 
 def check_tensor_parallel_replicas(module: nn.Module, dist_index) -> None:
