@@ -74,7 +74,8 @@ def _recording_reductions(record: list) -> Iterator[None]:
         return reduce_scatter(output, input, op=op, group=group, async_op=async_op)
 
     def recording_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        record.append(("all_reduce", op, tensor.detach().clone()))
+        if tensor.is_floating_point():  # not the flags of which parameters got a gradient
+            record.append(("all_reduce", op, tensor.detach().clone()))
         return all_reduce(tensor, op=op, group=group, async_op=async_op)
 
     dist.reduce_scatter_tensor = recording_reduce_scatter

@@ -70,9 +70,7 @@ def _reference():
         x, y = _global_batch(step)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
-        # fsdp gives a parameter without a gradient a zero one (its main-grad rows), so
-        # AdamW's weight decay applies to it: the same here.
-        model.scale.grad = torch.zeros_like(model.scale)
+        # model.scale gets no gradient: .grad None here and in fsdp, so AdamW skips it.
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         opt.step()
         opt.zero_grad()

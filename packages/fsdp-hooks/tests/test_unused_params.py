@@ -16,9 +16,8 @@ started a block's reduction on its own schedule would deadlock the other (hooks.
 all wait for its end, which is checked when the gradient reaches the first block
 (with ``overlap_grad_reduce=False`` they must all wait, with the same results).
 
-Every step has at least one rank taking the branch: on a step where no rank does, the
-reference's gradient is None (AdamW skips the parameter) while fsdp's is a zero main
-grad (AdamW still decays its moments), which is not what this test is about.
+Every step has at least one rank taking the branch: a parameter that no rank used
+(gradient None, as in the reference) is ``test_param_changes``'s subject.
 """
 
 from __future__ import annotations

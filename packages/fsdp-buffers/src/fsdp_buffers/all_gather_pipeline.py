@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Sequence
 
-from fsdp_buffers.collectives import PendingCollective
+from fsdp_buffers.collectives import PendingCollective, describe_bucket
 from fsdp_buffers.param_and_grad_buffer import ParamAndGradBuffer
 
 __all__ = ["AllGatherPipeline", "BucketStatus", "PrefetchOrder"]
@@ -71,6 +71,7 @@ class AllGatherPipeline:
             prefetch_budget_bytes = max(per_unit.values(), default=0)
         self.prefetch_budget_bytes = prefetch_budget_bytes
         self.status = [BucketStatus.EMPTY] * n
+        self._what = [describe_bucket(buffer, g, "all-gather") for g in range(n)]
         self._pending: dict[int, PendingCollective] = {}
         self._asked: set[int] = set()  # gathered because asked for, not only prefetched
         self.reset()
@@ -110,7 +111,7 @@ class AllGatherPipeline:
             self.async_bucket_gather(gid)
         pending = self._pending.pop(gid, None)
         if pending is not None:
-            pending.wait()
+            pending.wait(self._what[gid])
         self.status[gid] = BucketStatus.READY_TO_USE
 
     def all_gather_params(
@@ -132,6 +133,15 @@ class AllGatherPipeline:
         if wait_bucket_ready:
             for gid in ids:
                 self.wait_bucket_ready(gid)
+
+    def gather_for_immediate_use(self, gid: int) -> None:
+        """Gather ``gid`` and wait, for a read that ends before the next gather (a weight
+        unpacked for one autograd node). It stays evictable, as a prefetched bucket is:
+        a double-buffer slot it holds can go to the next bucket asked for."""
+        asked = gid in self._asked
+        self.wait_bucket_ready(gid)
+        if not asked:
+            self._asked.discard(gid)
 
     def _prefetch(self, ids: list[int], order: PrefetchOrder) -> None:
         position = self._position[order]
@@ -161,7 +171,7 @@ class AllGatherPipeline:
             return
         pending = self._pending.pop(gid, None)
         if pending is not None:
-            pending.wait()
+            pending.wait(self._what[gid])
         self.buffer.release_param_bucket(gid)
         self.status[gid] = BucketStatus.EMPTY
         self._asked.discard(gid)

@@ -17,8 +17,10 @@ all-reduce), which is what DESIGN.md's bound ``3·Ψ·(N−1)/N`` counts.
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,14 +28,46 @@ import torch.distributed as dist
 from fsdp_buffers.profiling import annotate
 
 __all__ = [
+    "COLLECTIVE_TIMEOUT_ENV",
+    "CollectiveError",
     "CollectiveKind",
     "CommStats",
     "PendingCollective",
     "all_gather",
     "all_gather_uneven",
     "all_reduce",
+    "describe_bucket",
     "reduce_scatter",
+    "wait_with_timeout",
 ]
+
+COLLECTIVE_TIMEOUT_ENV = "FSDP_COLLECTIVE_TIMEOUT_S"
+
+
+class CollectiveError(RuntimeError):
+    """A collective that failed or timed out, named by what it was for."""
+
+
+def wait_with_timeout(work: dist.Work, what: str) -> None:
+    """``work.wait()``, turning a failure into a ``CollectiveError`` naming ``what``.
+
+    Without ``FSDP_COLLECTIVE_TIMEOUT_S`` the process group's own timeout applies
+    (``init_process_group(timeout=...)``: gloo raises then; NCCL's watchdog aborts the
+    process). With it, the host waits at most that many seconds (on NCCL this makes
+    the wait block the host: a debugging aid)."""
+    seconds = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+    try:
+        if seconds:
+            work.wait(timedelta(seconds=float(seconds)))
+        else:
+            work.wait()
+    except Exception as err:
+        limit = f" within {COLLECTIVE_TIMEOUT_ENV}={seconds}s" if seconds else ""
+        raise CollectiveError(
+            f"{what} did not complete{limit}: {err}. A rank that stopped, or runs a different "
+            "schedule (a unit skipped or called on some ranks only), leaves the others waiting; "
+            "FSDP_CHECK_SCHEDULE=1 names the unit, rank and step where ranks diverged"
+        ) from err
 
 
 class CollectiveKind(enum.Enum):
@@ -96,13 +130,13 @@ class PendingCollective:
         self._done = False
         self.keepalive = keepalive
 
-    def wait(self) -> None:
+    def wait(self, what: str = "a collective") -> None:
         if self._done:
             return
         self._done = True
         with annotate("fsdp.wait"):  # the wait and the follow-up (accumulate, free)
             if self._work is not None:
-                self._work.wait()
+                wait_with_timeout(self._work, what)
             self._work = None
             if self._then is not None:
                 then, self._then = self._then, None
@@ -112,6 +146,15 @@ class PendingCollective:
     @property
     def done(self) -> bool:
         return self._done
+
+
+def describe_bucket(buffer, gid: int, kind: str) -> str:  # buffer: ParamAndGradBuffer
+    """``kind`` of bucket ``gid``, named by its FSDP unit and first parameters (for errors)."""
+    group = buffer.groups[gid]
+    unit = group.fsdp_unit_id
+    where = f"unit {buffer.unit_names[unit]!r}" if unit is not None else "outside every unit"
+    names = ", ".join(group.names[:3]) + (", ..." if len(group.names) > 3 else "")
+    return f"the {kind} of bucket {gid} ({where}: {names})"
 
 
 def _size(group: dist.ProcessGroup | None) -> int:

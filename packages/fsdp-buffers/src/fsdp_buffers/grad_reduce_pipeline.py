@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fsdp_buffers.collectives import PendingCollective
+from fsdp_buffers.collectives import PendingCollective, describe_bucket
 from fsdp_buffers.param_and_grad_buffer import GradState, ParamAndGradBuffer
 from fsdp_buffers.profiling import annotate
 
@@ -56,7 +56,9 @@ class GradReducePipeline:
         # When False, buckets with replicated grads only accumulate (no_sync); sharded
         # grads are always reduced, as in Megatron-FSDP.
         self.sync_grads = True
-        self._inflight: deque[PendingCollective] = deque()
+        # (what it is, for errors; the reduction)
+        self._inflight: deque[tuple[str, PendingCollective]] = deque()
+        self._what = {g: describe_bucket(buffer, g, "gradient reduction") for g in trainable}
         self._begin_backward()
 
     def _begin_backward(self) -> None:
@@ -100,9 +102,8 @@ class GradReducePipeline:
         if not self.sync_grads and not self.buffer.sharding[gid].grads:
             self.buffer.grad_target(gid)  # accumulate only; reduce at the next sync
             return
-        while len(self._inflight) >= self.max_inflight:
-            self._inflight.popleft().wait()
-        self._inflight.append(self.buffer.start_grad_reduce(gid))
+        self._wait_for_room()
+        self._inflight.append((self._what[gid], self.buffer.start_grad_reduce(gid)))
 
     def finish(self) -> None:
         """End of backward: launch every bucket not launched yet (zeros stand in for
@@ -115,14 +116,21 @@ class GradReducePipeline:
                 self.reduce_outer()
             self._begin_backward()
 
+    def abort(self) -> None:
+        """After a backward that raised (its ``finish`` never ran): wait for the
+        reductions it launched (every rank launched the same ones) and start afresh.
+        Gradients already accumulated stay where they are, as ``.grad`` does in plain
+        PyTorch, until ``zero_grad_buffer``."""
+        self.wait_all()
+        self._begin_backward()
+
     def reduce_accumulated(self) -> None:
         """Outside backward: reduce, in order, every bucket still holding unreduced
         gradients (left by backwards run with ``sync_grads=False``), and wait."""
         for gid in self.reduce_order:
             if self.buffer.grad_state[gid] is GradState.ACCUMULATING:
-                while len(self._inflight) >= self.max_inflight:
-                    self._inflight.popleft().wait()
-                self._inflight.append(self.buffer.start_grad_reduce(gid))
+                self._wait_for_room()
+                self._inflight.append((self._what[gid], self.buffer.start_grad_reduce(gid)))
         self.wait_all()
         self.reduce_outer()
 
@@ -132,18 +140,23 @@ class GradReducePipeline:
         for gid in self.reduce_order:
             pending = self.buffer.start_outer_grad_reduce(gid)
             if pending is not None:
-                while len(self._inflight) >= self.max_inflight:
-                    self._inflight.popleft().wait()
-                self._inflight.append(pending)
+                self._wait_for_room()
+                self._inflight.append((f"outer {self._what[gid]}", pending))
         self.wait_all()
+
+    def _wait_for_room(self) -> None:
+        while len(self._inflight) >= self.max_inflight:
+            what, pending = self._inflight.popleft()
+            pending.wait(what)
 
     def wait_all(self) -> None:
         while self._inflight:
-            self._inflight.popleft().wait()
+            what, pending = self._inflight.popleft()
+            pending.wait(what)
 
     @property
     def inflight(self) -> int:
-        return sum(1 for p in self._inflight if not p.done)
+        return sum(1 for _w, p in self._inflight if not p.done)
 
     def register_grad_hooks(self) -> list[RemovableHandle]:
         """Post-accumulate-grad hooks that feed every trainable parameter's gradient

@@ -61,7 +61,9 @@ trainable parameters), and its buckets are reduced at the end of backward.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -71,19 +73,31 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_buffers import PrefetchOrder, annotate, module_is_fully_no_shard
+from fsdp_buffers import BucketStatus, PrefetchOrder, annotate, module_is_fully_no_shard
 from fsdp_hooks.backward import (
     in_backward,
     queue_end_of_backward_callback,
     register_pre_backward,
     wrap_inputs_for_post_backward,
 )
+from fsdp_hooks.param_state import ParamState
+from fsdp_hooks.schedule_check import Phase, ScheduleCheck, schedule_check_requested
 from fsdp_hooks.training_state import TrainingState
 
 if TYPE_CHECKING:
     from fsdp_hooks.megatron_fsdp import MegatronFSDP
 
-__all__ = ["FSDPHooks", "FSDPUnit"]
+__all__ = ["REGATHER_ENV", "FSDPHooks", "FSDPUnit"]
+
+REGATHER_ENV = "FSDP_REGATHER_SAVED_WEIGHTS"
+
+
+@dataclass(frozen=True, eq=False)
+class _SavedWeight:
+    """A unit's compute weight saved for backward, and its bucket."""
+
+    weight: torch.Tensor
+    gid: int
 
 
 @dataclass(eq=False)
@@ -178,6 +192,21 @@ class FSDPHooks:
         self._using_compute = True
         self.distributed_by_compute = by_param
         self._assign_unit_locations()
+        self.params = ParamState(self)
+        # Opt-in (FSDP_CHECK_SCHEDULE=1): ranks agree on each point that issues collectives.
+        self.schedule: ScheduleCheck | None = None
+        if schedule_check_requested() and dist.is_initialized():
+            device = buffer.device if buffer.device.type != "meta" else torch.device("cpu")
+            self.schedule = ScheduleCheck(
+                wrapper.dist_index.get_dp_group(), [u.name for u in self.units], device
+            )
+        # Compute parameters a unit frees after its forward -> (bucket, unit).
+        self._released_weights: dict[nn.Parameter, tuple[int, FSDPUnit]] = {
+            compute: (self.buffer.group_of(compute)[0], unit)
+            for unit in self.units
+            for _m, _a, compute, _d in unit.locations
+        }
+        self.regather_saved_weights = os.environ.get(REGATHER_ENV, "0") not in ("", "0")
 
     @property
     def wrapper(self) -> MegatronFSDP:
@@ -232,9 +261,68 @@ class FSDPHooks:
                 return self.buffer.group_of(compute)[0]
         raise KeyError("parameter is not managed by this MegatronFSDP model")
 
+    # ---- weights saved for backward -------------------------------------------------
+    def saved_weights_hooks(self) -> contextlib.AbstractContextManager:
+        """Around the whole forward, with ``FSDP_REGATHER_SAVED_WEIGHTS=1`` at wrap: a
+        unit's weight that autograd saves for backward is packed as a reference, and
+        unpacking it gathers its bucket if it is released. A gradient path into the
+        weights that bypasses the unit's outputs and runs before the unit's backward
+        (an auxiliary loss kept on the module, ``self.aux = f(self.fc.weight)``,
+        backpropagated on its own) then reads the right weights. Opt-in: with any
+        saved-tensor hooks, autograd hands a backward a new tensor object for a saved
+        parameter, without its Python attributes (``weight.main_grad`` of Megatron-Core's
+        fused weight-gradient accumulation). Without it such a path raises when its
+        gradient arrives (``_check_side_path``), or crashes reading freed memory first."""
+        if not (self.regather_saved_weights and self._released_weights):
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
+
+    def _pack_saved(self, tensor: torch.Tensor) -> Any:
+        entry = self._released_weights.get(tensor)  # type: ignore[call-overload]
+        return tensor if entry is None else _SavedWeight(tensor, entry[0])
+
+    def _unpack_saved(self, packed: Any) -> torch.Tensor:
+        if type(packed) is not _SavedWeight:
+            return packed
+        gid = packed.gid
+        if self.gather.status[gid] is not BucketStatus.READY_TO_USE:
+            # Every rank runs the same graph, so every rank gathers here; the end of
+            # backward (queued now if no hook of this backward did) releases it.
+            self._begin_backward()
+            self.gather.gather_for_immediate_use(gid)
+        return packed.weight
+
+    def _check_side_path(self, param: nn.Parameter) -> None:
+        """A gradient for a unit's weight while the unit is not in backward (its forward
+        ran, no gradient reached its outputs yet): it came through a path that bypasses
+        the unit's outputs and read the weight while it was released (freed, or another
+        unit's in a double-buffer slot). Every rank runs the same graph: all raise."""
+        entry = self._released_weights.get(param)  # type: ignore[call-overload]
+        if entry is None or self.regather_saved_weights:
+            return
+        unit = entry[1]
+        if unit.state is TrainingState.IDLE and unit.pending_backward > 0:
+            name = self._param_names[param]
+            raise RuntimeError(
+                f"the gradient of {name!r} (FSDP unit {unit.name!r}) was computed by a backward "
+                "that reached the weight without going through the unit's outputs (e.g. an "
+                "auxiliary loss kept on the module, backpropagated on its own), while ZeRO-3 "
+                "had released the unit's weights: it read freed memory. Add that loss to the "
+                "main loss before one backward, or set FSDP_REGATHER_SAVED_WEIGHTS=1 before "
+                "wrapping to gather such weights when backward reads them"
+            )
+
     # ---- root -----------------------------------------------------------------------
     def root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         with annotate("fsdp.root_pre_forward"):
+            self.recover_if_backward_aborted()
+            if not in_backward():
+                if self.schedule is not None:
+                    self.schedule.check(Phase.FORWARD)
+                self.params.sync_requires_grad()
+                if self.root_state is TrainingState.IDLE and self.params.main_weights_changed():
+                    # In-place writes to the main weights since the last install.
+                    self.wrapper.install_optimized_model_weights()
             self.root_state = TrainingState.FORWARD
             self.use_compute_params()
             self.gather.all_gather_params(self.root_groups, prefetch=False)
@@ -314,6 +402,8 @@ class FSDPHooks:
             # A recompute runs inside the unit's backward: PRE_BACKWARD even when no
             # pre-backward hook fired (reentrant checkpoint ran the forward under no_grad).
             unit.state = TrainingState.PRE_BACKWARD if recompute else TrainingState.FORWARD
+            if not recompute and self.schedule is not None:
+                self.schedule.check(Phase.UNIT_FORWARD, unit.index)
             if not recompute:
                 # Counted under no_grad too: a reentrant checkpoint's first forward is one
                 # call, whose backward comes with its recompute.
@@ -342,6 +432,8 @@ class FSDPHooks:
 
     def _unit_pre_backward(self, unit: FSDPUnit) -> None:
         with annotate("fsdp.pre_backward"):
+            if self.schedule is not None:
+                self.schedule.check(Phase.UNIT_BACKWARD, unit.index)
             self._begin_backward()
             self.root_state = TrainingState.PRE_BACKWARD
             unit.state = TrainingState.PRE_BACKWARD
@@ -369,9 +461,8 @@ class FSDPHooks:
         if not units or gid in self._marked or any(u.pending_backward for u in units):
             return
         self._marked.add(gid)
-        for param in self.buffer.groups[gid].params:
-            if param.requires_grad:
-                self.reduce.mark_param_grad_ready(param)
+        for param in self.buffer.groups[gid].params:  # frozen after wrapping included
+            self.reduce.mark_param_grad_ready(param)
 
     def _reset_call_counts(self) -> None:
         for unit in self.units:
@@ -380,6 +471,8 @@ class FSDPHooks:
 
     # ---- gradients ------------------------------------------------------------------
     def _on_param_grad(self, param: torch.Tensor) -> None:
+        self._check_side_path(param)  # type: ignore[arg-type]
+        self.params.on_grad(param)  # type: ignore[arg-type]
         if self.wrapper.report_nan_in_param_grad and param.grad is not None:
             grad = param.grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad  # tp: no collective
@@ -396,8 +489,11 @@ class FSDPHooks:
         with annotate("fsdp.end_of_backward"):
             self.root_state = TrainingState.POST_BACKWARD
             try:
+                if self.schedule is not None:
+                    self.schedule.check(Phase.END_OF_BACKWARD)
                 self.reduce.finish()
                 self.raise_if_nonfinite_grads()
+                self.params.agree_on_reached()
             finally:
                 self._release_all()
                 self._reset_call_counts()
@@ -408,15 +504,36 @@ class FSDPHooks:
                 # reduced: after a backward that synced, else at finish_grad_sync().
                 if self.reduce.sync_grads:
                     self.buffer.attach_grads()
+                    self.params.drop_unreached_grads()
                 self.wrapper.microbatch_count += 1
                 self._callback_queued = False
                 self.root_state = TrainingState.IDLE
+
+    def recover_if_backward_aborted(self) -> bool:
+        """Reset the per-step state when the last backward raised (an OOM-skipped batch,
+        Ctrl-C): the engine never ran its end-of-backward callback, so its flag, the
+        gathered buckets, the launched reductions, the compute parameters and the units'
+        states are as the exception left them. Runs at the next forward and at
+        ``zero_grad_buffer``; True when it reset."""
+        if not self._callback_queued or in_backward():
+            return False
+        self.reduce.abort()
+        self._release_all()
+        self._reset_call_counts()
+        for unit in self.units:
+            unit.state = TrainingState.IDLE
+        self.use_distributed_params()
+        self._nonfinite.clear()
+        self._callback_queued = False
+        self.root_state = TrainingState.IDLE
+        return True
 
     def _release_all(self) -> None:
         self.gather.reset()
 
     def clear_nonfinite_grads(self) -> None:
         self._nonfinite.clear()
+        self.params.clear()
 
     def raise_if_nonfinite_grads(self) -> None:
         """With ``check_for_nan_in_grad``/``report_nan_in_param_grad``: agree across

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_map_only
 
@@ -160,7 +161,30 @@ class MegatronFSDP(InnerModuleAttributes):
             )
         if not has_meta:
             module.to(self.device)
-        check_same_model(module, dist_index)
+        split_experts = dist_index.expt_dp_size != dist_index.dp_size
+        differ = check_same_model(
+            module,
+            dist_index,
+            {
+                "ddp_config": ddp_config,
+                "fsdp_unit_modules": fsdp_unit_modules,
+                "disable_bucketing": disable_bucketing,
+                "device": self.device.type,
+                "calculate_per_token_loss": calculate_per_token_loss,
+                "init_model_with_meta_device": init_model_with_meta_device,
+                "sync_model_each_microbatch": sync_model_each_microbatch,
+                "keep_fp8_transpose_cache": keep_fp8_transpose_cache,
+                "nccl_ub": nccl_ub,
+                "fsdp_double_buffer": fsdp_double_buffer,
+                "disable_symmetric_registration": disable_symmetric_registration,
+                "mixed_precision_policy": self.mixed_precision_policy,
+                "is_expert_param": is_expert_param,
+            },
+            # Experts differ across ranks on an expert-parallel mesh.
+            skip_values=resolve_is_expert_param(is_expert_param, True) if split_experts else None,
+        )
+        if differ:
+            _broadcast_from_dp_rank0(module, differ, dist_index)
         check_tensor_parallel_replicas(module, dist_index)
         self.module = module
         # From here storage moves into buffers: a failure restores the module.
@@ -308,7 +332,8 @@ class MegatronFSDP(InnerModuleAttributes):
         if policy.cast_forward_inputs and policy.param_dtype is not None:
             inputs, kwargs = _cast_floating((inputs, kwargs), policy.param_dtype)
         inputs, kwargs = self.hooks.root_pre_forward(inputs, kwargs)
-        output = fn(*inputs, **kwargs)
+        with self.hooks.saved_weights_hooks():
+            output = fn(*inputs, **kwargs)
         output = self.hooks.root_post_forward(output)
         if policy.output_dtype is not None:
             output = _cast_floating(output, policy.output_dtype)
@@ -457,11 +482,13 @@ class MegatronFSDP(InnerModuleAttributes):
         the groups a backward filled since ``zero_grad_buffer`` (a step without
         backward after ``zero_grad()`` then behaves as in plain PyTorch)."""
         self.buffer.attach_grads(only_with_grads=True)
+        self.hooks.params.drop_unreached_grads()
 
     def scale_gradients(self, scaling_factor: float) -> None:
         self.buffer.scale_gradients(scaling_factor)
 
     def zero_grad_buffer(self) -> None:
+        self.hooks.recover_if_backward_aborted()  # reductions in flight land first
         self.buffer.zero_grad_buffer()
         self.hooks.clear_nonfinite_grads()
 
@@ -470,8 +497,12 @@ class MegatronFSDP(InnerModuleAttributes):
 
     # ---- weights ----------------------------------------------------------------------
     def install_optimized_model_weights(self) -> None:
+        """Copy the main weights into the compute weights (after an optimizer step, or
+        in-place writes to the parameters; the next forward does it by itself when a
+        main weight's version moved since the last install)."""
         self.all_gather_pipeline.reset()  # gathered copies are stale after a step
         self.buffer.install_optimized_model_weights()
+        self.hooks.params.record_versions()
 
     def broadcast_params(self) -> None:
         self.all_gather_pipeline.reset()
@@ -550,6 +581,27 @@ def _resolve_device(device: torch.device | str | None, dist_index) -> torch.devi
     if dist_index.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(dist_index.device_type)
+
+
+def _broadcast_from_dp_rank0(module: nn.Module, names: list[str], dist_index) -> None:
+    """Initial values that differ across data-parallel ranks (a per-rank seed): take
+    data-parallel rank 0's, as torch DDP does at construction, and say so once."""
+    group = dist_index.get_dp_group()
+    src = dist.get_global_rank(group, 0)
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name in names:
+            p = params[name]
+            local = p.to_local() if isinstance(p, DTensor) else p
+            dist.broadcast(local.data, src=src, group=group)
+    if dist.get_rank(group) == 0:
+        logger.warning(
+            "fsdp: %d parameters (%s) held different initial values across data-parallel "
+            "ranks; data-parallel rank 0's were broadcast, as torch DDP does. Seed the "
+            "initialization alike on every rank to avoid this.",
+            len(names),
+            ", ".join(names[:5]) + (", ..." if len(names) > 5 else ""),
+        )
 
 
 def _world() -> int:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_mesh import warn_once
 
@@ -19,6 +22,7 @@ __all__ = [
     "check_outer_strategy",
     "check_same_model",
     "check_tensor_parallel_replicas",
+    "describe_option",
 ]
 
 
@@ -173,42 +177,126 @@ def _fingerprint(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, boo
     ]
 
 
-def check_same_model(module: nn.Module, dist_index) -> None:
-    """Every data-parallel rank must wrap the same model: compare a fingerprint of
-    parameter names, shapes, dtypes and requires_grad, so that a mismatch raises here
-    instead of hanging in the first collective."""
+def describe_option(value: Any) -> str:
+    """A rank-independent text for an option's value: classes and functions by their
+    qualified name (their repr holds an address), containers item by item."""
+    if isinstance(value, type) or (callable(value) and hasattr(value, "__qualname__")):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [describe_option(v) for v in value]
+        return (
+            "[" + ", ".join(sorted(items) if isinstance(value, (set, frozenset)) else items) + "]"
+        )
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = (
+            f"{f.name}={describe_option(getattr(value, f.name))}" for f in dataclasses.fields(value)
+        )
+        return f"{type(value).__name__}(" + ", ".join(fields) + ")"
+    text = repr(value)
+    # Objects without a repr of their own (generators, ...) show an address.
+    return f"<{type(value).__qualname__}>" if " at 0x" in text else text
+
+
+def _value_checksums(
+    module: nn.Module, skip: Callable[[str, nn.Parameter], bool] | None
+) -> tuple[list[str], torch.Tensor | None]:
+    """float64 sum and sum of squares of each parameter's (local) values, on its device;
+    meta parameters and those ``skip`` names (experts that differ across ranks) left out."""
+    names, sums = [], []
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.device.type == "meta" or (skip is not None and skip(name, p)):
+                continue
+            local = p.to_local() if isinstance(p, DTensor) else p
+            local = local.detach().double()
+            names.append(name)
+            sums.append(torch.stack([local.sum(), local.square().sum()]))
+    return names, (torch.stack(sums).cpu() if sums else None)
+
+
+def _digest(text: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(text).digest()[:7], "little")  # fits in int64
+
+
+def check_same_model(
+    module: nn.Module,
+    dist_index,
+    options: Mapping[str, Any] | None = None,
+    *,
+    skip_values: Callable[[str, nn.Parameter], bool] | None = None,
+    check_values: bool = True,
+) -> list[str]:
+    """Every data-parallel rank must wrap the same model with the same options: compare
+    a fingerprint of parameter names, shapes, dtypes and requires_grad, of the wrapping
+    ``options`` (strategy, units, mixed precision, ...) and of the parameters' initial
+    values, so that a mismatch raises here, on every rank and naming what differs,
+    instead of hanging in a collective or training different replicas. One all-gather
+    of two integers; details are gathered only when something differs.
+
+    Initial values (``check_values``): the names of the parameters whose values differ
+    from data-parallel rank 0's are returned (the same list on every rank), for the
+    caller to broadcast rank 0's as torch DDP does; ``skip_values`` names parameters that
+    may differ (experts of an expert-parallel mesh)."""
     if not dist.is_initialized():
-        return
+        return []
     group = dist_index.get_dp_group()
     entries = _fingerprint(module)
-    digest = hashlib.sha256(repr(entries).encode()).digest()
-    value = int.from_bytes(digest[:7], "little")  # fits in int64
+    described = {k: describe_option(v) for k, v in (options or {}).items()}
+    value_names, checksums = _value_checksums(module, skip_values) if check_values else ([], None)
+    structure = _digest(repr((entries, sorted(described.items()))).encode())
+    values = _digest(
+        repr(value_names).encode() + (checksums.numpy().tobytes() if checksums is not None else b"")
+    )
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if dist_index.device_type == "cuda"
         else torch.device("cpu")
     )
-    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    mine = torch.tensor([structure, values], dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
-    if all(int(t.item()) == value for t in everyone):
-        return
-    summaries: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(summaries, (dist.get_rank(), entries), group=group)
-    reference_rank, reference = summaries[0]  # type: ignore[misc]
+    if all(torch.equal(t, mine) for t in everyone):
+        return []
+    summaries: list[Any] = [None] * dist.get_world_size(group)
+    mine_details = (dist.get_rank(), entries, described, value_names, checksums)
+    dist.all_gather_object(summaries, mine_details, group=group)
+    reference_rank, reference, ref_options, ref_names, ref_sums = summaries[0]
     problems = []
-    for rank, other in summaries[1:]:  # type: ignore[misc]
+    for rank, other, *_ in summaries[1:]:
         if other != reference:
             diff = next(
                 (f"{a} vs {b}" for a, b in zip(reference, other, strict=False) if a != b),
                 f"{len(reference)} parameters vs {len(other)}",
             )
             problems.append(f"rank {rank} differs from rank {reference_rank}: {diff}")
-    raise ValueError(
-        "the model differs across data-parallel ranks (parameter name, shape, dtype or "
-        "requires_grad); every rank must build the same model before wrapping:\n"
-        + "\n".join(problems)
-    )
+    if problems:
+        raise ValueError(
+            "the model differs across data-parallel ranks (parameter name, shape, dtype or "
+            "requires_grad); every rank must build the same model before wrapping:\n"
+            + "\n".join(problems)
+        )
+    options_differ: dict[str, list[str]] = {}
+    for rank, _e, other_options, _n, _s in summaries[1:]:
+        for key in sorted(set(ref_options) | set(other_options)):
+            if ref_options.get(key) != other_options.get(key):
+                options_differ.setdefault(key, []).append(
+                    f"rank {rank}: {other_options.get(key)} (rank {reference_rank}: "
+                    f"{ref_options.get(key)})"
+                )
+    if options_differ:
+        lines = [f"{key}: " + "; ".join(ranks) for key, ranks in options_differ.items()]
+        raise ValueError(
+            "fsdp wrapping options differ across data-parallel ranks; every rank must wrap "
+            "with the same options:\n" + "\n".join(lines)
+        )
+    differ: list[str] = []
+    for _rank, _e, _o, names, sums in summaries[1:]:
+        for j, name in enumerate(names):
+            if name in differ:
+                continue
+            if ref_sums is None or not torch.equal(sums[j], ref_sums[ref_names.index(name)]):
+                differ.append(name)
+    return differ
 
 
 def check_tensor_parallel_replicas(module: nn.Module, dist_index) -> None:

@@ -172,7 +172,8 @@ class DistributedDataParallel(InnerModuleAttributes):
         else:
             dist_index = dist_index_over(data_parallel_group, WHO)
         device = _module_device(module, dist_index.device_type)
-        check_same_model(module, dist_index)
+        # Megatron-Core's DDP leaves initial values as they are until broadcast_params().
+        check_same_model(module, dist_index, check_values=False)
         self.config = config
         self.ddp_config = cfg
         self.module = module
