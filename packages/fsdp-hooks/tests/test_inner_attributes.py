@@ -41,16 +41,19 @@ class Net(nn.Module):
         return self.forward(x).argmax(-1)
 
 
-def _check(wrapper: nn.Module, inner: Net, own_config: object, run: bool = False) -> dict:
+def _check(wrapper: nn.Module, inner: Net, own_config: object) -> dict:
+    torch.manual_seed(0)
+    reference = Net()  # the wrapped model's initial weights, unwrapped
     x = torch.randn(3, 8)
     with pytest.raises(AttributeError) as missing:
         _ = wrapper.no_such_attribute
+    owner = wrapper.generate.__self__
     return {
         "config": wrapper.config is own_config,
-        "generate_bound": wrapper.generate.__self__ is inner,
-        # Only where the parameters are whole outside forward (the DDP adapter): under
-        # fully_shard they are shards until the wrapper's own forward gathers them.
-        "generate": not run or torch.equal(wrapper.generate(x), inner.generate(x)),
+        # The inner model's method, or MegatronFSDP's own generate, which runs it with
+        # every forward gathered as the wrapper's forward is (ZeRO-3 included).
+        "generate_bound": owner is inner or type(owner).__name__ == "MegatronFSDP",
+        "generate": torch.equal(wrapper.generate(x), reference.generate(x)),
         "layers": wrapper.model.layers is inner.model.layers,
         "layer_weight": wrapper.model.layers[0].weight is inner.model.layers[0].weight,
         "buffer": wrapper.scale is inner.scale,
@@ -77,7 +80,7 @@ def _run() -> dict:
     out["fsdp_adapter"] = _check(adapter, inner, "own")  # its own config wins
     torch.manual_seed(0)
     inner = Net()
-    out["ddp_adapter"] = _check(DistributedDataParallel("own", None, inner), inner, "own", run=True)
+    out["ddp_adapter"] = _check(DistributedDataParallel("own", None, inner), inner, "own")
     return out
 
 
