@@ -21,7 +21,9 @@ Two index spaces hold the same elements:
 
 One copy converts between them (``unpack`` after an all-gather, ``pack`` before a
 reduce-scatter), FSDP2's ``split_with_sizes_copy`` / ``chunk_cat``: that copy is the price of
-DTensor's contract (see docs/design.md for its cost).
+DTensor's contract (see docs/design.md for its cost). Where the two orders coincide (one
+shard, or a bucket of one parameter that fills the shard, e.g. an embedding;
+``is_rank_major``) collectives work on the parameter-major tensor directly.
 
 0-d parameters have no dim to chunk. They are *replicated* slots: every rank's region holds
 the one element (``Replicate()`` in DTensor terms); ``pack`` sends the element to every
@@ -190,6 +192,20 @@ class FlatLayout:
     def row_partition(self, index: int) -> tuple[tuple[int, int], ...]:
         """``local_rows(index, k)`` for every rank ``k``, in rank order."""
         return tuple(self.local_rows(index, k) for k in range(self.shard_count))
+
+    def is_rank_major(self, coarse: int | None = None) -> bool:
+        """Whether the parameter-major order already is the rank-major one (one shard,
+        or one sharded parameter filling the shard, read over all ranks), so that
+        collectives may use the parameter-major tensor directly, with no copy."""
+        if self.shard_count == 1:
+            return True
+        if coarse is not None and coarse != self.shard_count:
+            return False
+        return (
+            len(self.slots) == 1
+            and not self.slots[0].replicated
+            and self.slots[0].width == self.shard_numel
+        )
 
     def param_offset(self, index: int) -> int:
         """Offset of param ``index`` in the parameter-major buffer."""

@@ -391,10 +391,14 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
         if not buf.is_data_distributed:
             return None
         bucket = buf.fetch_bucket()
+        label = f"fsdp.all_gather.{gid}"
+        if buf.layout.is_rank_major(buf.coarse):  # straight into the bucket
+            work = collectives.all_gather(
+                bucket, buf.data, self.shard_group(gid), self.stats, label
+            )
+            return PendingCollective(work, keepalive=(bucket,))
         gathered = torch.empty(buf.layout.total_numel, dtype=buf.dtype, device=buf.device)
-        work = collectives.all_gather(
-            gathered, buf.data, self.shard_group(gid), self.stats, label=f"fsdp.all_gather.{gid}"
-        )
+        work = collectives.all_gather(gathered, buf.data, self.shard_group(gid), self.stats, label)
 
         def unpack() -> None:
             # Rank-major pieces to parameter-major storage (Note [shard layout]).
@@ -437,8 +441,10 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
                         else model.copy_local_shard()
                     )
                     layout = model.layout
-                    gathered = torch.empty(
-                        layout.total_numel, dtype=model.dtype, device=model.device
+                    gathered = (
+                        model.data
+                        if layout.is_rank_major()
+                        else torch.empty(layout.total_numel, dtype=model.dtype, device=model.device)
                     )
                     work = collectives.all_gather(
                         gathered,
@@ -449,9 +455,14 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
                     )
 
                     def unpack(layout=layout, gathered=gathered, model=model) -> None:
-                        layout.unpack(gathered, model.data)
+                        if gathered is not model.data:
+                            layout.unpack(gathered, model.data)
 
                     pending.append(PendingCollective(work, unpack, keepalive=(send, gathered)))
+                    # Each gather holds a rank-major copy of its bucket until unpacked:
+                    # at most two in flight, not the whole model's worth.
+                    if len(pending) > 1:
+                        pending.pop(0).wait()
         for p in pending:
             p.wait()
 
@@ -572,11 +583,16 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
                 # Parameter-major gradients to rank-major pieces (Note [shard layout]);
                 # the staging bucket is free once they are packed.
                 layout = gbuf.layout
-                send = torch.empty(layout.total_numel, dtype=comm_dtype, device=unsharded.device)
-                with annotate(f"fsdp.copy_in.{gid}"):
-                    layout.pack(unsharded, send, gbuf.coarse)
-                if self.sharding[gid].grads:
-                    gbuf.free_bucket()
+                if layout.is_rank_major(gbuf.coarse) and comm_dtype == gbuf.dtype:
+                    send = unsharded  # in place: freed once the reduction is waited on
+                else:
+                    send = torch.empty(
+                        layout.total_numel, dtype=comm_dtype, device=unsharded.device
+                    )
+                    with annotate(f"fsdp.copy_in.{gid}"):
+                        layout.pack(unsharded, send, gbuf.coarse)
+                    if self.sharding[gid].grads:
+                        gbuf.free_bucket()
                 if factor != 1.0:
                     send.mul_(factor)
                 out = torch.empty(
@@ -589,6 +605,7 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
 
                     def finish() -> None:
                         gbuf.data.add_(out)
+                        gbuf.free_bucket()  # no-op unless the reduction read it in place
                         self._shard_reduced(gid)
 
                 else:

@@ -300,6 +300,9 @@ def fully_shard_optimizer(
     # Megatron-FSDP initialises the state here too: a fresh optimizer is then a valid
     # target for dcp.load (see optim_init).
     initial = init_optimizer_state(optimizer)
+    # That step restored the weights bit for bit but bumped their version counters: not
+    # a user's write to re-install at the next forward.
+    model.hooks.params.record_versions()
     _patch_optimizer(optimizer, model, initial)
     if model.experts_differ_across_ranks:
         groups = model.buffer.groups
