@@ -75,8 +75,7 @@ def optimizer_state_bytes(
         tensors, step = OPTIMIZER_STATES[optimizer]
     except KeyError:
         raise ValueError(
-            f"optimizer={optimizer!r} is not one plan() knows; allowed: "
-            f"{sorted(OPTIMIZER_STATES)}"
+            f"optimizer={optimizer!r} is not one plan() knows; allowed: {sorted(OPTIMIZER_STATES)}"
         ) from None
     out = [0] * len(shard_ranks)
     for gid, group in enumerate(buffer.groups):

@@ -170,8 +170,7 @@ def plan(
         )
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(
-            f"optimizer={optimizer!r} is not one plan() knows; allowed: "
-            f"{sorted(OPTIMIZER_STATES)}"
+            f"optimizer={optimizer!r} is not one plan() knows; allowed: {sorted(OPTIMIZER_STATES)}"
         )
     _check_options(options)
     strategy = ShardingStrategy.parse(options.get("zero_dp_strategy", 3))
@@ -230,4 +229,3 @@ def plan(
         comm=comm.as_dict(),
         options={"optimizer": optimizer, **{k: repr(v) for k, v in sorted(options.items())}},
     )
-
