@@ -43,13 +43,11 @@ def model_state_bytes(buffer: ParamAndGradBuffer) -> dict[str, int]:
     """``parameters``, ``main_weights``, ``main_grads``: the persistent buffers' bytes.
     Main weights that are the model weights' pieces (same dtype) count 0, as memory."""
     out = {"parameters": 0, "main_weights": 0, "main_grads": 0}
-    for gid, group in enumerate(buffer.groups):
+    if any(buffer.outer_sharded):
+        raise NotImplementedError("fully-sharded hybrid sharding is not planned yet")
+    for group in buffer.groups:
         out["parameters"] += _nbytes(group.model_weight_buffer)
         out["main_weights"] += _nbytes(group.main_weight_buffer)
-        fine = buffer._outer_main[gid]
-        if fine is not None and group.model_weight_buffer is not None:
-            if fine.dtype != group.model_weight_buffer.dtype:
-                out["main_weights"] += _nbytes(fine)
         out["main_grads"] += _nbytes(group.main_grad_buffer)
     return out
 

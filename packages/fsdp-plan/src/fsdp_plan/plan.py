@@ -205,7 +205,7 @@ def plan(
         # Ranks differ only in the optimizer state of torch.chunk pieces (the buffers'
         # shards are equal-sized by construction).
         optim = optimizer_state_bytes(buffer, optimizer, range(buffer.dist_index.fsdp_size))
-    traffic = {k: int(round(comm[kind].traffic_bytes)) for k, kind in _KINDS.items()}
+    traffic = {k: round(comm[kind].traffic_bytes) for k, kind in _KINDS.items()}
 
     def figures(rank: int) -> dict[str, int]:
         out = dict(held)

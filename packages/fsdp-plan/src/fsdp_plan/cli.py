@@ -1,0 +1,150 @@
+"""``fsdp-plan``: per-rank bytes and bytes moved per step, before launch.
+
+    fsdp-plan mypkg.model:build --world-size 1024 --strategy 3,2 --units Block
+
+``module.path:factory`` names a callable that returns the model; it is called under
+``torch.device("meta")``, so nothing is allocated. ``--units`` takes class names of the
+factory's module or dotted class paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
+from fsdp_plan.accounting import OPTIMIZER_STATES
+from fsdp_plan.plan import MODEL_STATE_KEYS, Plan, plan
+
+__all__ = ["main"]
+
+_ROWS = (*MODEL_STATE_KEYS, "gathered_peak", "peak", "all_gather", "reduce_scatter", "all_reduce")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fsdp-plan",
+        description=(
+            "Per-rank model-state bytes and bytes moved per step of fully_shard over "
+            "--world-size ranks, from the real wrapping code run for one rank on the meta "
+            "device over a fake process group (no GPU, no peers, no weights)."
+        ),
+    )
+    p.add_argument("model", help="module.path:factory, a callable returning the nn.Module")
+    p.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
+    p.add_argument(
+        "--strategy",
+        default="3",
+        help="zero_dp_strategy: 0..3 or a Megatron/ZeRO name; comma-separated for several",
+    )
+    p.add_argument(
+        "--units",
+        default="",
+        help="FSDP unit classes (comma-separated): names in the factory's module or dotted paths",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        default=None,
+        help="cast the model to this dtype first (main weights and grads stay fp32)",
+    )
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
+    p.add_argument("--double-buffer", action="store_true", help="fsdp_double_buffer=True")
+    p.add_argument("--json", metavar="FILE", default=None, help="also write the plans as JSON")
+    return p
+
+
+def _load_factory(spec: str):
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise SystemExit(f"fsdp-plan: model must be 'module.path:factory'; got {spec!r}")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: models in the current directory
+    try:
+        module = importlib.import_module(module_name)
+        factory = getattr(module, attr)
+    except (ImportError, AttributeError) as err:
+        raise SystemExit(f"fsdp-plan: cannot load {spec!r}: {err}") from err
+    if not callable(factory):
+        raise SystemExit(f"fsdp-plan: {spec!r} is not callable")
+    return module, factory
+
+
+def _units(names: str, module) -> list:
+    out: list = []
+    for name in filter(None, (n.strip() for n in names.split(","))):
+        if "." in name:
+            out.append(name)
+            continue
+        cls = getattr(module, name, None)
+        if cls is None:
+            raise SystemExit(
+                f"fsdp-plan: unit {name!r} is not a name in {module.__name__}; give a dotted "
+                "class path (package.module.Class)"
+            )
+        out.append(cls)
+    return out
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_table(plans: Sequence[Plan]) -> str:
+    header = ["per rank", *(p.strategy for p in plans)]
+    rows = [[key, *(_human(p.per_rank[key]) for p in plans)] for key in _ROWS]
+    rows.insert(len(MODEL_STATE_KEYS) + 2, ["per step (ring traffic)", *("" for _ in plans)])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
+                       enumerate(zip(r, widths, strict=True))) for r in [header, *rows]]  # fmt: skip
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    notes = [f"{p.strategy}: ranks differ ({len(p.ranks) + 1} kinds)" for p in plans if p.ranks]
+    return "\n".join([*lines, *notes])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    module, factory = _load_factory(args.model)
+    strategies = [
+        ShardingStrategy.parse(int(s) if s.strip().isdigit() else s.strip())
+        for s in args.strategy.split(",")
+    ]
+    units = _units(args.units, module)
+    plans = []
+    for strategy in strategies:
+        with torch.device("meta"):
+            model = factory()
+        if args.dtype is not None:
+            model = model.to(_DTYPES[args.dtype])
+        plans.append(
+            plan(
+                model,
+                args.world_size,
+                optimizer=args.optimizer,
+                fsdp_unit_modules=units or None,
+                zero_dp_strategy=strategy,
+                mixed_precision_policy=MixedPrecisionPolicy(),
+                fsdp_double_buffer=args.double_buffer,
+            )
+        )
+    print(f"fsdp-plan: {args.model} over {args.world_size} ranks, optimizer {args.optimizer}")
+    print(format_table(plans))
+    if args.json:
+        Path(args.json).write_text(json.dumps([p.as_dict() for p in plans], indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
