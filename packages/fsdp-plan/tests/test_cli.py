@@ -41,7 +41,7 @@ def test_cli_prints_and_writes_the_plans(tmp_path, capsys):
 
 
 def test_cli_refuses_a_bad_model_spec():
-    with pytest.raises(SystemExit, match="module.path:factory"):
+    with pytest.raises(SystemExit, match=r"module\.path:factory"):
         main(["fsdp_mesh.testing.models.GPT", "--world-size", "2"])
     with pytest.raises(SystemExit, match="Nope"):
         main(["fsdp_mesh.testing.models:GPT", "--world-size", "2", "--units", "Nope"])
