@@ -1,8 +1,9 @@
 """``fsdp.plan`` against the real thing: every model-state key of the plan equals
-``model.memory_stats()`` of the wrapped model after one AdamW step, and the plan's
-collectives per step equal ``model.comm_stats()`` of that step (calls, elements, bytes,
-ring traffic), within 1%, for a step after the first, at world sizes 1, 2 and 4, under every strategy, in fp32 and
-with a bf16 model (fp32 main weights and gradients, separate buffers).
+``model.memory_stats()`` of the wrapped model after two training steps, and the plan's
+collectives per step equal ``model.comm_stats()`` of the second step (calls, elements,
+bytes, ring traffic), within 1%, at world sizes 1, 2 and 4, under every strategy, in
+fp32 and with a bf16 model (fp32 main weights and gradients in separate buffers), with
+AdamW, SGD with momentum and plain SGD.
 
 One ``run_distributed`` call per world size wraps and steps every configuration; the
 plans are made in this process, on a meta-device GPT, over a fake process group.
@@ -20,7 +21,18 @@ from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
 from fsdp_plan import MODEL_STATE_KEYS, plan
 
 STRATEGIES = (0, 1, 2, 3)
-CONFIGS = [(s, "fp32") for s in STRATEGIES] + [(1, "bf16"), (3, "bf16")]
+# (strategy, model dtype, optimizer)
+CONFIGS = [(s, "fp32", "adamw") for s in STRATEGIES] + [
+    (1, "bf16", "adamw"),
+    (3, "bf16", "adamw"),
+    (2, "fp32", "sgd_momentum"),
+    (3, "bf16", "sgd"),
+]
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3),
+}
 # Rows that do not divide by 4 (vocab 66, 3*36 qkv rows...): padding and uneven
 # torch.chunk pieces show up in both the plan and the measurement.
 CFG = GPTConfig(vocab_size=66, dim=36, n_heads=4, n_layers=3)
@@ -29,10 +41,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def _one_step(configs):
     results = []
-    for strategy, dtype in configs:
+    for strategy, dtype, optim in configs:
         torch.manual_seed(0)
         module = GPT(CFG).to(DTYPES[dtype])
-        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        optimizer = OPTIMIZERS[optim](module.parameters())
         model, optimizer = fully_shard(
             module, optimizer, fsdp_unit_modules=[Block], zero_dp_strategy=strategy
         )
@@ -47,7 +59,7 @@ def _one_step(configs):
             optimizer.step()
             optimizer.zero_grad()
         comm = model.comm_stats()
-        results.append((strategy, dtype, model.memory_stats(), comm))
+        results.append(((strategy, dtype, optim), model.memory_stats(), comm))
     return results
 
 
@@ -58,15 +70,18 @@ def _close(planned: float, measured: float) -> bool:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_plan_matches_memory_stats_and_comm_stats(world_size):
     measured = run_distributed(_one_step, world_size, args=(CONFIGS,), timeout=120)
-    for strategy, dtype in CONFIGS:
+    for config in CONFIGS:
+        strategy, dtype, optim = config
         with torch.device("meta"):
             meta = GPT(CFG).to(DTYPES[dtype])
-        p = plan(meta, world_size, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+        p = plan(
+            meta, world_size, optimizer=optim, fsdp_unit_modules=[Block], zero_dp_strategy=strategy
+        )
         figures = [p.per_rank, *p.ranks.values()]
         for rank, results in enumerate(measured):
-            (got,) = [m for s, d, m, _ in results if (s, d) == (strategy, dtype)]
-            (comm,) = [c for s, d, _, c in results if (s, d) == (strategy, dtype)]
-            where = f"world {world_size}, strategy {strategy}, {dtype}, rank {rank}"
+            (got,) = [m for c, m, _ in results if c == config]
+            (comm,) = [x for c, _, x in results if c == config]
+            where = f"world {world_size}, strategy {strategy}, {dtype}, {optim}, rank {rank}"
             # This rank's planned figures: the one whose optimizer state matches
             # (ranks differ only there); every rank must match one of them.
             mine = [f for f in figures if _close(f["optimizer_state"], got["optimizer_state"])]
