@@ -86,9 +86,9 @@ def test_plan_leaves_the_module_alone():
 @pytest.mark.parametrize(
     ("option", "value", "named"),
     [
-        ("dp_outer_dim", "dp_outer", "hybrid sharding"),
+        ("dp_outer_dim", "dp_outer", "dp_outer=<size>"),
         ("tp_dim", "tp", "tensor parallelism"),
-        ("outer_dp_sharding_strategy", "optim", "fully-sharded hybrid"),
+        ("expt_device_mesh", object(), "expert parallelism"),
     ],
 )
 def test_options_it_cannot_model_are_refused_by_name(option, value, named):

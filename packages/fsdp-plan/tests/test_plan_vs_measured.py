@@ -100,3 +100,73 @@ def test_plan_matches_memory_stats_and_comm_stats(world_size):
         assert p.per_rank["peak"] == sum(
             p.per_rank[k] for k in (*MODEL_STATE_KEYS, "gathered_peak")
         )
+
+
+# Hybrid sharding on a 2 x 2 mesh (dp_outer, dp_shard): HSDP under every inner strategy
+# and fully-sharded HSDP, fp32 and bf16 (fp32 main weights then in their own fine buffer).
+HYBRID = [(s, "no_shard", "fp32") for s in STRATEGIES] + [
+    (3, "optim", "fp32"),
+    (3, "optim", "bf16"),
+    (1, "no_shard", "bf16"),
+]
+
+
+def _hybrid_step(configs):
+    from fsdp_mesh import build_device_mesh
+
+    results = []
+    for strategy, outer, dtype in configs:
+        torch.manual_seed(0)
+        module = GPT(CFG).to(DTYPES[dtype])
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        meshes = build_device_mesh(dp_outer=2, dp_shard=2)
+        model, optimizer = fully_shard(
+            module,
+            optimizer,
+            **meshes.fsdp_kwargs(),
+            fsdp_unit_modules=[Block],
+            zero_dp_strategy=strategy,
+            outer_dp_sharding_strategy=outer,
+        )
+        for step in range(2):
+            model.reset_comm_stats()
+            x, y = token_batch(step, 2, 8, CFG.vocab_size, seed=dist.get_rank())
+            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        results.append(((strategy, outer, dtype), model.memory_stats(), model.comm_stats()))
+    return results
+
+
+def test_hybrid_plan_matches_memory_stats_and_comm_stats():
+    measured = run_distributed(_hybrid_step, 4, args=(HYBRID,), timeout=120)
+    for config in HYBRID:
+        strategy, outer, dtype = config
+        with torch.device("meta"):
+            meta = GPT(CFG).to(DTYPES[dtype])
+        p = plan(
+            meta,
+            4,
+            dp_outer=2,
+            fsdp_unit_modules=[Block],
+            zero_dp_strategy=strategy,
+            outer_dp_sharding_strategy=outer,
+        )
+        figures = {0: p.per_rank, **p.ranks}
+        for rank, results in enumerate(measured):
+            ((got, comm),) = [(m, c) for cfg, m, c in results if cfg == config]
+            where = f"hybrid {config}, rank {rank}"
+            mine = [
+                f for f in figures.values() if _close(f["optimizer_state"], got["optimizer_state"])
+            ]
+            assert mine, f"{where}: no planned rank has optimizer_state {got}; plan {figures}"
+            for key in MODEL_STATE_KEYS:
+                assert _close(mine[0][key], got[key]), (where, key, mine[0][key], got[key])
+            for kind, counts in comm.items():
+                if kind == "broadcast":
+                    continue
+                for field, value in counts.items():
+                    assert _close(p.comm[kind][field], value), (
+                        where, kind, field, p.comm[kind][field], value
+                    )  # fmt: skip

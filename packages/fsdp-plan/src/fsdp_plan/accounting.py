@@ -43,30 +43,34 @@ def model_state_bytes(buffer: ParamAndGradBuffer) -> dict[str, int]:
     """``parameters``, ``main_weights``, ``main_grads``: the persistent buffers' bytes.
     Main weights that are the model weights' pieces (same dtype) count 0, as memory."""
     out = {"parameters": 0, "main_weights": 0, "main_grads": 0}
-    if any(buffer.outer_sharded):
-        raise NotImplementedError("fully-sharded hybrid sharding is not planned yet")
-    for group in buffer.groups:
+    for gid, group in enumerate(buffer.groups):
         out["parameters"] += _nbytes(group.model_weight_buffer)
         out["main_weights"] += _nbytes(group.main_weight_buffer)
+        fine = buffer._outer_main[gid]  # fully-sharded HSDP: a view when same dtype
+        if fine is not None and fine.dtype != group.dtype:
+            out["main_weights"] += _nbytes(fine)
         out["main_grads"] += _nbytes(group.main_grad_buffer)
     return out
 
 
-def _local_numel(buffer: ParamAndGradBuffer, gid: int, index: int, shard_rank: int) -> int:
-    """Elements of parameter ``index``'s main-weight piece on ``shard_rank``: its
-    ``torch.chunk`` rows when main weights are sharded, else the whole parameter."""
+def _local_numel(buffer: ParamAndGradBuffer, gid: int, index: int, rank: int) -> int:
+    """Elements of parameter ``index``'s main-weight piece on global ``rank`` (ranks laid
+    out ``(dp_outer, dp_shard)`` row-major): its ``torch.chunk`` rows when main weights
+    are sharded (over shard x outer pieces, outer-major, when fully-sharded hybrid),
+    else the whole parameter."""
     layout = buffer.layouts[gid]
     slot = layout.slots[index]
     if not buffer.sharding[gid].main_weights or slot.replicated:
         return slot.numel
-    r0, r1 = layout.local_rows(index, shard_rank)
+    piece = rank if buffer.outer_sharded[gid] else rank % buffer.shard_group_size(gid)
+    r0, r1 = layout.local_rows(index, piece)
     return (r1 - r0) * slot.row_numel
 
 
 def optimizer_state_bytes(
-    buffer: ParamAndGradBuffer, optimizer: str, shard_ranks: Sequence[int]
+    buffer: ParamAndGradBuffer, optimizer: str, ranks: Sequence[int]
 ) -> list[int]:
-    """Optimizer-state bytes on each shard rank in ``shard_ranks``: per trainable
+    """Optimizer-state bytes on each global rank in ``ranks``: per trainable
     parameter, ``tensors`` copies of its main-weight piece (in the main-weight dtype)
     plus a ``step`` scalar where the optimizer keeps one."""
     try:
@@ -75,7 +79,7 @@ def optimizer_state_bytes(
         raise ValueError(
             f"optimizer={optimizer!r} is not one plan() knows; allowed: {sorted(OPTIMIZER_STATES)}"
         ) from None
-    out = [0] * len(shard_ranks)
+    out = [0] * len(ranks)
     for gid, group in enumerate(buffer.groups):
         if not group.requires_grad:
             continue
@@ -83,7 +87,7 @@ def optimizer_state_bytes(
         for i, p in enumerate(group.params):
             if not p.requires_grad:
                 continue
-            for j, k in enumerate(shard_ranks):
+            for j, k in enumerate(ranks):
                 out[j] += tensors * _local_numel(buffer, gid, i, k) * elem
                 out[j] += _STEP_BYTES if step else 0
     return out
@@ -167,6 +171,23 @@ def comm_per_step(buffer: ParamAndGradBuffer) -> CommStats:
             else CollectiveKind.ALL_REDUCE
         )
         stats.record(kind, total, comm, n)
+        outer = buffer.outer_group_size(gid)
+        gbuf = group.main_grad_buffer
+        assert gbuf is not None
+        if buffer.outer_sharded[gid]:
+            # Fully-sharded HSDP (Note [hybrid sharding]): reduce-scatter the coarse
+            # main-grad shard across the outer group; after the step, all-gather the
+            # updated fine pieces into the coarse compute shard.
+            stats.record(CollectiveKind.REDUCE_SCATTER, gbuf.data.numel(), comm, outer)
+            stats.record(CollectiveKind.ALL_GATHER, mw.data.numel(), mw.element_size, outer)
+            continue
+        if outer > 1:  # HSDP: all-reduce what the optimizer reads across the replicas
+            numel = (
+                gbuf.layout.shard_numel
+                if sharding.main_weights or gbuf.is_data_distributed
+                else gbuf.layout.total_numel
+            )
+            stats.record(CollectiveKind.ALL_REDUCE, numel, comm, outer)
         if sharding.main_weights and not mw.is_data_distributed:
             stats.record(CollectiveKind.ALL_GATHER, total, mw.element_size, n)
     return stats

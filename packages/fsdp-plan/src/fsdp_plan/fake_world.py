@@ -3,7 +3,8 @@
 The fake backend (``torch.testing._internal.distributed.fake_pg``, C++ in torch)
 completes every collective at once without moving data, so the real wrapping code
 (``DeviceMesh``, ``FSDPDistributedIndex``, ``ParamAndGradBuffer``) runs for rank
-``rank`` of ``world_size`` in this process. The default process group is global, so a
+``rank`` of ``world_size`` in this process (meshes are built on it with
+``fsdp_mesh.build_device_mesh``). The default process group is global, so a
 process that already has one cannot host a fake world: that is refused, never reused.
 """
 
@@ -13,14 +14,14 @@ import contextlib
 from collections.abc import Iterator
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["fake_world"]
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int, rank: int = 0, dim_name: str = "dp_shard") -> Iterator[DeviceMesh]:
-    """A 1-D ``DeviceMesh`` named ``dim_name`` over a fake world; torn down on exit."""
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """This process as rank ``rank`` of a fake world of ``world_size`` ranks (the default
+    process group); torn down on exit."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int; got {world_size!r}")
     if not 0 <= rank < world_size:
@@ -37,6 +38,6 @@ def fake_world(world_size: int, rank: int = 0, dim_name: str = "dp_shard") -> It
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        yield init_device_mesh("cpu", (world_size,), mesh_dim_names=(dim_name,))
+        yield
     finally:
         dist.destroy_process_group()

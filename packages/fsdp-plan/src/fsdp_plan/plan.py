@@ -21,7 +21,8 @@ from fsdp_buffers import MixedPrecisionPolicy, ParamAndGradBuffer, ShardingStrat
 from fsdp_buffers.collectives import CollectiveKind
 from fsdp_hooks import DistributedDataParallelConfig
 from fsdp_hooks.experts import resolve_is_expert_param
-from fsdp_mesh import FSDPDistributedIndex
+from fsdp_hooks.validation import check_outer_strategy
+from fsdp_mesh import FSDPDistributedIndex, build_device_mesh
 from fsdp_plan.accounting import (
     OPTIMIZER_STATES,
     comm_per_step,
@@ -49,7 +50,7 @@ _MODELED = {
     "fsdp_double_buffer",
     "maxpool_double_buffer",
     "is_expert_param",
-    "dp_shard_dim",
+    "outer_dp_sharding_strategy",
 }
 # Options that change only when or how (not how many bytes), accepted as given.
 _NO_BYTES = {
@@ -68,21 +69,21 @@ _NO_BYTES = {
     "cuda_graph_mode",
     "fsdp_db_use_persist_buf_on_alloc_fail",
     "device",
+    "dp_shard_dim",  # a name: plan() builds the mesh (fsdp_mesh.build_device_mesh)
 }
 # Options whose meshes plan() cannot build on a fake world yet: refused, never guessed.
 _NOT_YET = {
     "device_mesh": "a given device_mesh (plan() builds a 1-D mesh over world_size ranks)",
-    "dp_outer_dim": "hybrid sharding (dp_outer_dim)",
-    "hybrid_fsdp_group": "hybrid sharding (hybrid_fsdp_group)",
+    "dp_outer_dim": "a named outer dim (dp_outer_dim; pass dp_outer=<size> instead)",
+    "hybrid_fsdp_group": "a given hybrid group (hybrid_fsdp_group; pass dp_outer=<size>)",
     "hybrid_fsdp_expt_group": "hybrid sharding of experts (hybrid_fsdp_expt_group)",
-    "outer_dp_sharding_strategy": "fully-sharded hybrid sharding (outer_dp_sharding_strategy)",
     "tp_dim": "tensor parallelism (tp_dim)",
     "expt_device_mesh": "expert parallelism (expt_device_mesh)",
     "fsdp_group_ag": "a separate all-gather group (fsdp_group_ag)",
     "expt_fsdp_group_ag": "a separate expert all-gather group (expt_fsdp_group_ag)",
     "nccl_ub": "NCCL user buffers (nccl_ub)",
 }
-_FALSY_DEFAULTS = {"outer_dp_sharding_strategy": (0, "no_shard"), "nccl_ub": (False,)}
+_FALSY_DEFAULTS = {"nccl_ub": (False,)}
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ def _check_options(options: dict[str, Any]) -> None:
                 continue
             raise NotImplementedError(
                 f"plan() cannot model {_NOT_YET[name]} yet: its meshes are not built on the "
-                "fake process group; plan the dp-only job, or measure with "
+                "fake process group; plan without it, or measure with "
                 "model.memory_stats() / comm_stats()"
             )
         if name not in _MODELED and name not in _NO_BYTES:
@@ -151,6 +152,7 @@ def plan(
     module: nn.Module,
     world_size: int,
     *,
+    dp_outer: int = 1,
     optimizer: str = "adamw",
     batch_size: int | None = None,
     seq_len: int | None = None,
@@ -158,7 +160,9 @@ def plan(
     **options: Any,
 ) -> Plan:
     """Predict, for ``fully_shard_model(module, **options)`` over ``world_size`` ranks
-    (one data-parallel dim), the model-state bytes each rank holds, the gathered bytes
+    (``world_size / dp_outer`` ranks per shard group and, with ``dp_outer`` > 1, that many
+    replicas: hybrid sharding, fully sharded with ``outer_dp_sharding_strategy="optim"``;
+    ranks laid out as ``fsdp_mesh.build_device_mesh`` lays them), the model-state bytes each rank holds, the gathered bytes
     at once, and the bytes each step moves. ``optimizer``: one of
     ``fsdp_plan.accounting.OPTIMIZER_STATES`` ("adamw", "adam", "sgd",
     "sgd_momentum"). ``module`` is not modified; build it under
@@ -174,6 +178,12 @@ def plan(
         )
     _check_options(options)
     strategy = ShardingStrategy.parse(options.get("zero_dp_strategy", 3))
+    outer = ShardingStrategy.parse(options.get("outer_dp_sharding_strategy", 0))
+    if isinstance(dp_outer, bool) or not isinstance(dp_outer, int) or dp_outer < 1:
+        raise ValueError(f"dp_outer must be a positive int; got {dp_outer!r}")
+    if not isinstance(world_size, int) or world_size % dp_outer:
+        raise ValueError(f"dp_outer={dp_outer} must divide world_size={world_size!r}")
+    check_outer_strategy(strategy, outer, dp_outer > 1, "plan")
     policy = options.get("mixed_precision_policy") or MixedPrecisionPolicy()
     if not isinstance(policy, MixedPrecisionPolicy):
         raise TypeError(
@@ -181,9 +191,13 @@ def plan(
         )
     double_buffer = bool(options.get("fsdp_double_buffer") or options.get("maxpool_double_buffer"))
     meta = _meta_copy(module)
-    dim = options.get("dp_shard_dim") or "dp_shard"
-    with fake_world(world_size, rank=0, dim_name=dim) as mesh:
-        index = FSDPDistributedIndex(mesh, dp_shard_dim=dim)
+    with fake_world(world_size, rank=0):
+        meshes = build_device_mesh(
+            dp_shard=world_size // dp_outer, dp_outer=dp_outer, device_type="cpu"
+        )
+        index = FSDPDistributedIndex(
+            **meshes.fsdp_kwargs(), hsdp_outer_dp_shard=outer is ShardingStrategy.OPTIM
+        )
         buffer = ParamAndGradBuffer(
             meta,
             index,
@@ -204,7 +218,7 @@ def plan(
         comm = comm_per_step(buffer)
         # Ranks differ only in the optimizer state of torch.chunk pieces (the buffers'
         # shards are equal-sized by construction).
-        optim = optimizer_state_bytes(buffer, optimizer, range(buffer.dist_index.fsdp_size))
+        optim = optimizer_state_bytes(buffer, optimizer, range(world_size))
     traffic = {k: round(comm[kind].traffic_bytes) for k, kind in _KINDS.items()}
 
     def figures(rank: int) -> dict[str, int]:
@@ -223,9 +237,14 @@ def plan(
     ranks = {r: figures(r) for r in reps if r != largest} if len(reps) > 1 else {}
     return Plan(
         world_size=world_size,
-        strategy=strategy.megatron_name,
+        strategy=strategy.megatron_name
+        + (f" + {outer.megatron_name} x{dp_outer}" if dp_outer > 1 else ""),
         per_rank=figures(largest),
         ranks=ranks,
         comm=comm.as_dict(),
-        options={"optimizer": optimizer, **{k: repr(v) for k, v in sorted(options.items())}},
+        options={
+            "optimizer": optimizer,
+            "dp_outer": str(dp_outer),
+            **{k: repr(v) for k, v in sorted(options.items())},
+        },
     )
