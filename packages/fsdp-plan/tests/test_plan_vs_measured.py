@@ -170,3 +170,17 @@ def test_hybrid_plan_matches_memory_stats_and_comm_stats():
                     assert _close(p.comm[kind][field], value), (
                         where, kind, field, p.comm[kind][field], value
                     )  # fmt: skip
+        # The outer dim carries only the replicas' reductions and the fully-sharded
+        # weight sync; the rest is the shard group's.
+        outer_dim = p.comm_by_dim["dp_outer"]
+        if outer == "optim":
+            assert (
+                outer_dim["reduce_scatter"]["calls"] > 0 and outer_dim["all_reduce"]["calls"] == 0
+            )
+        else:
+            assert (
+                outer_dim["all_reduce"]["calls"] > 0 and outer_dim["reduce_scatter"]["calls"] == 0
+            )
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            parts = sum(p.comm_by_dim[d][kind]["bytes"] for d in ("dp_shard", "dp_outer"))
+            assert parts == p.comm[kind]["bytes"]

@@ -21,6 +21,7 @@ __all__ = [
     "gathered_peak",
     "model_state_bytes",
     "optimizer_state_bytes",
+    "total_comm",
 ]
 
 # Tensors of the shape of a parameter's main-weight piece each optimizer keeps, and
@@ -146,10 +147,11 @@ def gathered_peak(buffer: ParamAndGradBuffer, double_buffer: bool) -> int:
     return max(peak, sync)
 
 
-def comm_per_step(buffer: ParamAndGradBuffer) -> CommStats:
+def comm_per_step(buffer: ParamAndGradBuffer) -> dict[str, CommStats]:
     """The collectives one training step issues (forward, backward that syncs
-    gradients, optimizer step), counted as ``comm_stats()`` counts them."""
-    stats = CommStats()
+    gradients, optimizer step), counted as ``comm_stats()`` counts them, by mesh dim:
+    ``dp_shard`` (the shard group) and ``dp_outer`` (hybrid sharding's replicas)."""
+    shard, outer_stats = CommStats(), CommStats()
     policy = buffer.policy
     roots = set(buffer.root_groups)
     for gid, group in enumerate(buffer.groups):
@@ -160,7 +162,7 @@ def comm_per_step(buffer: ParamAndGradBuffer) -> CommStats:
         if mw.is_data_distributed:
             # Units gather for forward and again for backward; root buckets once.
             for _ in range(1 if gid in roots else 2):
-                stats.record(CollectiveKind.ALL_GATHER, total, mw.element_size, n)
+                shard.record(CollectiveKind.ALL_GATHER, total, mw.element_size, n)
         if not group.requires_grad:
             continue
         comm = torch.empty((), dtype=policy.grad_comm_dtype_for(group.dtype)).element_size()
@@ -170,7 +172,7 @@ def comm_per_step(buffer: ParamAndGradBuffer) -> CommStats:
             if sharding.grads or sharding.main_weights
             else CollectiveKind.ALL_REDUCE
         )
-        stats.record(kind, total, comm, n)
+        shard.record(kind, total, comm, n)
         outer = buffer.outer_group_size(gid)
         gbuf = group.main_grad_buffer
         assert gbuf is not None
@@ -178,8 +180,8 @@ def comm_per_step(buffer: ParamAndGradBuffer) -> CommStats:
             # Fully-sharded HSDP (Note [hybrid sharding]): reduce-scatter the coarse
             # main-grad shard across the outer group; after the step, all-gather the
             # updated fine pieces into the coarse compute shard.
-            stats.record(CollectiveKind.REDUCE_SCATTER, gbuf.data.numel(), comm, outer)
-            stats.record(CollectiveKind.ALL_GATHER, mw.data.numel(), mw.element_size, outer)
+            outer_stats.record(CollectiveKind.REDUCE_SCATTER, gbuf.data.numel(), comm, outer)
+            outer_stats.record(CollectiveKind.ALL_GATHER, mw.data.numel(), mw.element_size, outer)
             continue
         if outer > 1:  # HSDP: all-reduce what the optimizer reads across the replicas
             numel = (
@@ -187,7 +189,20 @@ def comm_per_step(buffer: ParamAndGradBuffer) -> CommStats:
                 if sharding.main_weights or gbuf.is_data_distributed
                 else gbuf.layout.total_numel
             )
-            stats.record(CollectiveKind.ALL_REDUCE, numel, comm, outer)
+            outer_stats.record(CollectiveKind.ALL_REDUCE, numel, comm, outer)
         if sharding.main_weights and not mw.is_data_distributed:
-            stats.record(CollectiveKind.ALL_GATHER, total, mw.element_size, n)
-    return stats
+            shard.record(CollectiveKind.ALL_GATHER, total, mw.element_size, n)
+    return {"dp_shard": shard, "dp_outer": outer_stats}
+
+
+def total_comm(by_dim: dict[str, CommStats]) -> CommStats:
+    """The sum over mesh dims: what one ``comm_stats()`` reports."""
+    out = CommStats()
+    for stats in by_dim.values():
+        for kind, count in stats.counts.items():
+            mine = out.counts[kind]
+            mine.calls += count.calls
+            mine.numel += count.numel
+            mine.bytes += count.bytes
+            mine.traffic_bytes += count.traffic_bytes
+    return out

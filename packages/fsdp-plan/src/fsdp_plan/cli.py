@@ -41,6 +41,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="module.path:factory, a callable returning the nn.Module")
     p.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
     p.add_argument(
+        "--dp-outer",
+        type=int,
+        default=1,
+        help="hybrid sharding: replicas of the shard group (world-size / dp-outer ranks each)",
+    )
+    p.add_argument(
+        "--outer-strategy",
+        choices=("no_shard", "optim"),
+        default="no_shard",
+        help="outer_dp_sharding_strategy: replicate (HSDP) or also shard main weights and "
+        "optimizer state across the replicas (fully-sharded HSDP; needs --strategy 3)",
+    )
+    p.add_argument(
         "--strategy",
         default="3",
         help="zero_dp_strategy: 0..3 or a Megatron/ZeRO name; comma-separated for several",
@@ -132,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             plan(
                 model,
                 args.world_size,
+                dp_outer=args.dp_outer,
+                outer_dp_sharding_strategy=args.outer_strategy,
                 optimizer=args.optimizer,
                 fsdp_unit_modules=units or None,
                 zero_dp_strategy=strategy,

@@ -29,6 +29,7 @@ from fsdp_plan.accounting import (
     gathered_peak,
     model_state_bytes,
     optimizer_state_bytes,
+    total_comm,
 )
 from fsdp_plan.fake_world import fake_world
 
@@ -96,7 +97,8 @@ class Plan:
     ``all_gather``, ``reduce_scatter``, ``all_reduce`` (ring traffic each rank sends,
     ``comm_stats()``'s ``traffic_bytes``). ``ranks``: the figures of every other rank
     whose figures differ, keyed by the lowest rank that has them (empty when all ranks
-    are alike). ``comm``: per step, as ``model.comm_stats()`` reports one step.
+    are alike). ``comm``: per step, as ``model.comm_stats()`` reports one step;
+    ``comm_by_dim``: the same split by mesh dim (``dp_shard``, ``dp_outer``).
     """
 
     world_size: int
@@ -104,6 +106,7 @@ class Plan:
     per_rank: dict[str, int]
     ranks: dict[int, dict[str, int]] = field(default_factory=dict)
     comm: dict[str, dict[str, float]] = field(default_factory=dict)
+    comm_by_dim: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     options: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -113,6 +116,9 @@ class Plan:
             "per_rank": dict(self.per_rank),
             "ranks": {str(k): dict(v) for k, v in self.ranks.items()},
             "comm": {k: dict(v) for k, v in self.comm.items()},
+            "comm_by_dim": {
+                dim: {k: dict(v) for k, v in c.items()} for dim, c in self.comm_by_dim.items()
+            },
             "options": dict(self.options),
         }
 
@@ -215,7 +221,8 @@ def plan(
         )
         held = model_state_bytes(buffer)
         peak = gathered_peak(buffer, double_buffer)
-        comm = comm_per_step(buffer)
+        by_dim = comm_per_step(buffer)
+        comm = total_comm(by_dim)
         # Ranks differ only in the optimizer state of torch.chunk pieces (the buffers'
         # shards are equal-sized by construction).
         optim = optimizer_state_bytes(buffer, optimizer, range(world_size))
@@ -242,6 +249,7 @@ def plan(
         per_rank=figures(largest),
         ranks=ranks,
         comm=comm.as_dict(),
+        comm_by_dim={dim: stats.as_dict() for dim, stats in by_dim.items()},
         options={
             "optimizer": optimizer,
             "dp_outer": str(dp_outer),
