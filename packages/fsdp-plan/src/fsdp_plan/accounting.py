@@ -8,8 +8,6 @@ groups come out as they will be. See the package README for what this cannot see
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from fsdp_buffers import CommStats, ParamAndGradBuffer
@@ -54,43 +52,63 @@ def model_state_bytes(buffer: ParamAndGradBuffer) -> dict[str, int]:
     return out
 
 
-def _local_numel(buffer: ParamAndGradBuffer, gid: int, index: int, rank: int) -> int:
-    """Elements of parameter ``index``'s main-weight piece on global ``rank`` (ranks laid
-    out ``(dp_outer, dp_shard)`` row-major): its ``torch.chunk`` rows when main weights
-    are sharded (over shard x outer pieces, outer-major, when fully-sharded hybrid),
-    else the whole parameter."""
-    layout = buffer.layouts[gid]
+def _piece_numels(layout, index: int, pieces: int) -> list[tuple[int, int, int]]:
+    """Parameter ``index``'s ``torch.chunk`` pieces as runs ``(first, last, numel)``:
+    pieces ``[first, last)`` hold ``numel`` elements each (Note [shard layout]: the
+    first ``R // c`` pieces hold ``c`` rows, the next the rest, the others none)."""
     slot = layout.slots[index]
-    if not buffer.sharding[gid].main_weights or slot.replicated:
-        return slot.numel
-    piece = rank if buffer.outer_sharded[gid] else rank % buffer.shard_group_size(gid)
-    r0, r1 = layout.local_rows(index, piece)
-    return (r1 - r0) * slot.row_numel
+    c, rows = slot.chunk_rows, slot.rows
+    full = min(rows // c, pieces) if c else 0
+    runs = [(0, full, c * slot.row_numel)]
+    if full < pieces and rows - full * c > 0:
+        runs.append((full, full + 1, (rows - full * c) * slot.row_numel))
+    return runs
 
 
-def optimizer_state_bytes(
-    buffer: ParamAndGradBuffer, optimizer: str, ranks: Sequence[int]
-) -> list[int]:
-    """Optimizer-state bytes on each global rank in ``ranks``: per trainable
-    parameter, ``tensors`` copies of its main-weight piece (in the main-weight dtype)
-    plus a ``step`` scalar where the optimizer keeps one."""
+def optimizer_state_bytes(buffer: ParamAndGradBuffer, optimizer: str, world_size: int) -> list[int]:
+    """Optimizer-state bytes on each global rank (ranks laid out ``(dp_outer,
+    dp_shard)`` row-major): per trainable parameter, ``tensors`` copies of its
+    main-weight piece (in the main-weight dtype: its ``torch.chunk`` rows when main
+    weights are sharded, over shard x outer pieces, outer-major, when fully-sharded
+    hybrid; else the whole parameter) plus a ``step`` scalar where the optimizer keeps
+    one. Arithmetic per parameter, not per rank, so 1,024 ranks cost no more than 8."""
     try:
         tensors, step = OPTIMIZER_STATES[optimizer]
     except KeyError:
         raise ValueError(
             f"optimizer={optimizer!r} is not one plan() knows; allowed: {sorted(OPTIMIZER_STATES)}"
         ) from None
-    out = [0] * len(ranks)
+    everywhere = 0
+    # Per piece count P (shard size, or shard x outer): a difference array over pieces.
+    diffs: dict[int, list[int]] = {}
     for gid, group in enumerate(buffer.groups):
         if not group.requires_grad:
             continue
         elem = buffer.main_weight_buffer(gid).element_size
+        layout = buffer.layouts[gid]
+        sharded = buffer.sharding[gid].main_weights
+        pieces = world_size if buffer.outer_sharded[gid] else buffer.shard_group_size(gid)
         for i, p in enumerate(group.params):
             if not p.requires_grad:
                 continue
-            for j, k in enumerate(ranks):
-                out[j] += tensors * _local_numel(buffer, gid, i, k) * elem
-                out[j] += _STEP_BYTES if step else 0
+            everywhere += _STEP_BYTES if step else 0
+            slot = layout.slots[i]
+            if not sharded or slot.replicated:
+                everywhere += tensors * slot.numel * elem
+                continue
+            diff = diffs.setdefault(pieces, [0] * (pieces + 1))
+            for first, last, numel in _piece_numels(layout, i, pieces):
+                diff[first] += tensors * numel * elem
+                diff[last] -= tensors * numel * elem
+    out = [everywhere] * world_size
+    for pieces, diff in diffs.items():
+        running, per_piece = 0, []
+        for k in range(pieces):
+            running += diff[k]
+            per_piece.append(running)
+        # Rank r holds piece r (shard x outer, outer-major) or r % shard size.
+        for r in range(world_size):
+            out[r] += per_piece[r % pieces]
     return out
 
 

@@ -225,7 +225,7 @@ def plan(
         comm = total_comm(by_dim)
         # Ranks differ only in the optimizer state of torch.chunk pieces (the buffers'
         # shards are equal-sized by construction).
-        optim = optimizer_state_bytes(buffer, optimizer, range(world_size))
+        optim = optimizer_state_bytes(buffer, optimizer, world_size)
     traffic = {k: round(comm[kind].traffic_bytes) for k, kind in _KINDS.items()}
 
     def figures(rank: int) -> dict[str, int]:
