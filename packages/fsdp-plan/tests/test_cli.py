@@ -45,3 +45,34 @@ def test_cli_refuses_a_bad_model_spec():
         main(["fsdp_mesh.testing.models.GPT", "--world-size", "2"])
     with pytest.raises(SystemExit, match="Nope"):
         main(["fsdp_mesh.testing.models:GPT", "--world-size", "2", "--units", "Nope"])
+
+
+def test_memory_per_device_sweep(tmp_path, capsys):
+    from fsdp_plan.sweep import parse_bytes
+
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("1.5 GB") == 1_500_000_000
+    assert parse_bytes("8e3") == 8000
+    with pytest.raises(ValueError, match="cannot read"):
+        parse_bytes("lots")
+    # A budget between the smallest and the largest peak of the candidates.
+    with torch.device("meta"):
+        module = GPT()
+    zero3 = plan(module, 4, fsdp_unit_modules=[Block], zero_dp_strategy=3).per_rank["peak"]
+    out = tmp_path / "sweep.json"
+    argv = ["fsdp_mesh.testing.models:GPT", "--world-size", "4", "--units", "Block"]
+    assert main([*argv, "--memory-per-device", str(zero3), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    found = json.loads(out.read_text())
+    # dp_outer 1, 2, 4: 4 strategies each, plus fully-sharded HSDP for 2 and 4.
+    assert len(found) == 14
+    for entry in found:
+        assert entry["fits"] == (entry["per_rank"]["peak"] <= zero3)
+    fits = [e for e in found if e["fits"]]
+    assert fits and len(fits) < len(found)
+    assert found[: len(fits)] == fits  # those that fit come first ...
+    moved = [
+        sum(e["per_rank"][k] for k in ("all_gather", "reduce_scatter", "all_reduce")) for e in fits
+    ]
+    assert moved == sorted(moved)  # ... by bytes moved per step
+    assert "cheapest that does not fit" in text and "largest part" in text

@@ -22,6 +22,7 @@ import torch
 from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
 from fsdp_plan.accounting import OPTIMIZER_STATES
 from fsdp_plan.plan import MODEL_STATE_KEYS, Plan, plan
+from fsdp_plan.sweep import parse_bytes, sweep
 
 __all__ = ["main"]
 
@@ -71,6 +72,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     p.add_argument("--double-buffer", action="store_true", help="fsdp_double_buffer=True")
+    p.add_argument(
+        "--memory-per-device",
+        metavar="SIZE",
+        default=None,
+        help="e.g. 80GiB: list every strategy x mesh (--strategy and --dp-outer ignored) "
+        "whose peak fits, by bytes moved per step, and the cheapest one that does not fit",
+    )
     p.add_argument("--json", metavar="FILE", default=None, help="also write the plans as JSON")
     return p
 
@@ -127,23 +135,72 @@ def format_table(plans: Sequence[Plan]) -> str:
     return "\n".join([*lines, *notes])
 
 
+def _build(factory, dtype):
+    def build():
+        with torch.device("meta"):
+            model = factory()
+        return model if dtype is None else model.to(_DTYPES[dtype])
+
+    return build
+
+
+def _sweep(args, build, units) -> int:
+    budget = parse_bytes(args.memory_per_device)
+    found = sweep(
+        build,
+        args.world_size,
+        budget,
+        optimizer=args.optimizer,
+        fsdp_unit_modules=units or None,
+        fsdp_double_buffer=args.double_buffer,
+    )
+    fits = [c for c in found if c.fits]
+    print(
+        f"fsdp-plan: {args.model} over {args.world_size} ranks, {_human(budget)} per device: "
+        f"{len(fits)} of {len(found)} strategy x mesh choices fit"
+    )
+    header = ("strategy", "dp_outer", "peak", "moved per step")
+    rows = [
+        (c.plan.strategy, str(c.dp_outer), _human(c.plan.per_rank["peak"]), _human(c.traffic))
+        for c in fits
+    ]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
+    for r in [header, *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+    misses = [c for c in found if not c.fits]
+    if misses:
+        first = min(misses, key=lambda c: c.traffic)
+        print(
+            f"cheapest that does not fit: {first.plan.strategy}, dp_outer {first.dp_outer}: "
+            f"{first.why_not(budget)}"
+        )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                [{"fits": c.fits, "dp_outer": c.dp_outer, **c.plan.as_dict()} for c in found],
+                indent=2,
+            )
+            + "\n"
+        )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     module, factory = _load_factory(args.model)
+    build = _build(factory, args.dtype)
+    units = _units(args.units, module)
+    if args.memory_per_device is not None:
+        return _sweep(args, build, units)
     strategies = [
         ShardingStrategy.parse(int(s) if s.strip().isdigit() else s.strip())
         for s in args.strategy.split(",")
     ]
-    units = _units(args.units, module)
     plans = []
     for strategy in strategies:
-        with torch.device("meta"):
-            model = factory()
-        if args.dtype is not None:
-            model = model.to(_DTYPES[args.dtype])
         plans.append(
             plan(
-                model,
+                build(),
                 args.world_size,
                 dp_outer=args.dp_outer,
                 outer_dp_sharding_strategy=args.outer_strategy,
