@@ -76,3 +76,29 @@ def test_memory_per_device_sweep(tmp_path, capsys):
     ]
     assert moved == sorted(moved)  # ... by bytes moved per step
     assert "cheapest that does not fit" in text and "largest part" in text
+
+
+def test_hugging_face_config(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers", reason="needs transformers (hf group)")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        dtype="bfloat16",
+    )
+    config.save_pretrained(tmp_path)
+    out = tmp_path / "plan.json"
+    argv = [str(tmp_path / "config.json"), "--world-size", "4", "--json", str(out)]
+    assert main(argv) == 0
+    (written,) = json.loads(out.read_text())
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    expected = plan(model, 4, fsdp_unit_modules=[LlamaDecoderLayer], zero_dp_strategy=3)
+    assert written["per_rank"] == expected.per_rank
+    # bf16 compute weights, fp32 main weights: the config's dtype was used.
+    assert written["per_rank"]["main_weights"] == 2 * written["per_rank"]["parameters"]

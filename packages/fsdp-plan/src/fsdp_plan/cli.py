@@ -39,7 +39,12 @@ def _parser() -> argparse.ArgumentParser:
             "device over a fake process group (no GPU, no peers, no weights)."
         ),
     )
-    p.add_argument("model", help="module.path:factory, a callable returning the nn.Module")
+    p.add_argument(
+        "model",
+        help="module.path:factory (a callable returning the nn.Module), or a Hugging Face "
+        "config.json / directory with one / transformers model type (e.g. llama): built on "
+        "the meta device, its decoder layers as units unless --units is given",
+    )
     p.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
     p.add_argument(
         "--dp-outer",
@@ -187,9 +192,16 @@ def _sweep(args, build, units) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    module, factory = _load_factory(args.model)
-    build = _build(factory, args.dtype)
-    units = _units(args.units, module)
+    if ":" in args.model:
+        module, factory = _load_factory(args.model)
+        build = _build(factory, args.dtype)
+        units = _units(args.units, module)
+    else:
+        from fsdp_plan.hf import hf_builder
+
+        hf_build, hf_units, _ = hf_builder(args.model)
+        build = hf_build if args.dtype is None else (lambda: hf_build().to(_DTYPES[args.dtype]))
+        units = [u.strip() for u in args.units.split(",") if u.strip()] or hf_units
     if args.memory_per_device is not None:
         return _sweep(args, build, units)
     strategies = [
