@@ -45,7 +45,7 @@ def hf_builder(spec: str) -> tuple[Callable[[], nn.Module], list[type[nn.Module]
     from transformers import AutoModelForCausalLM
 
     config = _config(spec)
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    dtype = getattr(config, "dtype", None)  # transformers >= 5 (the hf group's pin)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
