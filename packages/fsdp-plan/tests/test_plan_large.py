@@ -88,7 +88,7 @@ def test_plan_leaves_the_module_alone():
     [
         ("dp_outer_dim", "dp_outer", "dp_outer=<size>"),
         ("tp_dim", "tp", "tensor parallelism"),
-        ("expt_device_mesh", object(), "expert parallelism"),
+        ("expt_device_mesh", object(), "ep=<size>"),
     ],
 )
 def test_options_it_cannot_model_are_refused_by_name(option, value, named):

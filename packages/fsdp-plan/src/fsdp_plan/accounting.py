@@ -65,13 +65,17 @@ def _piece_numels(layout, index: int, pieces: int) -> list[tuple[int, int, int]]
     return runs
 
 
-def optimizer_state_bytes(buffer: ParamAndGradBuffer, optimizer: str, world_size: int) -> list[int]:
-    """Optimizer-state bytes on each global rank (ranks laid out ``(dp_outer,
-    dp_shard)`` row-major): per trainable parameter, ``tensors`` copies of its
+def optimizer_state_bytes(
+    buffer: ParamAndGradBuffer, optimizer: str, piece_of: dict[str, list[int]]
+) -> list[int]:
+    """Optimizer-state bytes on each global rank: per trainable parameter, ``tensors``
+    copies of its
     main-weight piece (in the main-weight dtype: its ``torch.chunk`` rows when main
     weights are sharded, over shard x outer pieces, outer-major, when fully-sharded
     hybrid; else the whole parameter) plus a ``step`` scalar where the optimizer keeps
-    one. Arithmetic per parameter, not per rank, so 1,024 ranks cost no more than 8."""
+    one. ``piece_of[kind][r]``: the piece global rank ``r`` holds of a ``"dense"``,
+    ``"expert"`` or ``"hybrid"`` (fully-sharded, shard x outer) group. Arithmetic per
+    parameter, not per rank, so 1,024 ranks cost no more than 8."""
     try:
         tensors, step = OPTIMIZER_STATES[optimizer]
     except KeyError:
@@ -79,15 +83,20 @@ def optimizer_state_bytes(buffer: ParamAndGradBuffer, optimizer: str, world_size
             f"optimizer={optimizer!r} is not one plan() knows; allowed: {sorted(OPTIMIZER_STATES)}"
         ) from None
     everywhere = 0
-    # Per piece count P (shard size, or shard x outer): a difference array over pieces.
-    diffs: dict[int, list[int]] = {}
+    world_size = len(piece_of["dense"])
+    # Per kind of group: a difference array over its pieces.
+    diffs: dict[str, list[int]] = {}
     for gid, group in enumerate(buffer.groups):
         if not group.requires_grad:
             continue
         elem = buffer.main_weight_buffer(gid).element_size
         layout = buffer.layouts[gid]
         sharded = buffer.sharding[gid].main_weights
-        pieces = world_size if buffer.outer_sharded[gid] else buffer.shard_group_size(gid)
+        if buffer.outer_sharded[gid]:
+            kind, pieces = "hybrid", world_size
+        else:
+            kind = "expert" if group.is_expert_param else "dense"
+            pieces = buffer.shard_group_size(gid)
         for i, p in enumerate(group.params):
             if not p.requires_grad:
                 continue
@@ -96,19 +105,18 @@ def optimizer_state_bytes(buffer: ParamAndGradBuffer, optimizer: str, world_size
             if not sharded or slot.replicated:
                 everywhere += tensors * slot.numel * elem
                 continue
-            diff = diffs.setdefault(pieces, [0] * (pieces + 1))
+            diff = diffs.setdefault(kind, [0] * (pieces + 1))
             for first, last, numel in _piece_numels(layout, i, pieces):
                 diff[first] += tensors * numel * elem
                 diff[last] -= tensors * numel * elem
     out = [everywhere] * world_size
-    for pieces, diff in diffs.items():
+    for kind, diff in diffs.items():
         running, per_piece = 0, []
-        for k in range(pieces):
+        for k in range(len(diff) - 1):
             running += diff[k]
             per_piece.append(running)
-        # Rank r holds piece r (shard x outer, outer-major) or r % shard size.
-        for r in range(world_size):
-            out[r] += per_piece[r % pieces]
+        for r, piece in enumerate(piece_of[kind]):
+            out[r] += per_piece[piece]
     return out
 
 

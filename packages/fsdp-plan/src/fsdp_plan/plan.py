@@ -79,7 +79,7 @@ _NOT_YET = {
     "hybrid_fsdp_group": "a given hybrid group (hybrid_fsdp_group; pass dp_outer=<size>)",
     "hybrid_fsdp_expt_group": "hybrid sharding of experts (hybrid_fsdp_expt_group)",
     "tp_dim": "tensor parallelism (tp_dim)",
-    "expt_device_mesh": "expert parallelism (expt_device_mesh)",
+    "expt_device_mesh": "a given expert mesh (expt_device_mesh; pass ep=<size>)",
     "fsdp_group_ag": "a separate all-gather group (fsdp_group_ag)",
     "expt_fsdp_group_ag": "a separate expert all-gather group (expt_fsdp_group_ag)",
     "nccl_ub": "NCCL user buffers (nccl_ub)",
@@ -139,6 +139,30 @@ def _meta_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
+def _coords(mesh, dim: str, world_size: int) -> list[int]:
+    """Each global rank's coordinate along ``dim`` of ``mesh``."""
+    grid = mesh.mesh.movedim(mesh.mesh_dim_names.index(dim), 0)
+    out = [0] * world_size
+    for c in range(grid.shape[0]):
+        for r in grid[c].flatten().tolist():
+            out[r] = c
+    return out
+
+
+def _pieces(meshes, world_size: int) -> dict[str, list[int]]:
+    """The piece each global rank holds of a dense, an expert and a fully-sharded
+    hybrid group (outer-major over shard x outer: Note [hybrid sharding])."""
+    shard = _coords(meshes.device_mesh, "dp_shard", world_size)
+    outer = _coords(meshes.device_mesh, "dp_outer", world_size)
+    size = meshes.device_mesh.size(meshes.device_mesh.mesh_dim_names.index("dp_shard"))
+    expert_mesh = meshes.expt_device_mesh
+    return {
+        "dense": shard,
+        "hybrid": [o * size + k for o, k in zip(outer, shard, strict=True)],
+        "expert": shard if expert_mesh is None else _coords(expert_mesh, "dp_shard", world_size),
+    }
+
+
 def _check_options(options: dict[str, Any]) -> None:
     for name, value in options.items():
         if name in _NOT_YET:
@@ -159,6 +183,7 @@ def plan(
     world_size: int,
     *,
     dp_outer: int = 1,
+    ep: int = 1,
     optimizer: str = "adamw",
     batch_size: int | None = None,
     seq_len: int | None = None,
@@ -168,7 +193,9 @@ def plan(
     """Predict, for ``fully_shard_model(module, **options)`` over ``world_size`` ranks
     (``world_size / dp_outer`` ranks per shard group and, with ``dp_outer`` > 1, that many
     replicas: hybrid sharding, fully sharded with ``outer_dp_sharding_strategy="optim"``;
-    ranks laid out as ``fsdp_mesh.build_device_mesh`` lays them), the model-state bytes each rank holds, the gathered bytes
+    with ``ep`` > 1 an expert mesh of ``ep`` expert-parallel ranks, ``module`` then
+    holding one rank's experts; ranks laid out as ``fsdp_mesh.build_device_mesh`` lays
+    them), the model-state bytes each rank holds, the gathered bytes
     at once, and the bytes each step moves. ``optimizer``: one of
     ``fsdp_plan.accounting.OPTIMIZER_STATES`` ("adamw", "adam", "sgd",
     "sgd_momentum"). ``module`` is not modified; build it under
@@ -185,8 +212,9 @@ def plan(
     _check_options(options)
     strategy = ShardingStrategy.parse(options.get("zero_dp_strategy", 3))
     outer = ShardingStrategy.parse(options.get("outer_dp_sharding_strategy", 0))
-    if isinstance(dp_outer, bool) or not isinstance(dp_outer, int) or dp_outer < 1:
-        raise ValueError(f"dp_outer must be a positive int; got {dp_outer!r}")
+    for name, value in (("dp_outer", dp_outer), ("ep", ep)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int; got {value!r}")
     if not isinstance(world_size, int) or world_size % dp_outer:
         raise ValueError(f"dp_outer={dp_outer} must divide world_size={world_size!r}")
     check_outer_strategy(strategy, outer, dp_outer > 1, "plan")
@@ -199,7 +227,10 @@ def plan(
     meta = _meta_copy(module)
     with fake_world(world_size, rank=0):
         meshes = build_device_mesh(
-            dp_shard=world_size // dp_outer, dp_outer=dp_outer, device_type="cpu"
+            dp_shard=world_size // dp_outer,
+            dp_outer=dp_outer,
+            expert_parallel=ep if ep > 1 else None,
+            device_type="cpu",
         )
         index = FSDPDistributedIndex(
             **meshes.fsdp_kwargs(), hsdp_outer_dp_shard=outer is ShardingStrategy.OPTIM
@@ -225,7 +256,7 @@ def plan(
         comm = total_comm(by_dim)
         # Ranks differ only in the optimizer state of torch.chunk pieces (the buffers'
         # shards are equal-sized by construction).
-        optim = optimizer_state_bytes(buffer, optimizer, world_size)
+        optim = optimizer_state_bytes(buffer, optimizer, _pieces(meshes, world_size))
     traffic = {k: round(comm[kind].traffic_bytes) for k, kind in _KINDS.items()}
 
     def figures(rank: int) -> dict[str, int]:
