@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fsdp_buffers import MixedPrecisionPolicy
 from fsdp_mesh.testing.models import GPT, Block
 from fsdp_plan import plan
 
@@ -109,3 +110,15 @@ def test_bad_input_is_refused():
         plan(module, 0)
     with pytest.raises(NotImplementedError, match="activations"):
         plan(module, 8, batch_size=4, seq_len=16)
+    # What the wrapper refuses, plan() refuses: experts with hybrid sharding, ...
+    with pytest.raises(NotImplementedError, match="expert-parallel meshes"):
+        plan(module, 8, dp_outer=2, ep=2)
+    # ... fully-sharded HSDP below ZeRO-3, a compute dtype the model is not in.
+    with pytest.raises(ValueError, match="requires"):
+        plan(module, 8, dp_outer=2, zero_dp_strategy=2, outer_dp_sharding_strategy="optim")
+    with pytest.raises(ValueError, match="param_dtype"):
+        plan(
+            module,
+            8,
+            mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+        )

@@ -53,6 +53,12 @@ def _parser() -> argparse.ArgumentParser:
         help="hybrid sharding: replicas of the shard group (world-size / dp-outer ranks each)",
     )
     p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks (an expert mesh; the factory builds one rank's experts)",
+    )
+    p.add_argument(
         "--outer-strategy",
         choices=("no_shard", "optim"),
         default="no_shard",
@@ -155,6 +161,7 @@ def _sweep(args, build, units) -> int:
         build,
         args.world_size,
         budget,
+        ep=args.ep,
         optimizer=args.optimizer,
         fsdp_unit_modules=units or None,
         fsdp_double_buffer=args.double_buffer,
@@ -215,6 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 build(),
                 args.world_size,
                 dp_outer=args.dp_outer,
+                ep=args.ep,
                 outer_dp_sharding_strategy=args.outer_strategy,
                 optimizer=args.optimizer,
                 fsdp_unit_modules=units or None,

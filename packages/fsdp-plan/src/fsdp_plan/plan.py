@@ -21,7 +21,8 @@ from fsdp_buffers import MixedPrecisionPolicy, ParamAndGradBuffer, ShardingStrat
 from fsdp_buffers.collectives import CollectiveKind
 from fsdp_hooks import DistributedDataParallelConfig
 from fsdp_hooks.experts import resolve_is_expert_param
-from fsdp_hooks.validation import check_outer_strategy
+from fsdp_hooks.megatron_fsdp import _check_param_dtype
+from fsdp_hooks.validation import check_hybrid_index, check_outer_strategy
 from fsdp_mesh import FSDPDistributedIndex, build_device_mesh
 from fsdp_plan.accounting import (
     OPTIMIZER_STATES,
@@ -235,6 +236,9 @@ def plan(
         index = FSDPDistributedIndex(
             **meshes.fsdp_kwargs(), hsdp_outer_dp_shard=outer is ShardingStrategy.OPTIM
         )
+        # The wrapper's own checks: what it refuses, plan() refuses too.
+        check_hybrid_index(index, strategy, outer, False)
+        _check_param_dtype(meta, policy)
         buffer = ParamAndGradBuffer(
             meta,
             index,

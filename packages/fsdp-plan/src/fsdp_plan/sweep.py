@@ -50,12 +50,15 @@ class Candidate:
 
 
 def sweep(
-    build: Callable[[], nn.Module], world_size: int, budget: int, **options: Any
+    build: Callable[[], nn.Module], world_size: int, budget: int, ep: int = 1, **options: Any
 ) -> list[Candidate]:
     """Every candidate, sorted: those that fit first, each group by bytes moved per
-    step, then by peak. ``build`` makes a fresh (meta-device) model per plan."""
+    step, then by peak. ``build`` makes a fresh (meta-device) model per plan. With an
+    expert mesh (``ep`` > 1) only ``dp_outer`` 1: experts with hybrid sharding are not
+    supported by the wrapper yet."""
     out = []
-    for dp_outer in (d for d in range(1, world_size + 1) if world_size % d == 0):
+    outers = [1] if ep > 1 else [d for d in range(1, world_size + 1) if world_size % d == 0]
+    for dp_outer in outers:
         configs = [(s, "no_shard") for s in (0, 1, 2, 3)]
         if dp_outer > 1:
             configs.append((3, "optim"))
@@ -64,6 +67,7 @@ def sweep(
                 build(),
                 world_size,
                 dp_outer=dp_outer,
+                ep=ep,
                 zero_dp_strategy=strategy,
                 outer_dp_sharding_strategy=outer,
                 **options,
