@@ -10,7 +10,7 @@ import pytest
 
 import fsdp
 
-LAYERS = ("fsdp_mesh", "fsdp_buffers", "fsdp_hooks", "fsdp_ckpt")
+LAYERS = ("fsdp_mesh", "fsdp_buffers", "fsdp_hooks", "fsdp_ckpt", "fsdp_plan")
 
 
 @pytest.mark.parametrize("layer", LAYERS)
@@ -25,7 +25,9 @@ def test_reexports_every_public_name_of_each_layer(layer):
 
 def test_versions_of_every_layer():
     versions = fsdp.versions()
-    for dist in ("fsdp", "fsdp-mesh", "fsdp-buffers", "fsdp-hooks", "fsdp-ckpt", "torch"):
+    for dist in (
+        "fsdp", "fsdp-mesh", "fsdp-buffers", "fsdp-hooks", "fsdp-ckpt", "fsdp-plan", "torch"
+    ):  # fmt: skip
         assert versions[dist] not in ("", "not installed"), versions
     assert versions["fsdp"] == fsdp.__version__
     out = subprocess.run(

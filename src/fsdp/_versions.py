@@ -7,7 +7,7 @@ from importlib import metadata
 
 __all__ = ["LAYERS", "versions"]
 
-LAYERS = ("fsdp", "fsdp-mesh", "fsdp-buffers", "fsdp-hooks", "fsdp-ckpt")
+LAYERS = ("fsdp", "fsdp-mesh", "fsdp-buffers", "fsdp-hooks", "fsdp-ckpt", "fsdp-plan")
 
 
 def versions() -> dict[str, str]:

@@ -325,6 +325,8 @@ def _patch_optimizer(
     import weakref
 
     optimizer._fsdp_model_ref = weakref.ref(model)  # type: ignore[attr-defined]
+    # For model.memory_stats(); weak, so the model does not keep the optimizer alive.
+    model.__dict__["_fsdp_optimizer_ref"] = weakref.ref(optimizer)
     base_step = optimizer.step
     base_zero_grad = optimizer.zero_grad
 

@@ -574,6 +574,18 @@ class MegatronFSDP(InnerModuleAttributes):
     def reset_comm_stats(self) -> None:
         self.buffer.stats.reset()
 
+    def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """This rank's model-state bytes, measured from the buffers' storages (and the
+        state tensors of ``optimizer``, or of the one ``fully_shard_optimizer`` attached):
+        ``parameters``, ``main_weights``, ``main_grads``, ``optimizer_state``, ``total``.
+        The keys of ``fsdp.plan(...).per_rank``; see ``fsdp_hooks.memory_stats``."""
+        from fsdp_hooks.memory_stats import measure_memory_stats
+
+        if optimizer is None:
+            ref = self.__dict__.get("_fsdp_optimizer_ref")
+            optimizer = ref() if ref is not None else None
+        return measure_memory_stats(self.buffer, optimizer)
+
 
 def _resolve_device(device: torch.device | str | None, dist_index) -> torch.device:
     if device is not None:

@@ -1,0 +1,234 @@
+"""Bytes from a ``ParamAndGradBuffer`` built on the meta device: arithmetic on its layouts.
+
+Every figure is read off the buffers the real wrapping code built for one rank (their
+layouts, dtypes and which of them are sharded), never from a formula over the parameter
+count, so padding, bucketing, tied parameters, frozen groups and ``fsdp_no_shard``
+groups come out as they will be. See the package README for what this cannot see.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fsdp_buffers import CommStats, ParamAndGradBuffer
+from fsdp_buffers.collectives import CollectiveKind
+
+__all__ = [
+    "OPTIMIZER_STATES",
+    "comm_per_step",
+    "gathered_peak",
+    "model_state_bytes",
+    "optimizer_state_bytes",
+    "total_comm",
+]
+
+# Tensors of the shape of a parameter's main-weight piece each optimizer keeps, and
+# whether it keeps a scalar ``step`` tensor per parameter (torch's default, non-capturable
+# Adam/AdamW keep a 0-d float32 tensor).
+OPTIMIZER_STATES: dict[str, tuple[int, bool]] = {
+    "adamw": (2, True),
+    "adam": (2, True),
+    "sgd": (0, False),
+    "sgd_momentum": (1, False),
+}
+_STEP_BYTES = torch.empty((), dtype=torch.float32).element_size()
+
+
+def _nbytes(buf) -> int:
+    return 0 if buf is None else buf.nbytes
+
+
+def model_state_bytes(buffer: ParamAndGradBuffer) -> dict[str, int]:
+    """``parameters``, ``main_weights``, ``main_grads``: the persistent buffers' bytes.
+    Main weights that are the model weights' pieces (same dtype) count 0, as memory."""
+    out = {"parameters": 0, "main_weights": 0, "main_grads": 0}
+    for gid, group in enumerate(buffer.groups):
+        out["parameters"] += _nbytes(group.model_weight_buffer)
+        out["main_weights"] += _nbytes(group.main_weight_buffer)
+        fine = buffer._outer_main[gid]  # fully-sharded HSDP: a view when same dtype
+        if fine is not None and fine.dtype != group.dtype:
+            out["main_weights"] += _nbytes(fine)
+        out["main_grads"] += _nbytes(group.main_grad_buffer)
+    return out
+
+
+def _piece_numels(layout, index: int, pieces: int) -> list[tuple[int, int, int]]:
+    """Parameter ``index``'s ``torch.chunk`` pieces as runs ``(first, last, numel)``:
+    pieces ``[first, last)`` hold ``numel`` elements each (Note [shard layout]: the
+    first ``R // c`` pieces hold ``c`` rows, the next the rest, the others none)."""
+    slot = layout.slots[index]
+    c, rows = slot.chunk_rows, slot.rows
+    full = min(rows // c, pieces) if c else 0
+    runs = [(0, full, c * slot.row_numel)]
+    if full < pieces and rows - full * c > 0:
+        runs.append((full, full + 1, (rows - full * c) * slot.row_numel))
+    return runs
+
+
+def optimizer_state_bytes(
+    buffer: ParamAndGradBuffer, optimizer: str, piece_of: dict[str, list[int]]
+) -> list[int]:
+    """Optimizer-state bytes on each global rank: per trainable parameter, ``tensors``
+    copies of its
+    main-weight piece (in the main-weight dtype: its ``torch.chunk`` rows when main
+    weights are sharded, over shard x outer pieces, outer-major, when fully-sharded
+    hybrid; else the whole parameter) plus a ``step`` scalar where the optimizer keeps
+    one. ``piece_of[kind][r]``: the piece global rank ``r`` holds of a ``"dense"``,
+    ``"expert"`` or ``"hybrid"`` (fully-sharded, shard x outer) group. Arithmetic per
+    parameter, not per rank, so 1,024 ranks cost no more than 8."""
+    try:
+        tensors, step = OPTIMIZER_STATES[optimizer]
+    except KeyError:
+        raise ValueError(
+            f"optimizer={optimizer!r} is not one plan() knows; allowed: {sorted(OPTIMIZER_STATES)}"
+        ) from None
+    everywhere = 0
+    world_size = len(piece_of["dense"])
+    # Per kind of group: a difference array over its pieces.
+    diffs: dict[str, list[int]] = {}
+    for gid, group in enumerate(buffer.groups):
+        if not group.requires_grad:
+            continue
+        elem = buffer.main_weight_buffer(gid).element_size
+        layout = buffer.layouts[gid]
+        sharded = buffer.sharding[gid].main_weights
+        if buffer.outer_sharded[gid]:
+            kind, pieces = "hybrid", world_size
+        else:
+            kind = "expert" if group.is_expert_param else "dense"
+            pieces = buffer.shard_group_size(gid)
+        for i, p in enumerate(group.params):
+            if not p.requires_grad:
+                continue
+            everywhere += _STEP_BYTES if step else 0
+            slot = layout.slots[i]
+            if not sharded or slot.replicated:
+                everywhere += tensors * slot.numel * elem
+                continue
+            diff = diffs.setdefault(kind, [0] * (pieces + 1))
+            for first, last, numel in _piece_numels(layout, i, pieces):
+                diff[first] += tensors * numel * elem
+                diff[last] -= tensors * numel * elem
+    out = [everywhere] * world_size
+    for kind, diff in diffs.items():
+        running, per_piece = 0, []
+        for k in range(len(diff) - 1):
+            running += diff[k]
+            per_piece.append(running)
+        for r, piece in enumerate(piece_of[kind]):
+            out[r] += per_piece[piece]
+    return out
+
+
+def _distributed(buffer: ParamAndGradBuffer, gid: int) -> bool:
+    mw = buffer.groups[gid].model_weight_buffer
+    return mw is not None and mw.is_data_distributed
+
+
+def gathered_peak(buffer: ParamAndGradBuffer, double_buffer: bool) -> int:
+    """Bytes of gathered weights held at once (docs/design.md, Bounds).
+
+    ZeRO-3: the root buckets (gathered for the whole step) + the most a unit and what
+    the ``AllGatherPipeline`` prefetches after it (within its budget: the largest
+    unit's bytes; with double buffering, the two slots, reserved for good) + one
+    rank-major copy of the largest bucket (an all-gather's output before copy-out).
+    ZeRO-1/2: after the optimizer step every group's updated shards are all-gathered
+    at once into rank-major copies (``install_optimized_model_weights``).
+    """
+    n = buffer.num_buckets
+    nbytes = [buffer.unsharded_bytes(g) if _distributed(buffer, g) else 0 for g in range(n)]
+    roots = set(buffer.root_groups)
+    root_bytes = sum(nbytes[g] for g in roots)
+    # Bytes per unit, in forward order (buckets are numbered in forward order).
+    units: dict[object, int] = {}
+    for g in range(n):
+        if g in roots or not nbytes[g]:
+            continue
+        key = buffer.groups[g].fsdp_unit_id
+        units[key if key is not None else ("bucket", g)] = units.get(key, 0) + nbytes[g]
+    sizes = list(units.values())
+    if double_buffer:
+        units_peak = max(sizes[0::2], default=0) + max(sizes[1::2], default=0)
+    else:
+        budget = max(sizes, default=0)
+        units_peak = 0
+        for order in (sizes, sizes[::-1]):
+            for i, size in enumerate(order):
+                used = 0
+                for nxt in order[i + 1 :]:  # as AllGatherPipeline._prefetch walks
+                    if used + nxt > budget:
+                        break
+                    used += nxt
+                    if used >= budget:
+                        break
+                units_peak = max(units_peak, size + used)
+    transient = max(nbytes, default=0)
+    peak = root_bytes + units_peak + transient if any(nbytes) else 0
+    sync = 0
+    for g, group in enumerate(buffer.groups):
+        mw = group.model_weight_buffer
+        if group.requires_grad and buffer.sharding[g].main_weights and not _distributed(buffer, g):
+            assert mw is not None
+            sync += mw.layout.total_numel * mw.element_size
+    return max(peak, sync)
+
+
+def comm_per_step(buffer: ParamAndGradBuffer) -> dict[str, CommStats]:
+    """The collectives one training step issues (forward, backward that syncs
+    gradients, optimizer step), counted as ``comm_stats()`` counts them, by mesh dim:
+    ``dp_shard`` (the shard group) and ``dp_outer`` (hybrid sharding's replicas)."""
+    shard, outer_stats = CommStats(), CommStats()
+    policy = buffer.policy
+    roots = set(buffer.root_groups)
+    for gid, group in enumerate(buffer.groups):
+        mw = group.model_weight_buffer
+        assert mw is not None
+        n = buffer.shard_group_size(gid)
+        total = mw.layout.total_numel
+        if mw.is_data_distributed:
+            # Units gather for forward and again for backward; root buckets once.
+            for _ in range(1 if gid in roots else 2):
+                shard.record(CollectiveKind.ALL_GATHER, total, mw.element_size, n)
+        if not group.requires_grad:
+            continue
+        comm = torch.empty((), dtype=policy.grad_comm_dtype_for(group.dtype)).element_size()
+        sharding = buffer.sharding[gid]
+        kind = (
+            CollectiveKind.REDUCE_SCATTER
+            if sharding.grads or sharding.main_weights
+            else CollectiveKind.ALL_REDUCE
+        )
+        shard.record(kind, total, comm, n)
+        outer = buffer.outer_group_size(gid)
+        gbuf = group.main_grad_buffer
+        assert gbuf is not None
+        if buffer.outer_sharded[gid]:
+            # Fully-sharded HSDP (Note [hybrid sharding]): reduce-scatter the coarse
+            # main-grad shard across the outer group; after the step, all-gather the
+            # updated fine pieces into the coarse compute shard.
+            outer_stats.record(CollectiveKind.REDUCE_SCATTER, gbuf.data.numel(), comm, outer)
+            outer_stats.record(CollectiveKind.ALL_GATHER, mw.data.numel(), mw.element_size, outer)
+            continue
+        if outer > 1:  # HSDP: all-reduce what the optimizer reads across the replicas
+            numel = (
+                gbuf.layout.shard_numel
+                if sharding.main_weights or gbuf.is_data_distributed
+                else gbuf.layout.total_numel
+            )
+            outer_stats.record(CollectiveKind.ALL_REDUCE, numel, comm, outer)
+        if sharding.main_weights and not mw.is_data_distributed:
+            shard.record(CollectiveKind.ALL_GATHER, total, mw.element_size, n)
+    return {"dp_shard": shard, "dp_outer": outer_stats}
+
+
+def total_comm(by_dim: dict[str, CommStats]) -> CommStats:
+    """The sum over mesh dims: what one ``comm_stats()`` reports."""
+    out = CommStats()
+    for stats in by_dim.values():
+        for kind, count in stats.counts.items():
+            mine = out.counts[kind]
+            mine.calls += count.calls
+            mine.numel += count.numel
+            mine.bytes += count.bytes
+            mine.traffic_bytes += count.traffic_bytes
+    return out

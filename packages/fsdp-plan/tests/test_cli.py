@@ -1,0 +1,104 @@
+"""``fsdp-plan``: the table and the JSON are ``plan()``'s figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fsdp_mesh.testing.models import GPT, Block
+from fsdp_plan import plan
+from fsdp_plan.cli import main
+
+
+def test_cli_prints_and_writes_the_plans(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = main(
+        [
+            "fsdp_mesh.testing.models:GPT",
+            "--world-size",
+            "4",
+            "--strategy",
+            "3,optim",
+            "--units",
+            "Block",
+            "--json",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "optim_grads_params" in table and "optim" in table and "reduce_scatter" in table
+    written = json.loads(out.read_text())
+    assert [p["strategy"] for p in written] == ["optim_grads_params", "optim"]
+    for entry, strategy in zip(written, (3, 1), strict=True):
+        with torch.device("meta"):
+            module = GPT()
+        expected = plan(module, 4, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+        assert entry["per_rank"] == expected.per_rank
+        assert entry["comm"] == json.loads(json.dumps(expected.comm))
+
+
+def test_cli_refuses_a_bad_model_spec():
+    with pytest.raises(SystemExit, match=r"module\.path:factory"):
+        main(["fsdp_mesh.testing.models.GPT", "--world-size", "2"])
+    with pytest.raises(SystemExit, match="Nope"):
+        main(["fsdp_mesh.testing.models:GPT", "--world-size", "2", "--units", "Nope"])
+
+
+def test_memory_per_device_sweep(tmp_path, capsys):
+    from fsdp_plan.sweep import parse_bytes
+
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("1.5 GB") == 1_500_000_000
+    assert parse_bytes("8e3") == 8000
+    with pytest.raises(ValueError, match="cannot read"):
+        parse_bytes("lots")
+    # A budget between the smallest and the largest peak of the candidates.
+    with torch.device("meta"):
+        module = GPT()
+    zero3 = plan(module, 4, fsdp_unit_modules=[Block], zero_dp_strategy=3).per_rank["peak"]
+    out = tmp_path / "sweep.json"
+    argv = ["fsdp_mesh.testing.models:GPT", "--world-size", "4", "--units", "Block"]
+    assert main([*argv, "--memory-per-device", str(zero3), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    found = json.loads(out.read_text())
+    # dp_outer 1, 2, 4: 4 strategies each, plus fully-sharded HSDP for 2 and 4.
+    assert len(found) == 14
+    for entry in found:
+        assert entry["fits"] == (entry["per_rank"]["peak"] <= zero3)
+    fits = [e for e in found if e["fits"]]
+    assert fits and len(fits) < len(found)
+    assert found[: len(fits)] == fits  # those that fit come first ...
+    moved = [
+        sum(e["per_rank"][k] for k in ("all_gather", "reduce_scatter", "all_reduce")) for e in fits
+    ]
+    assert moved == sorted(moved)  # ... by bytes moved per step
+    assert "cheapest that does not fit" in text and "largest part" in text
+
+
+def test_hugging_face_config(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers", reason="needs transformers (hf group)")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        dtype="bfloat16",
+    )
+    config.save_pretrained(tmp_path)
+    out = tmp_path / "plan.json"
+    argv = [str(tmp_path / "config.json"), "--world-size", "4", "--json", str(out)]
+    assert main(argv) == 0
+    (written,) = json.loads(out.read_text())
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    expected = plan(model, 4, fsdp_unit_modules=[LlamaDecoderLayer], zero_dp_strategy=3)
+    assert written["per_rank"] == expected.per_rank
+    # bf16 compute weights, fp32 main weights: the config's dtype was used.
+    assert written["per_rank"]["main_weights"] == 2 * written["per_rank"]["parameters"]
