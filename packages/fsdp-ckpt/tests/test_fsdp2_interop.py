@@ -169,3 +169,38 @@ def test_fsdp2_plain_dcp_checkpoints_both_ways(tmp_path, world, torchtitan):
     expected = run_distributed(_both_ways, world, args=(str(tmp_path), torchtitan), timeout=120)[0]
     if world == 2:  # one sharded checkpoint written by 2 ranks is enough for the tool
         _consolidate_with_the_command(tmp_path / "ours", expected)
+
+
+def _plain_both_ways(root: str) -> None:
+    """No fsdp checkpoint function on either side: ``get_state_dict`` + ``dcp.save``,
+    ``dcp.load`` + ``set_state_dict``, FSDP2 -> ours and ours -> FSDP2. Values equal,
+    then the next steps' losses (which read the loaded Adam moments) equal."""
+    root_path = Path(root)
+    theirs, theirs_opt = _fsdp2(0)
+    _step(theirs, theirs_opt, 0)
+    _fsdp2_save(theirs, theirs_opt, root_path / "plain_fsdp2", torchtitan=False)
+    ours, ours_opt = _ours(1)
+    msd, osd = get_state_dict(ours, ours_opt)
+    state = {"model": msd, "optimizer": osd}
+    dcp.load(state, checkpoint_id=root_path / "plain_fsdp2")
+    set_state_dict(
+        ours, ours_opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
+    _assert_same(_fsdp2_full(ours), _fsdp2_full(theirs))
+    _assert_same_loss(_step(ours, ours_opt, 1), _step(theirs, theirs_opt, 1))
+
+    msd, osd = get_state_dict(ours, ours_opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=root_path / "plain_ours")
+    back, back_opt = _fsdp2(2)
+    msd, osd = get_state_dict(back, back_opt)
+    state = {"model": msd, "optimizer": osd}
+    dcp.load(state, checkpoint_id=root_path / "plain_ours")
+    set_state_dict(
+        back, back_opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
+    _assert_same(_fsdp2_full(back), _fsdp2_full(ours))
+    _assert_same_loss(_step(back, back_opt, 2), _step(ours, ours_opt, 2))
+
+
+def test_plain_dcp_between_fsdp2_and_ours_both_ways(tmp_path):
+    run_distributed(_plain_both_ways, 2, args=(str(tmp_path),))

@@ -9,8 +9,9 @@ Every sharded DTensor of ``model.state_dict()``, ``optimizer.state_dict()``,
 * ``full_tensor()`` of every entry equals the one-process tensor;
 * DTensor ops on parameters and gradients (``mean``, ``std``, ``max``, ``redistribute``)
   give what they give on the full tensor;
-* a plain DCP checkpoint reshards: saved at 2 ranks under ZeRO-3, loaded at 1, 2 and 4
-  ranks under every strategy, training continues at one-process parity.
+* a plain DCP checkpoint of torch's ``get_state_dict`` reshards: saved at 2 ranks under
+  ZeRO-3, loaded with ``dcp.load`` + ``set_state_dict`` into a fresh model and optimizer
+  at 1, 2 and 4 ranks under every strategy, training continues at one-process parity.
 
 The model has odd shapes on purpose: rows not divisible by the world size, a parameter
 with fewer rows than ranks, a 0-d parameter, tied weights and a frozen parameter.
@@ -24,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn import functional as F
 
@@ -256,17 +258,19 @@ def test_full_tensor_and_dtensor_ops_match_one_process(strategy):
 def _save_phase(path: str) -> list[float]:
     model, opt = _wrap(0, 3)
     losses = _train(model, opt, 0, 2)
-    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
+    msd, osd = get_state_dict(model, opt)  # torch's API, as FSDP2 users write it
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
     return losses
 
 
 def _load_phase(path: str, strategy: int) -> list[float]:
-    model, opt = _wrap(1234, strategy)  # every value must come from the checkpoint
-    _train(model, opt, 0, 1)  # so that the optimizer has state to load into
-    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    # A fresh pair, seeded differently: every value must come from the checkpoint (the
+    # optimizer's state exists before the first step, as Megatron-FSDP's does).
+    model, opt = _wrap(1234, strategy)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=path)
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optim"])
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return _train(model, opt, 2, 4)
 
 
