@@ -125,9 +125,7 @@ def expected_fsdp_elements(model: Any) -> dict[str, int]:
     frozen units, true for an encoder at the input). Below ZeRO-3, each trainable bucket
     whose main weights are sharded but compute weights replicated is gathered once after
     the optimizer step. Every trainable bucket is reduce-scattered (sharded grads or main
-    weights) or all-reduced (replicated). After every backward that reduced, one
-    all-reduce of a byte per trainable parameter agrees on which ones got a gradient
-    on some rank (the others keep ``.grad`` None, as in plain PyTorch)."""
+    weights) or all-reduced (replicated)."""
     buffer = model.buffer
     root = set(model.hooks.root_groups)
     out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
@@ -147,8 +145,6 @@ def expected_fsdp_elements(model: Any) -> dict[str, int]:
                 out["reduce_scatter"] += total
             elif buffer.shard_group_size(gid) > 1:
                 out["all_reduce"] += total
-    if model.dist_index.dp_size > 1:
-        out["all_reduce"] += sum(1 for g in buffer.groups if g.requires_grad for _ in g.params)
     return out
 
 

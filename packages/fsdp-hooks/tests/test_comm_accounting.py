@@ -75,7 +75,6 @@ def _zero3_body():
     unit = [g for g in range(len(groups)) if groups[g].fsdp_unit_id is not None]
     root = [g for g in range(len(groups)) if groups[g].fsdp_unit_id is None]
     trainable = [g for g in range(len(groups)) if groups[g].requires_grad]
-    n_trainable = sum(len(groups[g].params) for g in trainable)
     assert len(unit) == CFG.n_layers and root  # one bucket per Block; tok/pos/ln_f outside
     u_pad = sum(padded[g] for g in unit)
     r_pad = sum(padded[g] for g in root)
@@ -102,10 +101,7 @@ def _zero3_body():
         assert total["all_gather"]["calls"] == 2 * len(unit) + len(root)
         assert total["all_gather"]["bytes"] == ag_bytes
         assert total["reduce_scatter"]["numel"] == expected_rs
-        # One all-reduce besides: a byte per trainable parameter, agreeing on which got a
-        # gradient on some rank (the others keep .grad None, as in plain PyTorch).
-        assert total["all_reduce"]["calls"] == 1 and total["broadcast"]["calls"] == 0
-        assert total["all_reduce"]["bytes"] == total["all_reduce"]["numel"] == n_trainable
+        assert total["all_reduce"]["calls"] == 0 and total["broadcast"]["calls"] == 0
         # Ring traffic per rank against 3·Ψ·(N−1)/N (fp32: 4 bytes an element).
         traffic = (
             total["all_gather"]["traffic_bytes"] + total["reduce_scatter"]["traffic_bytes"]
@@ -151,7 +147,6 @@ def _lower_strategies_body():
         model, opt, psi = _setup(strategy)
         buffer = model.buffer
         trainable = [g for g, grp in enumerate(buffer.groups) if grp.requires_grad]
-        n_trainable = sum(len(buffer.groups[g].params) for g in trainable)
         padded = sum(buffer.layouts[g].total_numel for g in trainable)
         n = dist.get_world_size()
         for step in range(STEPS):
@@ -159,18 +154,16 @@ def _lower_strategies_body():
             # No gathers in forward or backward: compute weights are replicated.
             assert all(fwd[k]["calls"] == 0 for k in KINDS), (strategy, fwd)
             assert bwd["all_gather"]["calls"] == 0, (strategy, bwd)
-            flags = n_trainable  # the reached-gradient all-reduce: a byte a parameter
-            ring = (n - 1) / n
             if strategy == 0:
-                assert bwd["all_reduce"]["numel"] == padded + flags
-                assert bwd["all_reduce"]["calls"] == len(trainable) + 1
+                assert bwd["all_reduce"]["numel"] == padded
+                assert bwd["all_reduce"]["calls"] == len(trainable)
                 assert bwd["reduce_scatter"]["calls"] == 0
                 assert all(after[k]["calls"] == 0 for k in KINDS), (strategy, after)
-                traffic = (bwd["all_reduce"]["traffic_bytes"] - 2 * ring * flags) / 4
+                traffic = bwd["all_reduce"]["traffic_bytes"] / 4
             else:
                 assert bwd["reduce_scatter"]["numel"] == padded
                 assert bwd["reduce_scatter"]["calls"] == len(trainable)
-                assert bwd["all_reduce"]["calls"] == 1 and bwd["all_reduce"]["numel"] == flags
+                assert bwd["all_reduce"]["calls"] == 0
                 # The step re-replicates the updated weights: one all-gather a bucket.
                 assert after["all_gather"]["numel"] == padded
                 assert after["all_gather"]["calls"] == len(trainable)

@@ -25,8 +25,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_buffers import collectives
-
 if TYPE_CHECKING:
     from fsdp_hooks.hooks import FSDPHooks
 
@@ -98,23 +96,19 @@ class ParamState:
         if not self._trainable:
             return
         reached = torch.tensor([c in self.reached for c, _d in self._trainable], dtype=torch.uint8)
-        index = self._hooks.wrapper.dist_index
-        if dist.is_initialized() and index.dp_size > 1:  # one rank: nothing to agree on
+        if dist.is_initialized():
+            index = self._hooks.wrapper.dist_index
             device = self._hooks.buffer.device
             device = device if device.type != "meta" else torch.device("cpu")
             flags = reached.to(device)
             expert = torch.tensor(self._expert, device=device)
-            # Counted in comm_stats like every other collective of the step.
-            stats = self._hooks.buffer.stats
-            max_op = dist.ReduceOp.MAX
-            collectives.all_reduce(
-                flags, index.get_dp_group(), max_op, stats, "fsdp.reached"
-            ).wait()
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=index.get_dp_group())
             if self._hooks.wrapper.experts_differ_across_ranks and bool(expert.any()):
                 # Ranks hold different experts: agree over the expert group instead.
                 mine = reached.to(device)
-                group = index.get_dp_group(is_expert_parallel=True)
-                collectives.all_reduce(mine, group, max_op, stats, "fsdp.reached").wait()
+                dist.all_reduce(
+                    mine, op=dist.ReduceOp.MAX, group=index.get_dp_group(is_expert_parallel=True)
+                )
                 flags = torch.where(expert, mine, flags)
             reached = flags.cpu()
         self.unreached = [

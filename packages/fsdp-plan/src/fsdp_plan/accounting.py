@@ -218,16 +218,6 @@ def comm_per_step(buffer: ParamAndGradBuffer) -> dict[str, CommStats]:
             outer_stats.record(CollectiveKind.ALL_REDUCE, numel, comm, outer)
         if sharding.main_weights and not mw.is_data_distributed:
             shard.record(CollectiveKind.ALL_GATHER, total, mw.element_size, n)
-    # After a backward that reduced: one byte per trainable parameter, all-reduced over
-    # the data-parallel group, agrees on which parameters got a gradient on some rank.
-    trainable = sum(len(g.params) for g in buffer.groups if g.requires_grad)
-    dp = buffer.dist_index.dp_size
-    if trainable and dp > 1:
-        shard.record(CollectiveKind.ALL_REDUCE, trainable, 1, dp)
-        index = buffer.dist_index
-        experts = any(g.requires_grad and g.is_expert_param for g in buffer.groups)
-        if experts and index.expt_dp_size != dp:  # ranks hold different experts
-            shard.record(CollectiveKind.ALL_REDUCE, trainable, 1, index.expt_dp_size)
     return {"dp_shard": shard, "dp_outer": outer_stats}
 
 
