@@ -125,7 +125,10 @@ def expected_fsdp_elements(model: Any) -> dict[str, int]:
     frozen units, true for an encoder at the input). Below ZeRO-3, each trainable bucket
     whose main weights are sharded but compute weights replicated is gathered once after
     the optimizer step. Every trainable bucket is reduce-scattered (sharded grads or main
-    weights) or all-reduced (replicated)."""
+    weights) or all-reduced (replicated). After every backward, one all-reduce of a
+    byte per trainable parameter agrees on which ones got a gradient on some rank (the
+    others keep ``.grad`` None, as in plain PyTorch); ``reached_flags`` says how many of
+    the all-reduced elements are those (``comm_stats()`` leaves them out)."""
     buffer = model.buffer
     root = set(model.hooks.root_groups)
     out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
@@ -145,6 +148,9 @@ def expected_fsdp_elements(model: Any) -> dict[str, int]:
                 out["reduce_scatter"] += total
             elif buffer.shard_group_size(gid) > 1:
                 out["all_reduce"] += total
+    flags = sum(len(g.params) for g in buffer.groups if g.requires_grad)
+    out["all_reduce"] += flags
+    out["reached_flags"] = flags
     return out
 
 
