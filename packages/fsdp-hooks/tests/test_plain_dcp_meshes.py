@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from fsdp_mesh.testing import run_distributed
@@ -102,6 +103,25 @@ def _expert(path: str, strategy: int) -> None:
     _round_trip(model, None, path)
 
 
+def _expert_optimizer_refused(path: str) -> str:
+    ckpt = _load("test_expert_checkpoint.py")
+    model, opt, _ids = ckpt._model(ckpt.toy.EP, 3, 0)
+    ckpt._steps(model, opt, 0, 1)
+    # torch.save-style use still sees ordinary DTensors...
+    state = opt.state_dict()
+    assert all(isinstance(v, DTensor) for s in state["state"].values() for v in s.values())
+    # ...but plain DCP refuses the positional expert entries on every rank (DCP wraps
+    # our ValueError in its CheckpointException).
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"optim": opt.state_dict()}, checkpoint_id=path)
+    # fsdp's own checkpoint keys them by global name and works.
+    from fsdp_ckpt import load_checkpoint, save_checkpoint
+
+    save_checkpoint(f"{path}_fsdp", model, opt)
+    load_checkpoint(f"{path}_fsdp", model, opt)
+    return str(info.value)
+
+
 def _tensor_parallel(path: str, kind: str, strategy: int) -> None:
     tp = _load("test_tensor_parallel.py")
     model, opt = tp._wrap(kind, strategy)
@@ -122,3 +142,11 @@ def test_expert_mesh_round_trip(tmp_path, strategy):
 @pytest.mark.parametrize("kind, strategy", [("dtensor", 3), ("dtensor", 1), ("megatron", 2)])
 def test_tensor_parallel_round_trip(tmp_path, kind, strategy):
     run_distributed(_tensor_parallel, 4, args=(str(tmp_path / "ckpt"), kind, strategy))
+
+
+def test_expert_optimizer_state_refuses_plain_dcp(tmp_path):
+    """Position k of ``optimizer.state_dict()`` is a different expert on each
+    expert-parallel rank: plain DCP would mix them, so it raises (on every rank)."""
+    for message in run_distributed(_expert_optimizer_refused, 4, args=(str(tmp_path / "c"),)):
+        assert "different expert on each expert-parallel rank" in message
+        assert "fsdp.save_checkpoint" in message

@@ -75,7 +75,11 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
     entries: dict[tuple[str, str], Entry] = {}
     for index, state in osd["state"].items():
         param = params[index]
+        live = optimizer.state.get(param, {})
         for key, value in state.items():
+            # The live tensor: a wrapper's state_dict hook may have replaced the entry
+            # (fsdp refuses positional expert state in plain DCP; names are unambiguous).
+            value = live.get(key, value)
             like_param = isinstance(value, DTensor) and value.shape == param.shape
             entries[(fqns[index], key)] = entry_of(value, param if like_param else None)
     flat = add_row_offsets({f"{fqn}\x00{key}": v for (fqn, key), v in entries.items()})

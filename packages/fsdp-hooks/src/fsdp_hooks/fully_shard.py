@@ -53,7 +53,11 @@ from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
 from fsdp_hooks.config import DistributedDataParallelConfig
 from fsdp_hooks.megatron_fsdp import MegatronFSDP
 from fsdp_hooks.optim_init import InitialState, init_optimizer_state
-from fsdp_hooks.optimizers import check_optimizer_supported, move_state_to_main_weights
+from fsdp_hooks.optimizers import (
+    check_optimizer_supported,
+    move_state_to_main_weights,
+    refuse_positional_expert_state_in_dcp,
+)
 from fsdp_hooks.validation import check_argument_types, check_outer_strategy
 from fsdp_mesh import FSDPDistributedIndex, warn_once
 
@@ -300,6 +304,14 @@ def fully_shard_optimizer(
     # a user's write to re-install at the next forward.
     model.hooks.params.record_versions()
     _patch_optimizer(optimizer, model, initial)
+    if model.experts_differ_across_ranks:
+        groups = model.buffer.groups
+        is_expert = [
+            groups[p._fsdp_group_index[0]].is_expert_param
+            for group in optimizer.param_groups
+            for p in group["params"]
+        ]
+        refuse_positional_expert_state_in_dcp(optimizer, is_expert)
     return optimizer
 
 

@@ -25,7 +25,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["check_optimizer_supported", "move_state_to_main_weights"]
+__all__ = [
+    "check_optimizer_supported",
+    "move_state_to_main_weights",
+    "refuse_positional_expert_state_in_dcp",
+]
 
 
 def _class(name: str) -> type | None:
@@ -124,3 +128,46 @@ def move_state_to_main_weights(
     for original in replaced:
         optimizer.state.pop(original, None)
     optimizer.state.update(moved)
+
+
+# ---- expert state in optimizer.state_dict() ------------------------------------------------
+_POSITIONAL_MESSAGE = (
+    "optimizer.state_dict() numbers parameters by their position, and under expert "
+    "parallelism position {index} is a different expert on each expert-parallel rank: "
+    "saving or loading it with torch.distributed.checkpoint would mix experts. Use "
+    "fsdp.save_checkpoint / fsdp.load_checkpoint (or fsdp_ckpt.get_optimizer_state_dict), "
+    "which key optimizer state by the experts' global names."
+)
+
+
+def _refuse_in_dcp(value: DTensor, index: int) -> DTensor:
+    """``value`` over a view of the same storage whose DCP hooks raise: DCP asks a
+    DTensor's local tensor for ``__create_write_items__`` (save) and
+    ``__create_chunk_list__`` (load) first, so either raises instead of mixing experts.
+    ``torch.save`` and ``load_state_dict`` see an ordinary DTensor."""
+    local = value._local_tensor.view_as(value._local_tensor)
+
+    def refuse(*_args: Any, **_kwargs: Any) -> Any:
+        raise ValueError(_POSITIONAL_MESSAGE.format(index=index))
+
+    local.__create_write_items__ = refuse  # type: ignore[attr-defined]
+    local.__create_chunk_list__ = refuse  # type: ignore[attr-defined]
+    # Not DTensor.from_local: it would wrap a fresh view of ``local``, without the hooks.
+    return DTensor(local, value._spec, requires_grad=False)
+
+
+def refuse_positional_expert_state_in_dcp(
+    optimizer: torch.optim.Optimizer, is_expert: list[bool]
+) -> None:
+    """When experts differ across ranks, the expert entries of ``optimizer.state_dict()``
+    (``is_expert`` by position) refuse plain DCP with a clear error (never silently
+    mixed); ``fsdp_ckpt`` reads the live state instead."""
+
+    def hook(_optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        for index, state in state_dict["state"].items():
+            if index < len(is_expert) and is_expert[index]:
+                for key, value in state.items():
+                    if isinstance(value, DTensor):
+                        state[key] = _refuse_in_dcp(value, index)
+
+    optimizer.register_state_dict_post_hook(hook)
