@@ -164,10 +164,13 @@ def refuse_positional_expert_state_in_dcp(
     mixed); ``fsdp_ckpt`` reads the live state instead."""
 
     def hook(_optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-        for index, state in state_dict["state"].items():
+        states = state_dict["state"]
+        for index, state in list(states.items()):
             if index < len(is_expert) and is_expert[index]:
-                for key, value in state.items():
-                    if isinstance(value, DTensor):
-                        state[key] = _refuse_in_dcp(value, index)
+                # A new dict: torch's state_dict() hands out the live per-parameter dicts.
+                states[index] = {
+                    key: _refuse_in_dcp(value, index) if isinstance(value, DTensor) else value
+                    for key, value in state.items()
+                }
 
     optimizer.register_state_dict_post_hook(hook)
