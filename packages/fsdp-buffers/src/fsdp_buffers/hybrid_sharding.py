@@ -12,14 +12,13 @@ the end of every backward, and the next backward first rebases the fully reduced
 R/outer (it is the same on every outer rank), so nothing is double-counted.
 
 Fully-sharded hybrid (``hsdp_outer_dp_shard``, inner strategy ``optim_grads_params``):
-a trainable group's layout is computed for ``shard x outer`` shards of S' elements and
-then coarsened to ``shard`` shards of ``outer * S'`` (each coarse boundary is a fine
-one, so both are valid layouts with the same slots). Compute weights and main grads use
-the coarse layout, as plain FSDP over the shard group; main weights (and so optimizer
-state) use the fine one: shard-group rank k's coarse shard is split across the outer
-ranks, outer rank o holding fine chunk ``k * outer + o`` (``get_logical_hybrid_fsdp_rank``),
-which is the slice ``[o*S', (o+1)*S')`` of the coarse shard. The outer reduction is then
-a reduce-scatter of the coarse main-grad shard that leaves chunk o in that slice (and
+a trainable group's layout has ``shard x outer`` pieces of S' elements (Note [shard
+layout]). Compute weights and main grads are sharded over the shard group in coarse
+shards: shard rank k owns pieces ``k + o * shard`` for every outer rank o, as one shard
+of ``outer * S'`` elements. Main weights (and so optimizer state) hold one piece each:
+outer rank o of shard rank k holds piece ``o * shard + k``, its hybrid-group rank (so the
+main weights' DTensors are ``Shard(0)`` on the hybrid mesh), which is the slice
+``[o*S', (o+1)*S')`` of the coarse shard. The outer reduction is then a reduce-scatter of the coarse main-grad shard that leaves chunk o in that slice (and
 zeros elsewhere, which is already the rebased form). ``install_optimized_model_weights``
 copies the fine main weights into their slice of the coarse compute shard and
 all-gathers the slices across the outer group: the outer gather runs once per step,
@@ -64,11 +63,11 @@ class HybridSharding:
             return 0
         return idx.expt_outer_rank if self.groups[gid].is_expert_param else idx.outer_rank
 
-    def _hybrid_layouts(
+    def _hybrid_layout(
         self, gid: int, shapes: list[tuple[int, ...]], shardable: bool, alignment: int
-    ) -> tuple[FlatLayout, FlatLayout | None]:
-        """Group ``gid``'s (shard-group) layout, and the fine shard x outer layout of
-        its main weights when they are sharded across the outer group too (else None)."""
+    ) -> tuple[FlatLayout, bool]:
+        """Group ``gid``'s layout, and whether its main weights are sharded across the
+        outer group too (then the layout has shard x outer pieces)."""
         size, outer_n = self.shard_group_size(gid), self.outer_group_size(gid)
         outer_sharded = (
             self.dist_index.hsdp_outer_dp_shard
@@ -78,12 +77,11 @@ class HybridSharding:
             and self.strategy.shards_main_weights
         )
         if not outer_sharded:
-            return compute_layout(shapes, size, alignment), None
+            return compute_layout(shapes, size, alignment), False
         # One layout over shard x outer pieces; the shard-group buffers own ``outer`` of
         # them each (coarse shards, Note [shard layout]): shard rank k holds pieces
         # k + o * size, so piece f is hybrid-group rank f's (outer-major).
-        fine = compute_layout(shapes, size * outer_n, alignment)
-        return fine, fine
+        return compute_layout(shapes, size * outer_n, alignment), True
 
     def _broadcast_outer(self, gid: int) -> None:
         """Make the shard group's replicas across the outer group equal to outer rank
@@ -128,10 +126,9 @@ class HybridSharding:
 
     def _fine_slice(self, coarse_shard: torch.Tensor, gid: int) -> torch.Tensor:
         """This outer rank's fine chunk inside a coarse (shard-group) shard."""
-        fine = self.outer_layouts[gid]
-        assert fine is not None
+        s = self.layouts[gid].shard_numel  # a piece of the shard x outer layout
         o = self.outer_group_rank(gid)
-        return coarse_shard[o * fine.shard_numel : (o + 1) * fine.shard_numel]
+        return coarse_shard[o * s : (o + 1) * s]
 
     def _init_hybrid_mesh(self, expert: bool) -> None:
         """The 1-D mesh over the hybrid group that fully-sharded main weights live on.
@@ -217,10 +214,9 @@ class HybridSharding:
         label = f"fsdp.outer_reduce.{gid}"
         with torch.no_grad():
             if self.outer_sharded[gid]:
-                fine = self.outer_layouts[gid]
-                assert fine is not None
+                piece = self.layouts[gid].shard_numel
                 send = gbuf.data if comm_dtype == gbuf.dtype else gbuf.data.to(comm_dtype)
-                out = torch.empty(fine.shard_numel, dtype=comm_dtype, device=send.device)
+                out = torch.empty(piece, dtype=comm_dtype, device=send.device)
                 work = collectives.reduce_scatter(
                     out, send, pg, dist.ReduceOp.SUM, self.stats, label
                 )

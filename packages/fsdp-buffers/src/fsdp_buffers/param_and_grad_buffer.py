@@ -156,7 +156,6 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
         self._rebased: list[bool] = []
         # Hybrid sharding (Note [hybrid sharding]).
         self.outer_sharded: list[bool] = []
-        self.outer_layouts: list[FlatLayout | None] = []
         self._outer_main: list[DataParallelBuffer | None] = []
         self.outer_pending: list[bool] = []  # shard-reduced, not yet across the outer group
         self.outer_reduced: list[bool] = []  # reduced across the outer group too
@@ -195,11 +194,9 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
         shapes = [self.tp_local_shape(p) for p in group.params]
         shardable = size > 1 and not group.fsdp_no_shard
         s = self.strategy
-        layout, fine = self._hybrid_layouts(gid, shapes, shardable, alignment)
-        outer_sharded = fine is not None
+        layout, outer_sharded = self._hybrid_layout(gid, shapes, shardable, alignment)
         self.layouts.append(layout)
         self.outer_sharded.append(outer_sharded)
-        self.outer_layouts.append(fine)
         self.outer_pending.append(False)
         self.outer_reduced.append(False)
         sharding = GroupSharding(
@@ -243,9 +240,9 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
         outer_main: DataParallelBuffer | None = None
         if group.requires_grad:
             main_dtype = self.policy.main_params_dtype_for(group.dtype)
-            if fine is not None:
+            if outer_sharded:
                 # Main weights sharded over shard x outer (Note [hybrid sharding]).
-                outer_main = self._fine_buffer(gid, fine, main_dtype, "outer_main_weight")
+                outer_main = self._fine_buffer(gid, layout, main_dtype, "outer_main_weight")
                 if main_dtype == group.dtype:
                     outer_main.data = self._fine_slice(group.model_weight_buffer.data, gid)
                 elif load:
@@ -256,9 +253,9 @@ class ParamAndGradBuffer(HybridSharding, DTensorViews, TensorParallelViews):
                     group.main_weight_buffer.load_params(sources)
             grad_dtype = self.policy.main_grads_dtype_for(group.dtype)
             group.main_grad_buffer = make("main_grad", grad_dtype, sharding.grads)
-            if fine is not None:
+            if outer_sharded:
                 # Megatron-FSDP's ``hsdp_gbuf``: the gradients of the fine main weights.
-                group.hsdp_gbuf = self._fine_buffer(gid, fine, grad_dtype, "outer_main_grad")
+                group.hsdp_gbuf = self._fine_buffer(gid, layout, grad_dtype, "outer_main_grad")
                 group.hsdp_gbuf.data = self._fine_slice(group.main_grad_buffer.data, gid)
         self._outer_main.append(outer_main)
 
