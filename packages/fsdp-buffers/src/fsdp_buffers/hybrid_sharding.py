@@ -18,8 +18,8 @@ shards: shard rank k owns pieces ``k + o * shard`` for every outer rank o, as on
 of ``outer * S'`` elements. Main weights (and so optimizer state) hold one piece each:
 outer rank o of shard rank k holds piece ``o * shard + k``, its hybrid-group rank (so the
 main weights' DTensors are ``Shard(0)`` on the hybrid mesh), which is the slice
-``[o*S', (o+1)*S')`` of the coarse shard. The outer reduction is then a reduce-scatter of the coarse main-grad shard that leaves chunk o in that slice (and
-zeros elsewhere, which is already the rebased form). ``install_optimized_model_weights``
+``[o*S', (o+1)*S')`` of the coarse shard. The outer reduction is then a reduce-scatter
+of the coarse main-grad shard that leaves chunk o in that slice (and zeros elsewhere, which is already the rebased form). ``install_optimized_model_weights``
 copies the fine main weights into their slice of the coarse compute shard and
 all-gathers the slices across the outer group: the outer gather runs once per step,
 right after the optimizer, so the compute weights (and anything reading them, e.g. a
