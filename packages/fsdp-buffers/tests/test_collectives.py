@@ -286,7 +286,9 @@ def _accumulate():
             reduces = buf.stats[CollectiveKind.REDUCE_SCATTER].calls
             reduces += buf.stats[CollectiveKind.ALL_REDUCE].calls
             # no_sync skips reducing replicated grads only; sharded ones always go.
-            expected = sum(micro if sh.grads else sum(syncs) for sh in (b.sharding for b in buf.buckets))
+            expected = sum(
+                micro if sh.grads else sum(syncs) for sh in (b.sharding for b in buf.buckets)
+            )
             assert reduces == expected, (case, reduces)
             if no_sync and strategy < 2:
                 assert reduces == sum(syncs) * buf.num_buckets
