@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_hooks.megatron_fsdp as megatron_fsdp
-from fsdp_buffers import ParamAndGradBuffer
+from fsdp_buffers import Bucket
 from fsdp_hooks import fully_shard
 from fsdp_mesh.testing import run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
@@ -33,14 +33,14 @@ def _gpt() -> GPT:
 
 
 def _fail_in_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = ParamAndGradBuffer._point_params_at_buffers
+    original = Bucket.point_params_at_buffers
 
-    def point(self, gid, group):
-        if gid == 1:  # group 0's storage has moved into its buffers
+    def point(self):
+        if self.gid == 1:  # bucket 0's storage has moved into its buffers
             raise Boom("allocation failed")
-        original(self, gid, group)
+        original(self)
 
-    monkeypatch.setattr(ParamAndGradBuffer, "_point_params_at_buffers", point)
+    monkeypatch.setattr(Bucket, "point_params_at_buffers", point)
 
 
 def _fail_at_end(monkeypatch: pytest.MonkeyPatch) -> None:
