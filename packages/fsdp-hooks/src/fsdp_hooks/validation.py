@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -14,16 +15,23 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_mesh import warn_once
 
+if TYPE_CHECKING:
+    from fsdp_buffers import MixedPrecisionPolicy
+
 __all__ = [
+    "broadcast_from_dp_rank0",
     "check_argument_types",
     "check_cuda_only_options",
     "check_hybrid_index",
     "check_not_wrapped",
     "check_outer_strategy",
+    "check_param_dtype",
     "check_same_model",
     "check_tensor_parallel_replicas",
     "describe_option",
 ]
+
+logger = logging.getLogger("fsdp_hooks")
 
 
 def _show(value: object) -> str:
@@ -333,4 +341,45 @@ def check_tensor_parallel_replicas(module: nn.Module, dist_index) -> None:
             "different values on its ranks; seed their initialization alike on every tp rank "
             "(fsdp_mesh.model_parallel_seed), or mark them tensor-parallel (a DTensor on "
             "the tp mesh, or Megatron-Core's tensor_model_parallel and partition_dim)"
+        )
+
+
+def broadcast_from_dp_rank0(module: nn.Module, names: list[str], dist_index) -> None:
+    """Initial values that differ across data-parallel ranks (a per-rank seed): take
+    data-parallel rank 0's, as torch DDP does at construction, and say so once."""
+    group = dist_index.get_dp_group()
+    src = dist.get_global_rank(group, 0)
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name in names:
+            p = params[name]
+            local = p.to_local() if isinstance(p, DTensor) else p
+            dist.broadcast(local.data, src=src, group=group)
+    if dist.get_rank(group) == 0:
+        logger.warning(
+            "fsdp: %d parameters (%s) held different initial values across data-parallel "
+            "ranks; data-parallel rank 0's were broadcast, as torch DDP does. Seed the "
+            "initialization alike on every rank to avoid this.",
+            len(names),
+            ", ".join(names[:5]) + (", ..." if len(names) > 5 else ""),
+        )
+
+
+def check_param_dtype(module: nn.Module, policy: MixedPrecisionPolicy) -> None:
+    """FSDP2's ``param_dtype``: the compute copy in another dtype than the parameters' is
+    not made by the buffers yet, so a model in another dtype is refused, never run in
+    a dtype other than the one asked for."""
+    want = policy.param_dtype
+    if want is None:
+        return
+    other = sorted(
+        {str(p.dtype) for p in module.parameters() if p.is_floating_point() and p.dtype != want}
+    )
+    if other:
+        raise ValueError(
+            f"MixedPrecisionPolicy(param_dtype={want}): the model has {other} parameters. "
+            f"fsdp does not make the {want} compute copy itself yet: cast the model "
+            f"before wrapping (model.to({want})); the main weights stay in "
+            f"main_params_dtype={policy.main_params_dtype} (fp32 by default), so the "
+            f"optimizer still steps fp32 weights"
         )
