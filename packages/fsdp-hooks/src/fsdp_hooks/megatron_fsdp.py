@@ -45,15 +45,14 @@ from fsdp_hooks.megatron_compat import (
     MegatronParamAndGradBuffer,
     default_ddp_config,
     reset_policy,
-    warn_ignored_options,
 )
 from fsdp_hooks.rollback import rollback_on_failure
 from fsdp_hooks.summary import log_unit_summary
 from fsdp_hooks.training_state import TrainingState
+from fsdp_hooks.unused_options import options_set, warn_unused_options
 from fsdp_hooks.validation import (
     broadcast_from_dp_rank0,
     check_argument_types,
-    check_cuda_only_options,
     check_hybrid_index,
     check_not_wrapped,
     check_param_dtype,
@@ -120,24 +119,24 @@ class MegatronFSDP(InnerModuleAttributes):
                 fsdp_double_buffer,
                 disable_symmetric_registration,
             )
-        warn_ignored_options(
-            fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
-            enable_fine_grained_param_gather_hook=enable_fine_grained_param_gather_hook,
-            enable_fine_grained_param_gather_backward_hook=(
-                enable_fine_grained_param_gather_backward_hook
-            ),
-            fine_grained_recurse_module_types=bool(fine_grained_recurse_module_types),
-        )
         self.ddp_config = ddp_config
         self.dist_index = dist_index
         self.device = _resolve_device(device, dist_index)
-        check_cuda_only_options(
+        warn_unused_options(
             self.device,
-            nccl_ub=nccl_ub or ddp_config.nccl_ub,
-            disable_symmetric_registration=disable_symmetric_registration
-            or ddp_config.disable_symmetric_registration,
-            keep_fp8_transpose_cache=keep_fp8_transpose_cache
-            or ddp_config.keep_fp8_transpose_cache,
+            "MegatronFSDP",
+            options_set(
+                ddp_config,
+                nccl_ub=nccl_ub,
+                disable_symmetric_registration=disable_symmetric_registration,
+                keep_fp8_transpose_cache=keep_fp8_transpose_cache,
+                fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
+                enable_fine_grained_param_gather_hook=enable_fine_grained_param_gather_hook,
+                enable_fine_grained_param_gather_backward_hook=(
+                    enable_fine_grained_param_gather_backward_hook
+                ),
+                fine_grained_recurse_module_types=fine_grained_recurse_module_types,
+            ),
         )
         self.strategy = ShardingStrategy.parse(ddp_config.data_parallel_sharding_strategy)
         self.outer_strategy = ShardingStrategy.parse(ddp_config.outer_dp_sharding_strategy)

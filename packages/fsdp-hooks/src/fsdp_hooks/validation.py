@@ -13,15 +13,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_mesh import warn_once
-
 if TYPE_CHECKING:
     from fsdp_buffers import MixedPrecisionPolicy
 
 __all__ = [
     "broadcast_from_dp_rank0",
     "check_argument_types",
-    "check_cuda_only_options",
     "check_hybrid_index",
     "check_not_wrapped",
     "check_outer_strategy",
@@ -163,19 +160,6 @@ def check_not_wrapped(module: nn.Module) -> None:
             f"parameters {managed[:5]} already belong to an fsdp-wrapped model; wrap "
             f"the original module once"
         )
-
-
-def check_cuda_only_options(device: torch.device, **options: bool) -> None:
-    """CUDA/NCCL-only options are accepted everywhere; off CUDA they are ignored with
-    one warning per option per process."""
-    if device.type == "cuda":
-        return
-    for name, value in options.items():
-        if value:
-            warn_once(
-                f"fsdp.cuda_only.{name}",
-                f"{name}=True only has an effect with CUDA/NCCL; ignored on {device.type}",
-            )
 
 
 def _fingerprint(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:

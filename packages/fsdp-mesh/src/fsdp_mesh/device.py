@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -17,6 +18,7 @@ __all__ = [
     "current_device",
     "default_device_type",
     "warn_once",
+    "warn_once_each",
 ]
 
 # Device type -> the collective backend fsdp uses for it.
@@ -75,3 +77,22 @@ def warn_once(key: str, message: str, category: type[Warning] = UserWarning) -> 
         _warned_keys.add(key)
     warnings.warn(message, category, stacklevel=2)
     return True
+
+
+def warn_once_each(
+    keys: Sequence[str],
+    message: Callable[[list[str]], str],
+    category: type[Warning] = UserWarning,
+) -> list[str]:
+    """One warning, ``message(new)``, for those of ``keys`` not seen before in this
+    process (none when all were); return them.
+
+    For a group of options set together: one warning names them all, and a later call
+    with the same options says nothing, one with a new option names only that one.
+    """
+    with _warned_lock:
+        new = [k for k in dict.fromkeys(keys) if k not in _warned_keys]
+        _warned_keys.update(new)
+    if new:
+        warnings.warn(message(new), category, stacklevel=2)
+    return new

@@ -57,6 +57,7 @@ from fsdp_hooks.adapters._common import (
 from fsdp_hooks.adapters.ddp_checks import WHO, effective_ddp_config
 from fsdp_hooks.adapters.ddp_grads import DDPGradHooks
 from fsdp_hooks.inner_module import InnerModuleAttributes
+from fsdp_hooks.unused_options import options_set, warn_unused_options
 from fsdp_hooks.validation import check_not_wrapped, check_same_model
 from fsdp_mesh import warn_once
 
@@ -172,6 +173,7 @@ class DistributedDataParallel(InnerModuleAttributes):
         else:
             dist_index = dist_index_over(data_parallel_group, WHO)
         device = _module_device(module, dist_index.device_type)
+        warn_unused_options(device, WHO, options_set(cfg))
         # Megatron-Core's DDP leaves initial values as they are until broadcast_params().
         check_same_model(module, dist_index, check_values=False)
         self.config = config
