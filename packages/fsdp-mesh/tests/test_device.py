@@ -56,3 +56,20 @@ def test_warn_once_each_names_only_new_keys_in_one_warning():
         "ignored: test_device.each-a, test_device.each-b",
         "ignored: test_device.each-c",
     ]
+
+
+def _gloo_on_a_cuda_machine():
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    with mock.patch.object(torch.cuda, "is_available", return_value=True):
+        return dist.get_backend(), default_device_type()
+
+
+def test_default_device_type_follows_the_process_group_backend():
+    """A gloo group communicates CPU tensors even where CUDA is usable: the default
+    device (of fully_shard's and the adapters' meshes) is then the CPU."""
+    from fsdp_mesh.testing import run_distributed
+
+    assert run_distributed(_gloo_on_a_cuda_machine, 1) == [("gloo", "cpu")]

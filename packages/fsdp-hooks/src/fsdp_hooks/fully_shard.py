@@ -59,7 +59,7 @@ from fsdp_hooks.optimizers import (
     refuse_positional_expert_state_in_dcp,
 )
 from fsdp_hooks.validation import check_argument_types, check_outer_strategy
-from fsdp_mesh import FSDPDistributedIndex, warn_once
+from fsdp_mesh import FSDPDistributedIndex, default_device_type, warn_once
 
 __all__ = ["fully_shard", "fully_shard_model", "fully_shard_optimizer"]
 
@@ -80,8 +80,7 @@ def _default_mesh(dp_shard_dim: str, tp_dim: str | None) -> DeviceMesh:
             f"dp_shard_dim and tp_dim name the same dim ({tp_dim!r}); give them different "
             "names, or pass a device_mesh"
         )
-    backend = dist.get_backend()
-    device_type = "cuda" if backend == "nccl" and torch.cuda.is_available() else "cpu"
+    device_type = default_device_type()
     if tp_dim is None:
         return init_device_mesh(
             device_type, (dist.get_world_size(),), mesh_dim_names=(dp_shard_dim,)

@@ -59,6 +59,7 @@ from fsdp_hooks.validation import (
     check_same_model,
     check_tensor_parallel_replicas,
 )
+from fsdp_mesh import current_device
 
 __all__ = ["MegatronFSDP"]
 
@@ -121,7 +122,9 @@ class MegatronFSDP(InnerModuleAttributes):
             )
         self.ddp_config = ddp_config
         self.dist_index = dist_index
-        self.device = _resolve_device(device, dist_index)
+        self.device = (
+            torch.device(device) if device is not None else current_device(dist_index.device_type)
+        )
         warn_unused_options(
             self.device,
             "MegatronFSDP",
@@ -568,14 +571,6 @@ class MegatronFSDP(InnerModuleAttributes):
             ref = self.__dict__.get("_fsdp_optimizer_ref")
             optimizer = ref() if ref is not None else None
         return measure_memory_stats(self.buffer, optimizer)
-
-
-def _resolve_device(device: torch.device | str | None, dist_index) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    if dist_index.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(dist_index.device_type)
 
 
 def _world() -> int:

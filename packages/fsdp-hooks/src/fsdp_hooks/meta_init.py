@@ -73,7 +73,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_buffers import ParamAndGradBuffer, annotate, copy_param_attributes
-from fsdp_mesh import warn_once
+from fsdp_mesh import current_device, warn_once
 
 if TYPE_CHECKING:
     from fsdp_hooks.megatron_fsdp import MegatronFSDP
@@ -561,11 +561,7 @@ def _check_same_rng_state(wrapper: MegatronFSDP) -> None:
         return
     digest = hashlib.sha256(bytes(state.cpu().tolist())).digest()
     value = int.from_bytes(digest[:7], "little")
-    comm_device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if wrapper.dist_index.device_type == "cuda"
-        else torch.device("cpu")
-    )
+    comm_device = current_device(wrapper.dist_index.device_type)
     mine = torch.tensor([value], dtype=torch.int64, device=comm_device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)

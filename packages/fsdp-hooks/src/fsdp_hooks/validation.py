@@ -13,6 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_mesh import current_device
+
 if TYPE_CHECKING:
     from fsdp_buffers import MixedPrecisionPolicy
 
@@ -239,11 +241,7 @@ def check_same_model(
     values = _digest(
         repr(value_names).encode() + (checksums.numpy().tobytes() if checksums is not None else b"")
     )
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist_index.device_type == "cuda"
-        else torch.device("cpu")
-    )
+    device = current_device(dist_index.device_type)
     mine = torch.tensor([structure, values], dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)

@@ -1,8 +1,9 @@
 """Device and backend helpers shared by every layer.
 
 fsdp runs the same code path on CPU (gloo) and CUDA (NCCL); these helpers are the only
-place that decides which one is in use, so the rest of the code never tests for CUDA
-itself.
+place that decides which one is in use (``default_device_type`` when nothing says,
+``current_device`` for a mesh's device type), so the rest of the code never tests for
+CUDA itself.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 __all__ = [
     "backend_for_device",
@@ -29,8 +31,15 @@ _warned_lock = threading.Lock()
 
 
 def default_device_type() -> str:
-    """Return ``"cuda"`` when a CUDA device is usable, else ``"cpu"``."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """Return the device type fsdp computes and communicates on when none is given:
+    ``"cuda"`` when a CUDA device is usable and the default process group, if there is
+    one, talks NCCL (a gloo group on a CUDA machine communicates CPU tensors); else
+    ``"cpu"``. Every default mesh, tracker and device is built from this answer."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    if dist.is_available() and dist.is_initialized():
+        return "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    return "cuda"
 
 
 def backend_for_device(device_type: str) -> str:
