@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
@@ -54,6 +53,7 @@ from fsdp_hooks.validation import (
     broadcast_from_dp_rank0,
     check_argument_types,
     check_hybrid_index,
+    check_no_meta_params,
     check_not_wrapped,
     check_param_dtype,
     check_same_model,
@@ -159,13 +159,13 @@ class MegatronFSDP(InnerModuleAttributes):
             grad_comm_dtype=ddp_config.megatron_fsdp_grad_comm_dtype,
         )
         check_param_dtype(module, self.mixed_precision_policy)
-        has_meta = any(p.device.type == "meta" for p in module.parameters())
-        if has_meta and not init_model_with_meta_device:
-            raise ValueError(
-                "the module has parameters on the meta device; pass "
-                "init_model_with_meta_device=True to materialize them shard by shard"
+        if not init_model_with_meta_device:
+            check_no_meta_params(
+                module,
+                "MegatronFSDP",
+                "pass init_model_with_meta_device=True to materialize them shard by shard",
             )
-        if not has_meta:
+        if not any(p.device.type == "meta" for p in module.parameters()):
             module.to(self.device)
         split_experts = dist_index.expt_dp_size != dist_index.dp_size
         differ = check_same_model(
@@ -364,9 +364,6 @@ class MegatronFSDP(InnerModuleAttributes):
     # ---- parameter views ------------------------------------------------------------
     def _replace_param_with_distributed_if_needed(self) -> None:
         self.hooks.use_distributed_params()
-
-    def _replace_param_with_raw_if_needed(self) -> None:
-        self.hooks.use_compute_params()
 
     # ---- gathers --------------------------------------------------------------------
     def all_gather_and_wait_parameters_ready(
@@ -571,7 +568,3 @@ class MegatronFSDP(InnerModuleAttributes):
             ref = self.__dict__.get("_fsdp_optimizer_ref")
             optimizer = ref() if ref is not None else None
         return measure_memory_stats(self.buffer, optimizer)
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,12 +22,15 @@ __all__ = [
     "broadcast_from_dp_rank0",
     "check_argument_types",
     "check_hybrid_index",
+    "check_no_meta_params",
     "check_not_wrapped",
     "check_outer_strategy",
     "check_param_dtype",
     "check_same_model",
     "check_tensor_parallel_replicas",
     "describe_option",
+    "digest",
+    "gather_ints",
 ]
 
 logger = logging.getLogger("fsdp_hooks")
@@ -76,28 +79,36 @@ def check_argument_types(
             )
 
 
-def check_outer_strategy(strategy, outer, has_outer_dim: bool, where: str) -> None:
+def check_outer_strategy(
+    strategy,
+    outer,
+    has_outer_dim: bool,
+    where: str,
+    add_outer_dim: str = "pass dp_outer_dim (a dim of device_mesh)",
+) -> None:
     """Megatron-FSDP's rules for ``outer_dp_sharding_strategy`` (``ShardingStrategy``
     values): ``no_shard`` (replicate across the outer dim, HSDP) or ``optim`` (shard
     main weights and optimizer state across it too), the latter only over an outer dim
-    and with ``optim_grads_params`` inside. Local information only: same on every rank."""
+    (``add_outer_dim`` says how to get one) and with ``optim_grads_params`` inside.
+    Local information only: same on every rank. Every entry point checks with this."""
     from fsdp_buffers import ShardingStrategy
 
     if outer not in (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM):
         raise ValueError(
-            f"{where}: outer_dp_sharding_strategy={outer.megatron_name!r} is not supported; "
-            "across the outer data-parallel dim use 'no_shard' (replicate, HSDP) or "
-            "'optim' (fully-sharded HSDP)."
+            f"{where}: outer_dp_sharding_strategy={outer.megatron_name!r} is not supported "
+            "across the outer (replica) data-parallel dim; allowed: 'no_shard', 'optim' "
+            "(replicate across it, HSDP; or also shard main weights and optimizer state "
+            "across it, fully-sharded HSDP)."
         )
     if outer is ShardingStrategy.OPTIM and not has_outer_dim:
         raise ValueError(
             f"{where}: outer_dp_sharding_strategy='optim' shards across the outer "
-            "data-parallel dim, but no outer dim was given; pass dp_outer_dim (a dim of "
-            "device_mesh) or use outer_dp_sharding_strategy='no_shard'."
+            f"data-parallel dim, but no outer dim was given; {add_outer_dim} or use "
+            "outer_dp_sharding_strategy='no_shard'."
         )
     if outer is ShardingStrategy.OPTIM and strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS:
         raise ValueError(
-            f"{where}: outer_dp_sharding_strategy='optim' requires "
+            f"{where}: outer_dp_sharding_strategy='optim' (fully-sharded HSDP) requires "
             "data_parallel_sharding_strategy (zero_dp_strategy) 'optim_grads_params' (3); "
             f"got {strategy.megatron_name!r}."
         )
@@ -139,6 +150,17 @@ def check_hybrid_index(dist_index, strategy, outer, init_model_with_meta_device:
         raise NotImplementedError(
             "expert-parallel meshes (expt_device_mesh) together with hybrid sharding "
             "(dp_outer_dim) are not implemented yet in fsdp; use one or the other."
+        )
+
+
+def check_no_meta_params(module: nn.Module, where: str, remedy: str) -> None:
+    """Refuse a module with parameters on the meta device, naming them, before anything
+    touches it (``module.to(device)`` would fail on them without saying why)."""
+    names = [n for n, p in module.named_parameters() if p.device.type == "meta"]
+    if names:
+        raise ValueError(
+            f"{where}: parameters {names[:5]}{' ...' if len(names) > 5 else ''} are on the "
+            f"meta device; {remedy}"
         )
 
 
@@ -208,8 +230,21 @@ def _value_checksums(
     return names, (torch.stack(sums).cpu() if sums else None)
 
 
-def _digest(text: bytes) -> int:
-    return int.from_bytes(hashlib.sha256(text).digest()[:7], "little")  # fits in int64
+def digest(data: bytes) -> int:
+    """A 56-bit digest of ``data``: fits in an int64 for ``gather_ints``."""
+    return int.from_bytes(hashlib.sha256(data).digest()[:7], "little")
+
+
+def gather_ints(
+    values: Sequence[int], group: dist.ProcessGroup, device_type: str
+) -> list[list[int]]:
+    """Every rank's ``values`` (the same count on each), in ``group`` rank order: one
+    all-gather of int64s on the group's device. The check-across-ranks primitive: hash
+    locally (``digest``), compare here, gather details only when something differs."""
+    mine = torch.tensor(list(values), dtype=torch.int64, device=current_device(device_type))
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return [t.tolist() for t in everyone]
 
 
 def check_same_model(
@@ -237,15 +272,12 @@ def check_same_model(
     entries = _fingerprint(module)
     described = {k: describe_option(v) for k, v in (options or {}).items()}
     value_names, checksums = _value_checksums(module, skip_values) if check_values else ([], None)
-    structure = _digest(repr((entries, sorted(described.items()))).encode())
-    values = _digest(
+    structure = digest(repr((entries, sorted(described.items()))).encode())
+    values = digest(
         repr(value_names).encode() + (checksums.numpy().tobytes() if checksums is not None else b"")
     )
-    device = current_device(dist_index.device_type)
-    mine = torch.tensor([structure, values], dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    if all(torch.equal(t, mine) for t in everyone):
+    everyone = gather_ints([structure, values], group, dist_index.device_type)
+    if all(row == everyone[0] for row in everyone):
         return []
     summaries: list[Any] = [None] * dist.get_world_size(group)
     mine_details = (dist.get_rank(), entries, described, value_names, checksums)
