@@ -133,9 +133,9 @@ def expected_fsdp_elements(model: Any) -> dict[str, int]:
     root = set(model.hooks.root_groups)
     out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
     for gid, group in enumerate(buffer.groups):
-        total = buffer.layouts[gid].total_numel
+        total = buffer.buckets[gid].layout.total_numel
         weights = group.model_weight_buffer
-        sharding = buffer.sharding[gid]
+        sharding = buffer.buckets[gid].sharding
         if weights is not None and weights.is_data_distributed:
             if gid in root or not group.requires_grad:
                 out["all_gather"] += total
@@ -146,7 +146,7 @@ def expected_fsdp_elements(model: Any) -> dict[str, int]:
         if group.requires_grad:
             if sharding.grads or sharding.main_weights:
                 out["reduce_scatter"] += total
-            elif buffer.shard_group_size(gid) > 1:
+            elif buffer.buckets[gid].shard.size > 1:
                 out["all_reduce"] += total
     flags = sum(len(g.params) for g in buffer.groups if g.requires_grad)
     out["all_reduce"] += flags

@@ -222,7 +222,7 @@ def _train(kind: str) -> tuple[list[float], dict[str, Any]]:
         dist.all_reduce(total)
         losses.append(total.item() / WORLD)
     if sharded:
-        weights = model.module.buffer.full_parameters()
+        weights = model.module.buffer.views.full_parameters()
     else:
         weights = {n: p.detach().clone() for n, p in module.named_parameters()}
     return losses + norms, weights

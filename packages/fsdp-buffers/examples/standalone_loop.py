@@ -82,7 +82,7 @@ def train(
     gather = AllGatherPipeline(buffers)
     reduce = GradReducePipeline(buffers)
     reduce.register_grad_hooks()
-    named = buffers.optimizer_named_parameters()
+    named = buffers.views.optimizer_named_parameters()
     optimizer = torch.optim.AdamW([p for _, p in named], lr=lr, weight_decay=0.01)
 
     losses = []
@@ -103,7 +103,10 @@ def train(
         losses.append(global_loss.item() / world)
 
     # Whole parameters from the row shards (a collective; every rank calls it).
-    final = {name: buffers.full_parameter(name) for name, _ in buffers.optimizer_named_parameters()}
+    final = {
+        name: buffers.views.full_parameter(name)
+        for name, _ in buffers.views.optimizer_named_parameters()
+    }
     return {"losses": losses, "params": final}
 
 

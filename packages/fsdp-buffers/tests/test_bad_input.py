@@ -146,7 +146,7 @@ def _train(strategy):
     names = [n for g in buf.groups for n in g.names]
     assert len(names) == len(set(names)) == len(list(model.parameters()))
     assert "emb.weight" in names and "head.weight" not in names
-    opt_names = [n for n, _ in buf.optimizer_named_parameters()]
+    opt_names = [n for n, _ in buf.views.optimizer_named_parameters()]
     assert "head.weight" not in opt_names and "emb.weight" in opt_names
     # Integer parameters: replicated, frozen, no gradient buffer, not optimized.
     for name in ints:
@@ -159,11 +159,11 @@ def _train(strategy):
     assert not hasattr(model.steps, "main_grad")
     # The zero-size unit is a bucket of zero elements.
     empty_gid = buf.groups_of_unit(1)
-    assert [buf.layouts[g].total_numel for g in empty_gid] == [0]
+    assert [buf.buckets[g].layout.total_numel for g in empty_gid] == [0]
 
     ag, gr = AllGatherPipeline(buf), GradReducePipeline(buf)
     gr.register_grad_hooks()
-    opt = torch.optim.AdamW([p for _, p in buf.optimizer_named_parameters()], lr=1e-2)
+    opt = torch.optim.AdamW([p for _, p in buf.views.optimizer_named_parameters()], lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     trainable = sum(g.requires_grad for g in buf.groups)
     for step in range(2):

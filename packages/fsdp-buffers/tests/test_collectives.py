@@ -81,9 +81,9 @@ def _buffer(model, index, strategy, **kwargs):
 def _local(buf, name, full):
     """The part of ``full`` that this rank's optimizer view of ``name`` holds."""
     gid = next(g for n, g, _i, _p in buf.named_params() if n == name)
-    if not buf.sharding[gid].main_weights:
+    if not buf.buckets[gid].sharding.main_weights:
         return full
-    r0, r1 = buf.local_rows(name)
+    r0, r1 = buf.views.local_rows(name)
     if full.dim() == 0:
         return full if r1 > r0 else full.reshape(1)[:0]
     return full[r0:r1]
@@ -108,7 +108,7 @@ def _gather_and_broadcast(alignment):
         assert buf.num_buckets >= 4
         ag = AllGatherPipeline(buf)
         # Before any gather, the local shards already hold the right rows.
-        for name, shard in buf.local_shard_dtensors().items():
+        for name, shard in buf.views.local_shard_dtensors().items():
             assert torch.equal(shard.to_local(), _local(buf, name, expected[name])), name
         ag.all_gather_params(range(buf.num_buckets))
         for name, p in model.named_parameters():
@@ -168,9 +168,12 @@ def _bf16_broadcast_rederives_sharded_main_weights():
         for name, p in model.named_parameters():
             value = expected[name]
             assert torch.equal(p, value), (strategy, name)
-        for name, dparam in buf.optimizer_named_parameters():
+        for name, dparam in buf.views.optimizer_named_parameters():
             gid = next(g for n, g, _i, _p in buf.named_params() if n == name)
-            if buf.sharding[gid].main_weights and not buf.sharding[gid].model_weights:
+            if (
+                buf.buckets[gid].sharding.main_weights
+                and not buf.buckets[gid].sharding.model_weights
+            ):
                 want = _local(buf, name, expected[name].float())
                 assert torch.equal(dparam.to_local(), want), (strategy, name)
         ag.reset()
@@ -203,25 +206,25 @@ def _reduce():
             assert not gr._inflight
             divisor = world if scaling is None else 1
             case = (strategy, scaling, average)
-            for name, dparam in buf.optimizer_named_parameters():
+            for name, dparam in buf.views.optimizer_named_parameters():
                 want = _local(buf, name, total[name] / divisor)
                 torch.testing.assert_close(dparam.grad.to_local(), want, msg=f"{case} {name}")
                 assert dparam.to_local().shape == dparam.grad.to_local().shape
             kinds = buf.stats.as_dict()
-            scattered = sum(sh.main_weights for sh in buf.sharding)
+            scattered = sum(sh.main_weights for sh in (b.sharding for b in buf.buckets))
             # Every bucket but the scalar's (replicated) is reduce-scattered from ZeRO-1 up.
             assert scattered == (buf.num_buckets - 1 if strategy >= 1 and world > 1 else 0)
             assert kinds["reduce_scatter"]["calls"] == scattered
             assert kinds["all_reduce"]["calls"] == buf.num_buckets - scattered
             # The main-grad shards hold nothing but those rows: padding stays zero.
             for gid in range(buf.num_buckets):
-                shard = buf.main_grad_shard(gid)
+                shard = buf.buckets[gid].main_grad_shard()
                 views = [
                     dparam.grad.to_local()
-                    for name, dparam in buf.optimizer_named_parameters()
+                    for name, dparam in buf.views.optimizer_named_parameters()
                     if dparam._fsdp_group_index[0] == gid
                 ]
-                if buf.sharding[gid].main_weights:
+                if buf.buckets[gid].sharding.main_weights:
                     nonzero = sum(int(torch.count_nonzero(v)) for v in views)
                     assert int(torch.count_nonzero(shard)) == nonzero, (case, gid)
     return rank
@@ -283,12 +286,12 @@ def _accumulate():
             reduces = buf.stats[CollectiveKind.REDUCE_SCATTER].calls
             reduces += buf.stats[CollectiveKind.ALL_REDUCE].calls
             # no_sync skips reducing replicated grads only; sharded ones always go.
-            expected = sum(micro if sh.grads else sum(syncs) for sh in buf.sharding)
+            expected = sum(micro if sh.grads else sum(syncs) for sh in (b.sharding for b in buf.buckets))
             assert reduces == expected, (case, reduces)
             if no_sync and strategy < 2:
                 assert reduces == sum(syncs) * buf.num_buckets
             scale = world if scaling == 1.0 else 1  # a sum is N times the mean
-            for name, dparam in buf.optimizer_named_parameters():
+            for name, dparam in buf.views.optimizer_named_parameters():
                 want = _local(buf, name, ref_grads[name] * scale)
                 torch.testing.assert_close(
                     dparam.grad.to_local(), want, rtol=1e-5, atol=1e-6, msg=f"{case} {name}"
@@ -301,7 +304,7 @@ def _accumulate():
             nn.functional.mse_loss(model(x[rows], idx[rows]), y[rows]).backward()
             gr.finish()
             ag.reset()
-            for name, dparam in buf.optimizer_named_parameters():
+            for name, dparam in buf.views.optimizer_named_parameters():
                 want = _local(buf, name, one_grads[name] * scale)
                 torch.testing.assert_close(
                     dparam.grad.to_local(), want, rtol=1e-5, atol=1e-6, msg=f"{case} {name}"
@@ -320,7 +323,7 @@ def _mixed_precision():
         assert all(grp.main_weight_buffer.dtype == torch.float32 for grp in buf.groups)
         assert all(grp.main_grad_buffer.dtype == torch.float32 for grp in buf.groups)
         with torch.no_grad():
-            for name, dparam in buf.optimizer_named_parameters():
+            for name, dparam in buf.views.optimizer_named_parameters():
                 assert dparam.dtype == torch.float32
                 dparam.to_local().copy_(_local(buf, name, new[name]))
         buf.install_optimized_model_weights()
@@ -330,7 +333,7 @@ def _mixed_precision():
             assert p.dtype == torch.bfloat16
             assert torch.equal(p, new[name].to(torch.bfloat16)), (strategy, name)
         # The fp32 main weights keep their full precision.
-        for name, dparam in buf.optimizer_named_parameters():
+        for name, dparam in buf.views.optimizer_named_parameters():
             assert torch.equal(dparam.to_local(), _local(buf, name, new[name])), (strategy, name)
         ag.reset()
     return rank

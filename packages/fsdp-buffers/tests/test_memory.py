@@ -55,7 +55,7 @@ def _held_bytes(model, buf):
         tensors.append(p)
         if getattr(p, "main_grad", None) is not None:
             tensors.append(p.main_grad)
-    for _name, dparam in buf.optimizer_named_parameters():
+    for _name, dparam in buf.views.optimizer_named_parameters():
         tensors += [dparam.to_local(), dparam.grad.to_local()]
     storages = {}
     for t in tensors:
@@ -83,7 +83,7 @@ def _memory(dtype):
         buf = ParamAndGradBuffer(model, index, strategy=strategy, fsdp_unit_modules=[Block])
         ag, gr = AllGatherPipeline(buf), GradReducePipeline(buf)
         gr.register_grad_hooks()
-        layouts = buf.layouts
+        layouts = [b.layout for b in buf.buckets]
         assert all(lay.shard_count == WORLD for lay in layouts)
         # Model state per element: compute weights, fp32 main weights if separate, grads.
         per_elem = [_bytes_per_element(buf, g) for g in range(buf.num_buckets)]
@@ -104,18 +104,18 @@ def _memory(dtype):
             # Gathering one bucket adds exactly its unsharded bytes; release takes them back.
             for gid in range(buf.num_buckets):
                 ag.all_gather_params([gid], prefetch=False)
-                assert _held_bytes(model, buf) == persistent + buf.unsharded_bytes(gid)
-                assert buf.unsharded_bytes(gid) == layouts[gid].total_numel * dtype.itemsize
+                assert _held_bytes(model, buf) == persistent + buf.buckets[gid].unsharded_bytes
+                assert buf.buckets[gid].unsharded_bytes == layouts[gid].total_numel * dtype.itemsize
                 ag.release_bucket(gid)
                 assert _held_bytes(model, buf) == persistent
             ag.all_gather_params([1, 2], prefetch=False)
-            both = buf.unsharded_bytes(1) + buf.unsharded_bytes(2)
+            both = buf.buckets[1].unsharded_bytes + buf.buckets[2].unsharded_bytes
             assert _held_bytes(model, buf) == persistent + both
             ag.reset()
             assert _held_bytes(model, buf) == persistent
         # A whole step (gather, backward, reduce, optimizer, install) leaks nothing:
         # gradient staging buckets and gathered weights are all given back.
-        opt = torch.optim.SGD([p for _, p in buf.optimizer_named_parameters()], lr=0.1)
+        opt = torch.optim.SGD([p for _, p in buf.views.optimizer_named_parameters()], lr=0.1)
         ag.all_gather_params(range(buf.num_buckets))
         x = torch.randn(3, 20, generator=torch.Generator().manual_seed(rank))
         model(x.to(dtype)).float().square().mean().backward()

@@ -80,8 +80,8 @@ def _check_params(model, expected, prefixes):
 def _all_gather_pipeline():
     model, expected, buf = _setup()
     ag = AllGatherPipeline(buf)
-    bucket = buf.unsharded_bytes(1)
-    assert all(buf.unsharded_bytes(g) == bucket for g in range(6))
+    bucket = buf.buckets[1].unsharded_bytes
+    assert all(buf.buckets[g].unsharded_bytes == bucket for g in range(6))
     assert ag.prefetch_budget_bytes == bucket  # one unit ahead by default
     assert [ag.is_distributed(g) for g in range(6)] == [True] * 5 + [False]
     assert ag.status == [EMPTY] * 5 + [READY]  # the no_shard bucket is ready from the start
@@ -105,7 +105,7 @@ def _all_gather_pipeline():
     _check_params(model, expected, ("blocks.1.",))
     ag.async_bucket_gather(3)
     ag.release_bucket(3)
-    assert ag.status[3] is EMPTY and _bucket_bytes(buf, 3) == 0 and not ag._pending
+    assert ag.status[3] is EMPTY and _bucket_bytes(buf, 3) == 0 and not ag.buckets[3]._gather
     ag.reset()
     assert ag.status == [EMPTY] * 5 + [READY]
     assert all(_bucket_bytes(buf, g) == 0 for g in range(5))
@@ -126,7 +126,7 @@ def _all_gather_pipeline():
     ag.all_gather_params([4])  # nothing after 4 is distributed: no prefetch
     assert ag.status[4] is READY and ag.status[3] is IN_PROGRESS and _gathers(buf) == 4
     ag.reset()
-    assert ag.status == [EMPTY] * 5 + [READY] and not ag._pending
+    assert ag.status == [EMPTY] * 5 + [READY] and not ag.buckets[3]._gather
 
     # Backward prefetch walks the other way.
     buf.stats.reset()
@@ -202,9 +202,9 @@ def _grads(model, rank, seed=5):
 
 def _reduced(buf, name):
     """This rank's reduced gradient rows of ``name`` and the rows they are."""
-    dparam = dict(buf.optimizer_named_parameters())[name]
+    dparam = dict(buf.views.optimizer_named_parameters())[name]
     gid = dparam._fsdp_group_index[0]
-    rows = buf.local_rows(name) if buf.sharding[gid].main_weights else None
+    rows = buf.views.local_rows(name) if buf.buckets[gid].sharding.main_weights else None
     return dparam.grad.to_local(), rows
 
 
@@ -215,18 +215,23 @@ def _expect(grads_by_rank, name, rows, present):
 
 
 def _logging(gr, buf, log):
-    start = buf.start_grad_reduce
     issued = []
 
-    def wrapped(gid):
-        not_done = sum(not p.done for p in issued)
-        assert not_done < gr.max_inflight, "launching past max_inflight"
-        log.append((gid, not_done))
-        pending = start(gid)
-        issued.append(pending)
-        return pending
+    def wrap(bucket):
+        start = bucket.start_reduce
 
-    buf.start_grad_reduce = wrapped
+        def wrapped():
+            not_done = sum(not p.done for p in issued)
+            assert not_done < gr.max_inflight, "launching past max_inflight"
+            log.append((bucket.gid, not_done))
+            pending = start()
+            issued.append(pending)
+            return pending
+
+        bucket.start_reduce = wrapped
+
+    for bucket in buf.buckets:
+        wrap(bucket)
 
 
 def _grad_reduce_pipeline():
@@ -399,7 +404,7 @@ def _main_grad_protocol():
             model, _, buf = _setup(strategy, fsdp_double_buffer=double_buffer)
             gr = GradReducePipeline(buf)
             params = dict(model.named_parameters())
-            staged = [g for g in range(6) if buf.sharding[g].grads]
+            staged = [g for g in range(6) if buf.buckets[g].sharding.grads]
             assert bool(staged) == (strategy >= 2)
             for name, p in params.items():
                 gid = buf.group_of(p)[0]

@@ -141,7 +141,7 @@ def _check_strategy(root: Path, strategy: int, dtype: torch.dtype) -> None:
     if strategy == 3 and dtype == torch.float32:
         full = get_full_model_state_dict(model, rank0_only=False)
         for name, *_ in model.buffer.named_params():
-            assert torch.equal(full[name], model.buffer.full_parameter(name)), name
+            assert torch.equal(full[name], model.buffer.views.full_parameter(name)), name
         assert full["head.weight"] is full["tok.weight"]  # tied: gathered once
         save_full_model_state_dict(model, root / "full.safetensors")
         save_full_model_state_dict(model, root / "full.pt")

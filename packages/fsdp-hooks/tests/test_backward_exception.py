@@ -116,7 +116,7 @@ def _train() -> dict:
         assert model.training_state is TrainingState.IDLE
         assert all(u.state is TrainingState.IDLE for u in model.hooks.units)
         assert model.all_gather_pipeline.gathered_buckets() == []
-        params = model.buffer.full_parameters()
+        params = model.buffer.views.full_parameters()
         out[(strategy, double_buffer)] = {"losses": losses, "params": params}
     return out if rank == 0 else {}
 

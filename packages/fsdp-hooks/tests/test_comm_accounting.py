@@ -69,7 +69,7 @@ def _zero3_body():
     buffer = model.buffer
     n = dist.get_world_size()
     groups = buffer.groups
-    padded = [layout.total_numel for layout in buffer.layouts]
+    padded = [layout.total_numel for layout in (b.layout for b in buffer.buckets)]
     elem = {g: groups[g].model_weight_buffer.element_size for g in range(len(groups))}
     assert all(groups[g].model_weight_buffer.is_data_distributed for g in range(len(groups)))
     unit = [g for g in range(len(groups)) if groups[g].fsdp_unit_id is not None]
@@ -147,7 +147,7 @@ def _lower_strategies_body():
         model, opt, psi = _setup(strategy)
         buffer = model.buffer
         trainable = [g for g, grp in enumerate(buffer.groups) if grp.requires_grad]
-        padded = sum(buffer.layouts[g].total_numel for g in trainable)
+        padded = sum(buffer.buckets[g].layout.total_numel for g in trainable)
         n = dist.get_world_size()
         for step in range(STEPS):
             fwd, bwd, after = _phases(model, opt, step)

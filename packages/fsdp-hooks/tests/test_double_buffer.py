@@ -80,7 +80,7 @@ def _train(variant: str) -> dict[str, torch.Tensor]:
         _loss(model, step, slice(rank * per_rank, (rank + 1) * per_rank)).backward()
         opt.step()
         opt.zero_grad()
-    return model.buffer.full_parameters()
+    return model.buffer.views.full_parameters()
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

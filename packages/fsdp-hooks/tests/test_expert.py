@@ -196,7 +196,7 @@ def _train(strategy, own_rule=False, marker=False, clip=False):
         assert asked == {n for n, _ in model.module.named_parameters()}, asked
     buf = model.buffer
     expert_groups = [g for g, grp in enumerate(buf.groups) if grp.is_expert_param]
-    assert expert_groups and all(buf.shard_group_size(g) == WORLD // EP for g in expert_groups)
+    assert expert_groups and all(buf.buckets[g].shard.size == WORLD // EP for g in expert_groups)
     prefix = "moe.local_experts." if marker else "moe.experts."
     expert_names = {n for g in expert_groups for n in buf.groups[g].names}
     assert expert_names == {n for n, _ in model.module.named_parameters() if n.startswith(prefix)}
@@ -214,7 +214,7 @@ def _train(strategy, own_rule=False, marker=False, clip=False):
         t = loss.detach().clone()
         dist.all_reduce(t)
         losses.append(t.item() / WORLD)
-    params = {_global_name(name, ids): t for name, t in buf.full_parameters().items()}
+    params = {_global_name(name, ids): t for name, t in buf.views.full_parameters().items()}
     # Local expert names collide across expert-parallel ranks: state dicts use global
     # ones (checkpoints: test_expert_checkpoint.py).
     assert set(model.state_dict()) == set(params)

@@ -115,7 +115,7 @@ def _steps(model, opt, start, stop):
 
 
 def _params(model, ids):
-    return {toy._global_name(n, ids): t for n, t in model.buffer.full_parameters().items()}
+    return {toy._global_name(n, ids): t for n, t in model.buffer.views.full_parameters().items()}
 
 
 def _foreign_expert_refused(model, ids):

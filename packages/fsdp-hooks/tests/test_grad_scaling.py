@@ -56,7 +56,7 @@ def _check(model, expected, label):
         local = p.grad.to_local()
         full = expected[name]
         if not isinstance(p.grad.placements[0], Replicate):
-            r0, r1 = model.buffer.local_rows(name)
+            r0, r1 = model.buffer.views.local_rows(name)
             full = full[r0:r1]
         torch.testing.assert_close(
             local, full, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{label}: {n}: {m}"

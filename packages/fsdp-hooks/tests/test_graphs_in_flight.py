@@ -73,7 +73,7 @@ def _train(pattern: str) -> dict:
             seen.append(mean_over_ranks(_step(model, pattern, step, rows)))
             opt.step()
             opt.zero_grad()
-        out[strategy] = (seen, model.buffer.full_parameters())
+        out[strategy] = (seen, model.buffer.views.full_parameters())
     return out
 
 

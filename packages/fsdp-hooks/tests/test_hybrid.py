@@ -132,7 +132,7 @@ def _train_scenario(scenario):
     model, opt, outer_kind, sync_each = _build(scenario)
     buf = model.buffer
     trainable = [g for g, grp in enumerate(buf.groups) if grp.requires_grad]
-    nbs = sum(1 for g in trainable if buf.sharding[g].grads)  # reduce-scattered inside
+    nbs = sum(1 for g in trainable if buf.buckets[g].sharding.grads)  # reduce-scattered inside
     nbr = len(trainable) - nbs  # replicated grads (the 0-d parameter): all-reduced
     strategy = model.strategy
     losses, norms, counts = [], [], []
@@ -180,7 +180,7 @@ def _train_scenario(scenario):
         # sync_each, K times.
         assert nbs == 0
         m = K if sync_each else 1
-        n_rs = sum(1 for g in trainable if buf.sharding[g].main_weights)
+        n_rs = sum(1 for g in trainable if buf.buckets[g].sharding.main_weights)
         for before, after in counts:
             assert before["reduce_scatter"]["calls"] == m * n_rs, before
             assert before["all_reduce"]["calls"] == m * (nbr - n_rs) + m * nbr, before
@@ -193,17 +193,17 @@ def _train_scenario(scenario):
         if outer_kind == "rs":
             assert p.device_mesh.size() == WORLD, (name, p.device_mesh)
     if outer_kind == "rs":  # main weights: a half of each shard-group shard
-        assert sum(buf.outer_sharded) == nbs
+        assert sum(b.outer_sharded for b in buf.buckets) == nbs
         for gid, group in enumerate(model.buffer.groups):
-            if buf.outer_sharded[gid]:
-                main = model.buffer.main_weight_buffer(gid)
+            if buf.buckets[gid].outer_sharded:
+                main = model.buffer.buckets[gid].main_weights
                 assert 2 * main.data.numel() == group.model_weight_buffer.data.numel()
                 # Their gradients: the group's hsdp_gbuf, a half of the main-grad shard.
-                assert buf.optimizer_grad_buffer(gid) is group.hsdp_gbuf
+                assert buf.buckets[gid].optimizer_grads is group.hsdp_gbuf
                 assert 2 * group.hsdp_gbuf.data.numel() == group.main_grad_buffer.data.numel()
             else:
                 assert group.hsdp_gbuf is None
-    params = model.buffer.full_parameters()
+    params = model.buffer.views.full_parameters()
     return (losses, norms, params) if rank == 0 else None
 
 
@@ -218,7 +218,7 @@ def _broadcast_params():
     torch.manual_seed(0)
     ref = dict(_gpt().named_parameters())
     for name, *_ in model.buffer.named_params():
-        torch.testing.assert_close(model.buffer.full_parameter(name), ref[name].detach())
+        torch.testing.assert_close(model.buffer.views.full_parameter(name), ref[name].detach())
 
 
 def _world4_job(scenarios, ckpt_dir):

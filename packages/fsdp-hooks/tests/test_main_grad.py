@@ -94,7 +94,7 @@ def _train() -> dict:
             opt.step()
             opt.zero_grad()
             losses.append(mean_over_ranks(loss))
-        out[strategy] = (losses, model.buffer.full_parameters())
+        out[strategy] = (losses, model.buffer.views.full_parameters())
     return out
 
 

@@ -210,7 +210,7 @@ def _meta_reset_parameters() -> bool:
         DistributedDataParallelConfig(data_parallel_sharding_strategy=3),
         init_model_with_meta_device=True,
     )
-    got = model.buffer.full_parameters()
+    got = model.buffer.views.full_parameters()
     expected = dict(eager.named_parameters())
     assert set(got) == set(expected)
     for name, value in expected.items():
@@ -254,7 +254,7 @@ def _tp_over_plain_model() -> list[float]:
         ref.loss(gx, gy).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        got = model.buffer.full_parameters()
+        got = model.buffer.views.full_parameters()
         expected = {n: p.detach() for n, p in ref.named_parameters()}
         assert_tensors_close(got, expected, where=f"step {step}")
     return [float(meshes.device_mesh["tp"].size())]

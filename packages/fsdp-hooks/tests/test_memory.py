@@ -77,7 +77,7 @@ def _unit_bytes(model):
     for gid, group in enumerate(buffer.groups):
         if group.fsdp_unit_id is not None:
             per_unit[group.fsdp_unit_id] = per_unit.get(group.fsdp_unit_id, 0) + (
-                buffer.unsharded_bytes(gid)
+                buffer.buckets[gid].unsharded_bytes
             )
     return per_unit
 
@@ -92,12 +92,12 @@ def _run(tied, units):
     model, opt = fully_shard(module, opt, fsdp_unit_modules=units, zero_dp_strategy=3)
     buffer = model.buffer
     shard_bytes = sum(g.model_weight_buffer.nbytes for g in buffer.groups)
-    padded_total = sum(buffer.unsharded_bytes(g) for g in range(buffer.num_buckets))
+    padded_total = sum(buffer.buckets[g].unsharded_bytes for g in range(buffer.num_buckets))
     assert shard_bytes * WORLD == padded_total >= total
     unit_bytes = _unit_bytes(model)
     two_largest = sum(sorted(unit_bytes.values())[-2:])
     # Buckets held from the root pre-forward to the end of backward.
-    held = sum(buffer.unsharded_bytes(g) for g in model.hooks.root_groups)
+    held = sum(buffer.buckets[g].unsharded_bytes for g in model.hooks.root_groups)
 
     tracker = _Tracker(model)
     assert tracker.live_bytes() == shard_bytes  # idle: the shards only

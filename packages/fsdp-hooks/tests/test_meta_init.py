@@ -90,7 +90,7 @@ def _distributed_params(wrapper) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in wrapper.module.named_parameters():
         sharded = not p.placements[0].is_replicate()
-        rows = wrapper.buffer.local_rows(name) if sharded else None
+        rows = wrapper.buffer.views.local_rows(name) if sharded else None
         out[name] = _gather(p.to_local(), rows, p.shape)
     return out
 
@@ -142,7 +142,8 @@ def _parity(strategies: tuple[int, ...]) -> dict[int, dict[str, Any]]:
             "tied": wrapper.module.head.weight is wrapper.module.tok.weight,
             "sharded": any(g.model_weight_buffer.is_data_distributed for g in wrapper.buffer.groups)
             or any(
-                wrapper.buffer.sharding[g].main_weights for g in range(len(wrapper.buffer.groups))
+                wrapper.buffer.buckets[g].sharding.main_weights
+                for g in range(len(wrapper.buffer.groups))
             ),
         }
     return out
@@ -514,7 +515,7 @@ def _memory() -> dict[str, Any]:
         "weight_bytes": sum(g.model_weight_buffer.nbytes for g in groups)
         + sum(g.main_weight_buffer.nbytes for g in groups if g.main_weight_buffer is not None),
         "grad_bytes": sum(g.main_grad_buffer.nbytes for g in groups if g.main_grad_buffer),
-        "unit_bytes": max(wrapper.buffer.unsharded_bytes(g) for g in range(len(groups))),
+        "unit_bytes": max(wrapper.buffer.buckets[g].unsharded_bytes for g in range(len(groups))),
         "peak_wrap": max(live for _t, live in curve),
         "peak_init": max(live for t, live in curve if init_start <= t <= init_end) - at_init_start,
         "held_after": curve[-1][1],

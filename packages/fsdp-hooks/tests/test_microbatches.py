@@ -62,7 +62,7 @@ def _local(full, dtensor, model, name):
     if isinstance(placement, Replicate):
         return full
     assert isinstance(placement, Shard) and placement.dim == 0
-    r0, r1 = model.buffer.local_rows(name)
+    r0, r1 = model.buffer.views.local_rows(name)
     return full[r0:r1]
 
 

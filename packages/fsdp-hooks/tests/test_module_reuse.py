@@ -98,7 +98,7 @@ def _full(model, name: str, local: torch.Tensor, placement) -> torch.Tensor:
     if placement.is_replicate():
         return local.clone()
     parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (model.buffer.local_rows(name), local.clone()))
+    dist.all_gather_object(parts, (model.buffer.views.local_rows(name), local.clone()))
     out = torch.empty((sum(r1 - r0 for (r0, r1), _ in parts), *local.shape[1:]))
     for (r0, r1), part in parts:
         out[r0:r1] = part

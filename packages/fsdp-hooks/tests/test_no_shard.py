@@ -89,7 +89,7 @@ def _reference(kind):
 
 
 def _padded(model, gid):
-    return model.buffer.layouts[gid].total_numel
+    return model.buffer.buckets[gid].layout.total_numel
 
 
 def _full(model, name, p):
@@ -99,7 +99,7 @@ def _full(model, name, p):
     if isinstance(p.placements[0], Replicate):
         return local
     pieces = [None] * dist.get_world_size()
-    dist.all_gather_object(pieces, (model.buffer.local_rows(name), local))
+    dist.all_gather_object(pieces, (model.buffer.views.local_rows(name), local))
     out = torch.empty(p.shape)
     for (r0, r1), rows in pieces:
         out[r0:r1] = rows

@@ -55,7 +55,7 @@ def _train() -> dict:
         opt = torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1, eps=EPS)
         model, opt = fully_shard(module, opt, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
         _script(model, opt, slice(rank * per_rank, (rank + 1) * per_rank))
-        out[strategy] = model.buffer.full_parameters()
+        out[strategy] = model.buffer.views.full_parameters()
     return out
 
 

@@ -97,7 +97,7 @@ def _sharded(cases: list[tuple[str, str | None, int]]) -> dict:
         model, opt = fully_shard(module, make(list(module.parameters())), zero_dp_strategy=strategy)
         sched = SCHEDULERS[sched_name](opt) if sched_name else None  # after fully_shard
         lrs = _train(model, opt, sched, rows)
-        out[(opt_name, sched_name, strategy)] = (model.buffer.full_parameters(), lrs)
+        out[(opt_name, sched_name, strategy)] = (model.buffer.views.full_parameters(), lrs)
     return out
 
 

@@ -104,7 +104,7 @@ def _train() -> dict:
         out[strategy] = {
             "losses": losses,
             "with_grad": with_grad,
-            "params": model.buffer.full_parameters(),
+            "params": model.buffer.views.full_parameters(),
             "unfreeze": _unfreeze_error(strategy),
         }
     return out if rank == 0 else {}

@@ -147,13 +147,13 @@ def _full_params(model) -> dict[str, torch.Tensor]:
     each rank sends its rows and their range."""
     out = {}
     world = dist.get_world_size()
-    for name, shard in model.buffer.local_shard_dtensors().items():
+    for name, shard in model.buffer.views.local_shard_dtensors().items():
         local = shard.to_local().detach().clone()
         if shard.placements[0].is_replicate():
             out[name] = local
             continue
         parts: list[Any] = [None] * world
-        dist.all_gather_object(parts, (model.buffer.local_rows(name), local))
+        dist.all_gather_object(parts, (model.buffer.views.local_rows(name), local))
         full = torch.empty(shard.shape, dtype=local.dtype)
         for (r0, r1), part in parts:
             full[r0:r1] = part

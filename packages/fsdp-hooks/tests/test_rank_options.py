@@ -76,7 +76,7 @@ def _wrap_with(case: str) -> str:
         return str(err)
     if case == "seed":
         expected = dict(build(seed=0).named_parameters())
-        got = model.buffer.full_parameters()
+        got = model.buffer.views.full_parameters()
         same = all(torch.equal(got[n], expected[n].detach()) for n in expected)
         return "rank 0's values" if same else "values differ"
     return "wrapped"

@@ -245,14 +245,14 @@ def _buffer(model):
 
 
 def _full_params(model):
-    return _buffer(model).full_parameters()
+    return _buffer(model).views.full_parameters()
 
 
 def _run(kind, strategy, ckpt_dir):
     from fsdp_ckpt import get_full_model_state_dict, save_checkpoint
 
     model, opt = _wrap(kind, strategy)
-    specs = _buffer(model).tp_specs
+    specs = _buffer(model).tp.specs
     assert specs is not None
     kinds = {n: specs[p].kind.name for n, _g, _i, p in _buffer(model).named_params()}
     losses, norms = _train(model, opt, 0, STEPS)

@@ -108,7 +108,7 @@ def _train(mode: str) -> dict:
             losses.append(mean_over_ranks(loss))
         out[(strategy, double_buffer)] = {
             "losses": losses,
-            "params": model.buffer.full_parameters(),
+            "params": model.buffer.views.full_parameters(),
         }
     return out if rank == 0 else {}
 

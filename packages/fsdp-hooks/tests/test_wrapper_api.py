@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from fsdp_buffers import BucketStatus, TemporaryBucketAllocator, fsdp_no_shard
-from fsdp_buffers.param_and_grad_buffer import GradState
+from fsdp_buffers.bucket import GradState
 from fsdp_hooks import (
     DistributedDataParallelConfig,
     MegatronFSDP,
@@ -64,7 +64,7 @@ def _compute_params(model):
 
 
 def _rows(model, name, full):
-    r0, r1 = model.buffer.local_rows(name)
+    r0, r1 = model.buffer.views.local_rows(name)
     return full[r0:r1]
 
 
@@ -353,7 +353,7 @@ def _methods_body(strategy):
     assert after["all_reduce"]["calls"] + after["reduce_scatter"]["calls"] == (
         nb if strategy < 2 else 0
     )
-    assert all(s is GradState.REDUCED for s in model.buffer.grad_state)
+    assert all(s is GradState.REDUCED for s in model.buffer.grad_states())
     model.finish_grad_sync()
     again = model.comm_stats(reset=True)
     assert again["all_reduce"]["calls"] + again["reduce_scatter"]["calls"] == 0
@@ -370,7 +370,7 @@ def _methods_body(strategy):
     for n, g in _grads(model).items():
         torch.testing.assert_close(g, 2.0 * before[n])
     model.zero_grad_buffer()
-    assert all(s is GradState.EMPTY for s in model.buffer.grad_state)
+    assert all(s is GradState.EMPTY for s in model.buffer.grad_states())
     assert all(torch.count_nonzero(g) == 0 for g in _grads(model).values())
 
     # install_optimized_model_weights: main weights changed by hand reach the compute

@@ -1,8 +1,9 @@
 """fsdp-buffers: where the bytes live and how they move.
 
 Parameter grouping (``ParameterGroup``), the shard layout (``compute_layout``),
-sharded or replicated storage (``DataParallelBuffer``), every group's buffers as a
-sharding strategy asks (``ParamAndGradBuffer``), the collective pipelines
+sharded or replicated storage (``DataParallelBuffer``), one bucket's buffers, state and
+collectives (``Bucket``), every bucket as a sharding strategy asks
+(``ParamAndGradBuffer``), the collective pipelines
 (``AllGatherPipeline``, ``GradReducePipeline``), mixed precision
 (``MixedPrecisionPolicy``), ``fsdp_no_shard`` and scratch memory. No module hooks: a
 framework with its own training loop can use this layer alone (see
@@ -12,6 +13,7 @@ framework with its own training loop can use this layer alone (see
 from importlib.metadata import version as _version
 
 from fsdp_buffers.all_gather_pipeline import AllGatherPipeline, BucketStatus, PrefetchOrder
+from fsdp_buffers.bucket import Bucket, GradState, GroupSharding
 from fsdp_buffers.collectives import CollectiveKind, CommStats, PendingCollective
 from fsdp_buffers.data_parallel_buffer import (
     BucketAllocator,
@@ -30,7 +32,7 @@ from fsdp_buffers.no_shard import (
     is_fsdp_no_shard,
     module_is_fully_no_shard,
 )
-from fsdp_buffers.param_and_grad_buffer import GradState, GroupSharding, ParamAndGradBuffer
+from fsdp_buffers.param_and_grad_buffer import ParamAndGradBuffer
 from fsdp_buffers.param_group import (
     DEFAULT_BUCKET_SIZE,
     ParameterGroup,
@@ -50,6 +52,7 @@ __all__ = [
     "DEFAULT_BUCKET_SIZE",
     "FSDP_PARAM_ATTRIBUTES",
     "AllGatherPipeline",
+    "Bucket",
     "BucketAllocator",
     "BucketStatus",
     "CollectiveKind",

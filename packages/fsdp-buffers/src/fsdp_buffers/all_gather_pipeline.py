@@ -1,11 +1,23 @@
 """``AllGatherPipeline``: gathers buckets ahead of use and releases them after.
 
-A bucket moves EMPTY → GATHER_IN_PROGRESS → READY_TO_USE → EMPTY. A bucket whose model
-weights are replicated (``fsdp_no_shard``, or a strategy below 3) is READY_TO_USE from
-the start and never issues a collective. Prefetch walks the forward (or backward)
-order of buckets past the ones asked for and starts gathering those that are EMPTY,
-while the unsharded bytes it has started stay within ``prefetch_budget_bytes``. Every
-rank makes the same calls in the same order, so collectives match across ranks.
+Each bucket moves EMPTY → GATHER_IN_PROGRESS → READY_TO_USE → EMPTY (``BucketStatus``,
+owned by the ``Bucket``; Note [bucket states]). A bucket whose model weights are
+replicated (``fsdp_no_shard``, or a strategy below 3) is READY_TO_USE from the start
+and never issues a collective. This pipeline decides when: prefetch walks the forward
+(or backward) order of buckets past the ones asked for and starts gathering those that
+are EMPTY, while the unsharded bytes it has started stay within
+``prefetch_budget_bytes``. Every rank makes the same calls in the same order, so
+collectives match across ranks.
+
+The forward order is the buckets' registration order, unless given. With
+``follow_observed_order`` (the hook layer turns it on) the pipeline records the order in
+which buckets are asked for with forward prefetch during a forward, and
+``commit_observed_order`` (called at the end of the root forward) makes it the order
+that the following backward and the next forward prefetch in, as FSDP2 does with its
+post-forward order: a model that runs its units in another order than it registers them
+prefetches the unit that actually comes next. Buckets not asked for keep their relative
+order after those that were. ``wasted_prefetches`` counts buckets gathered by prefetch
+and released without being asked for.
 
 With ``fsdp_double_buffer`` two units cannot hold one slot: prefetch stops at a bucket
 whose slot is taken, and a bucket asked for whose slot is held by buckets that were
@@ -18,16 +30,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Sequence
 
-from fsdp_buffers.collectives import PendingCollective, describe_bucket
+from fsdp_buffers.bucket import BucketStatus
+from fsdp_buffers.collectives import describe_bucket
 from fsdp_buffers.param_and_grad_buffer import ParamAndGradBuffer
 
 __all__ = ["AllGatherPipeline", "BucketStatus", "PrefetchOrder"]
-
-
-class BucketStatus(enum.Enum):
-    EMPTY = enum.auto()
-    GATHER_IN_PROGRESS = enum.auto()
-    READY_TO_USE = enum.auto()
 
 
 class PrefetchOrder(enum.Enum):
@@ -42,77 +49,85 @@ class AllGatherPipeline:
         *,
         prefetch_budget_bytes: int | None = None,
         forward_order: Sequence[int] | None = None,
+        follow_observed_order: bool = False,
     ) -> None:
         self.buffer = buffer
-        n = buffer.num_buckets
-        self.forward_order = list(range(n)) if forward_order is None else list(forward_order)
-        if sorted(self.forward_order) != list(range(n)):
-            raise ValueError(
-                f"forward_order must be a permutation of the {n} bucket ids; "
-                f"got {self.forward_order}"
-            )
-        self._position = {
-            PrefetchOrder.FORWARD_PASS_ORDER: {g: i for i, g in enumerate(self.forward_order)},
-            PrefetchOrder.BACKWARD_PASS_ORDER: {
-                g: i for i, g in enumerate(reversed(self.forward_order))
-            },
-        }
-        self._distributed = [
-            g.model_weight_buffer is not None and g.model_weight_buffer.is_data_distributed
-            for g in buffer.groups
-        ]
+        self.buckets = buffer.buckets
+        n = len(self.buckets)
+        self._set_forward_order(list(range(n)) if forward_order is None else list(forward_order))
+        self.follow_observed_order = follow_observed_order
+        self._observed: list[int] = []
+        self._observed_set: set[int] = set()
         if prefetch_budget_bytes is None:
             # One FSDP unit ahead: the largest unit's unsharded bytes.
             per_unit: dict[object, int] = {}
-            for gid, group in enumerate(buffer.groups):
-                key = group.fsdp_unit_id if group.fsdp_unit_id is not None else ("bucket", gid)
-                if self._distributed[gid]:
-                    per_unit[key] = per_unit.get(key, 0) + buffer.unsharded_bytes(gid)
+            for b in self.buckets:
+                key = b.group.fsdp_unit_id if b.group.fsdp_unit_id is not None else ("b", b.gid)
+                if b.is_distributed:
+                    per_unit[key] = per_unit.get(key, 0) + b.unsharded_bytes
             prefetch_budget_bytes = max(per_unit.values(), default=0)
         self.prefetch_budget_bytes = prefetch_budget_bytes
-        self.status = [BucketStatus.EMPTY] * n
         self._what = [describe_bucket(buffer, g, "all-gather") for g in range(n)]
-        self._pending: dict[int, PendingCollective] = {}
         self._asked: set[int] = set()  # gathered because asked for, not only prefetched
+        self.wasted_prefetches = 0
         self.reset()
+
+    def _set_forward_order(self, order: list[int]) -> None:
+        n = len(self.buckets)
+        if sorted(order) != list(range(n)):
+            raise ValueError(
+                f"forward_order must be a permutation of the {n} bucket ids; got {order}"
+            )
+        self.forward_order = order
+        self._sequence = {
+            PrefetchOrder.FORWARD_PASS_ORDER: order,
+            PrefetchOrder.BACKWARD_PASS_ORDER: order[::-1],
+        }
+        self._position = {
+            kind: {g: i for i, g in enumerate(seq)} for kind, seq in self._sequence.items()
+        }
 
     @property
     def num_buckets(self) -> int:
-        return self.buffer.num_buckets
+        return len(self.buckets)
+
+    @property
+    def status(self) -> list[BucketStatus]:
+        """Each bucket's ``BucketStatus`` (owned by the bucket)."""
+        return [b.status for b in self.buckets]
 
     def is_distributed(self, gid: int) -> bool:
-        return self._distributed[gid]
+        return self.buckets[gid].is_distributed
 
     def reset(self) -> None:
         """Release every gathered bucket; replicated buckets stay READY_TO_USE."""
         for gid in range(self.num_buckets):
-            if self._distributed[gid]:
-                self.release_bucket(gid)
-            else:
-                self.status[gid] = BucketStatus.READY_TO_USE
+            self.release_bucket(gid)
+
+    def commit_observed_order(self) -> None:
+        """End of a forward: prefetch from now on in the order buckets were asked for
+        in it (with ``follow_observed_order``); see the module note."""
+        observed, self._observed, self._observed_set = self._observed, [], set()
+        if not self.follow_observed_order or not observed:
+            return
+        seen = set(observed)
+        order = observed + [g for g in self.forward_order if g not in seen]
+        if order != self.forward_order:
+            self._set_forward_order(order)
 
     def async_bucket_gather(self, gid: int) -> None:
-        if self.status[gid] is not BucketStatus.EMPTY:
+        bucket = self.buckets[gid]
+        if bucket.status is not BucketStatus.EMPTY:
             return
-        if not self.buffer.can_gather(gid):
+        if not bucket.can_gather():
             for other in self.gathered_buckets():
-                if other not in self._asked and self.buffer.gather_blocked_by(gid, other):
+                if other not in self._asked and bucket.blocked_by(self.buckets[other]):
                     self.release_bucket(other)
-        pending = self.buffer.start_param_gather(gid)
-        if pending is None:  # replicated: nothing to gather
-            self.status[gid] = BucketStatus.READY_TO_USE
-            return
-        self._pending[gid] = pending
-        self.status[gid] = BucketStatus.GATHER_IN_PROGRESS
+        bucket.start_gather()
 
     def wait_bucket_ready(self, gid: int) -> None:
         self._asked.add(gid)
-        if self.status[gid] is BucketStatus.EMPTY:
-            self.async_bucket_gather(gid)
-        pending = self._pending.pop(gid, None)
-        if pending is not None:
-            pending.wait(self._what[gid])
-        self.status[gid] = BucketStatus.READY_TO_USE
+        self.buckets[gid].wait_gather(self._what[gid])
 
     def all_gather_params(
         self,
@@ -126,6 +141,11 @@ class AllGatherPipeline:
         them in ``prefetch_order``, and wait for ``bucket_ids`` unless told not to."""
         ids = list(bucket_ids)
         self._asked.update(ids)
+        if prefetch and prefetch_order is PrefetchOrder.FORWARD_PASS_ORDER:
+            for gid in ids:
+                if gid not in self._observed_set:
+                    self._observed_set.add(gid)
+                    self._observed.append(gid)
         for gid in ids:
             self.async_bucket_gather(gid)
         if prefetch and ids:
@@ -145,19 +165,15 @@ class AllGatherPipeline:
 
     def _prefetch(self, ids: list[int], order: PrefetchOrder) -> None:
         position = self._position[order]
-        sequence = (
-            self.forward_order
-            if order is PrefetchOrder.FORWARD_PASS_ORDER
-            else self.forward_order[::-1]
-        )
         budget = self.prefetch_budget_bytes
         used = 0
-        for gid in sequence[max(position[g] for g in ids) + 1 :]:
-            if not self._distributed[gid]:
+        for gid in self._sequence[order][max(position[g] for g in ids) + 1 :]:
+            bucket = self.buckets[gid]
+            if not bucket.is_distributed:
                 continue
-            size = self.buffer.unsharded_bytes(gid)
-            if self.status[gid] is BucketStatus.EMPTY:
-                if used + size > budget or not self.buffer.can_gather(gid):
+            size = bucket.unsharded_bytes
+            if bucket.status is BucketStatus.EMPTY:
+                if used + size > budget or not bucket.can_gather():
                     break
                 self.async_bucket_gather(gid)
             used += size
@@ -167,18 +183,15 @@ class AllGatherPipeline:
     def release_bucket(self, gid: int) -> None:
         """Free a gathered bucket's memory; a gather still in flight is finished first
         (its output buffer is in use by the collective)."""
-        if not self._distributed[gid]:
+        bucket = self.buckets[gid]
+        if not bucket.is_distributed:
             return
-        pending = self._pending.pop(gid, None)
-        if pending is not None:
-            pending.wait(self._what[gid])
-        self.buffer.release_param_bucket(gid)
-        self.status[gid] = BucketStatus.EMPTY
+        if bucket.status is not BucketStatus.EMPTY and gid not in self._asked:
+            self.wasted_prefetches += 1
+        bucket.release(self._what[gid])
         self._asked.discard(gid)
 
     def gathered_buckets(self) -> list[int]:
         return [
-            g
-            for g in range(self.num_buckets)
-            if self._distributed[g] and self.status[g] is not BucketStatus.EMPTY
+            b.gid for b in self.buckets if b.is_distributed and b.status is not BucketStatus.EMPTY
         ]

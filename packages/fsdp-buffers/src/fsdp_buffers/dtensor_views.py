@@ -1,4 +1,4 @@
-"""``DTensorViews``: the DTensor face of a ``ParamAndGradBuffer``.
+"""``DTensorViews``: the DTensor face of a ``ParamAndGradBuffer`` (``buffer.views``).
 
 Every original parameter gets a DTensor over this rank's part of its storage, with no
 communication: the optimizer's parameters are the main weights (``Shard(0)`` when the
@@ -16,7 +16,7 @@ Hybrid sharding: with the outer dim replicating, the DTensors are the same as wi
 it, on the shard mesh (each outer replica is one consistent DTensor world; DCP writes
 a chunk once, whichever replica offers it). Fully-sharded hybrid main weights (and their
 grads and optimizer state) are ``Shard(0)`` on the 1-D mesh over the hybrid group
-(``ParamAndGradBuffer.optimizer_mesh``), coordinate f holding piece f of shard x outer:
+(``Bucket.optimizer_mesh``), coordinate f holding piece f of shard x outer:
 ``clip_grad_norm_`` then reduces the norm over every data-parallel rank, each holding a
 disjoint chunk.
 
@@ -35,28 +35,43 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from fsdp_buffers import collectives
 
 if TYPE_CHECKING:
+    from fsdp_buffers.bucket import Bucket
     from fsdp_buffers.data_parallel_buffer import DataParallelBuffer
+    from fsdp_buffers.param_and_grad_buffer import ParamAndGradBuffer
 
 __all__ = ["DTensorViews"]
 
 
 class DTensorViews:
-    """Mixed into ``ParamAndGradBuffer``; uses its groups, layouts and sharding."""
+    """DTensor views of one buffer's parameters, made once and cached."""
 
-    def _is_sharded_slot(self, gid: int, index: int, sharded: bool) -> bool:
-        """Whether parameter ``index`` of a group whose storage is ``sharded`` is split
+    def __init__(self, buffer: ParamAndGradBuffer) -> None:
+        self._buffer = buffer
+        self._optimizer_params: list[tuple[str, nn.Parameter]] | None = None
+        self._distributed_params: list[tuple[str, nn.Parameter]] | None = None
+        self._name_index: dict[str, tuple[int, int]] | None = None
+        # (bucket, index) -> (the storage the gradient DTensor views, the DTensor)
+        self._grad_cache: dict[tuple[int, int], tuple[torch.Tensor, DTensor]] = {}
+
+    def _view(self, b: Bucket, index: int, local: torch.Tensor, placement, mesh) -> DTensor:
+        return self._buffer.tp.view_dtensor(b.group.params[index], local, placement, mesh)
+
+    @staticmethod
+    def _is_sharded_slot(b: Bucket, index: int, sharded: bool) -> bool:
+        """Whether parameter ``index`` of a bucket whose storage is ``sharded`` is split
         (0-d parameters are whole on every rank)."""
-        return sharded and not self.layouts[gid].slots[index].replicated
+        return sharded and not b.layout.slots[index].replicated
 
-    def _dtensor(self, gid: int, index: int, local: torch.Tensor) -> DTensor:
-        split = self._is_sharded_slot(gid, index, self.sharding[gid].main_weights)
+    def _dtensor(self, b: Bucket, index: int, local: torch.Tensor) -> DTensor:
+        split = self._is_sharded_slot(b, index, b.sharding.main_weights)
         placement = Shard(0) if split else Replicate()
-        return self._view_dtensor(gid, index, local, placement, self.optimizer_mesh(gid))
+        return self._view(b, index, local, placement, b.optimizer_mesh)
 
-    def _optimizer_view(self, gid: int, index: int, buf: DataParallelBuffer) -> torch.Tensor:
+    @staticmethod
+    def _optimizer_view(b: Bucket, index: int, buf: DataParallelBuffer) -> torch.Tensor:
         """What the optimizer sees of parameter ``index``: its local rows when the
         optimizer state is sharded, the whole parameter when it is replicated."""
-        if self.sharding[gid].main_weights:
+        if b.sharding.main_weights:
             return buf.local_param_view(index)
         return buf.param_view(buf.data, index)
 
@@ -65,16 +80,17 @@ class DTensorViews:
         parameter, under its name; each ``.grad`` is a DTensor over its main-grad rows.
         Built once: in-place updates by an optimizer land in the main-weight buffers."""
         if self._optimizer_params is None:
+            buckets = self._buffer.buckets
             params: list[tuple[str, nn.Parameter]] = []
-            for name, gid, i, _p in self.named_params():
-                group = self.groups[gid]
-                if not group.requires_grad:
+            for name, gid, i, _p in self._buffer.named_params():
+                b = buckets[gid]
+                if not b.group.requires_grad:
                     continue
-                local = self._optimizer_view(gid, i, self.main_weight_buffer(gid))
-                dparam = nn.Parameter(self._dtensor(gid, i, local), requires_grad=True)
+                local = self._optimizer_view(b, i, b.main_weights)
+                dparam = nn.Parameter(self._dtensor(b, i, local), requires_grad=True)
                 dparam._fsdp_group_index = (gid, i)  # type: ignore[attr-defined]
-                dparam._fsdp_row_partition = self._row_partition(gid, i)  # type: ignore[attr-defined]
-                dparam._fsdp_tp_partition = self.tp_partition(gid, i)  # type: ignore[attr-defined]
+                dparam._fsdp_row_partition = self._row_partition(b, i)  # type: ignore[attr-defined]
+                dparam._fsdp_tp_partition = self._buffer.tp.partition(b.group.params[i])  # type: ignore[attr-defined]
                 params.append((name, dparam))
             self._optimizer_params = params
             self.attach_grads()
@@ -83,26 +99,25 @@ class DTensorViews:
     def attach_grads(self, only_with_grads: bool = False) -> None:
         """(Re)point every optimizer parameter's ``.grad`` at its main-grad rows, e.g.
         after ``optimizer.zero_grad(set_to_none=True)`` dropped them. With
-        ``only_with_grads``, only in groups that a backward put gradients into since
+        ``only_with_grads``, only in buckets that a backward put gradients into since
         ``zero_grad_buffer``: others keep ``.grad`` as it is, so that a step without
         backward after ``zero_grad()`` skips their parameters (or applies zero
         gradients after ``zero_grad(set_to_none=False)``), as in plain PyTorch.
 
-        It runs twice a step (end of backward, optimizer step), so each gradient
-        DTensor is made once and cached with the storage it views
+        Each gradient DTensor is made once and cached with the storage it views
         (``DTensor.from_local`` costs tens of microseconds a parameter); it is made
         anew only if that buffer's storage was replaced."""
-        cache: dict[tuple[int, int], tuple[torch.Tensor, DTensor]] = self.__dict__.setdefault(
-            "_grad_dtensor_cache", {}
-        )
+        buckets = self._buffer.buckets
+        cache = self._grad_cache
         for _name, dparam in self._optimizer_params or ():
             gid, i = dparam._fsdp_group_index  # type: ignore[attr-defined]
-            if only_with_grads and not self.has_grads(gid):
+            b = buckets[gid]
+            if only_with_grads and not b.has_grads:
                 continue
-            gbuf = self.optimizer_grad_buffer(gid)
+            gbuf = b.optimizer_grads
             cached = cache.get((gid, i))
             if cached is None or cached[0] is not gbuf.data:
-                grad = self._dtensor(gid, i, self._optimizer_view(gid, i, gbuf))
+                grad = self._dtensor(b, i, self._optimizer_view(b, i, gbuf))
                 cached = cache[(gid, i)] = (gbuf.data, grad)
             if dparam.grad is not cached[1]:
                 dparam.grad = cached[1]
@@ -115,7 +130,7 @@ class DTensorViews:
             trainable = dict(self.optimizer_named_parameters())
             frozen = self.local_shard_dtensors()
             out: list[tuple[str, nn.Parameter]] = []
-            for name, _gid, _i, _p in self.named_params():
+            for name, _gid, _i, _p in self._buffer.named_params():
                 if name in trainable:
                     out.append((name, trainable[name]))
                 else:
@@ -126,38 +141,43 @@ class DTensorViews:
             self._distributed_params = out
         return self._distributed_params
 
+    def _weights_of(self, b: Bucket) -> tuple[DataParallelBuffer, bool]:
+        """The buffer holding a bucket's weights for state (main weights where they
+        exist, model weights otherwise) and whether this rank holds only its part."""
+        group = b.group
+        buf = b.main_weights if group.requires_grad else b.model
+        sharded = buf.is_data_distributed or (group.requires_grad and b.sharding.main_weights)
+        return buf, sharded
+
     def local_shard_dtensors(self) -> dict[str, DTensor]:
         """Every parameter's local shard as a DTensor under its name, without
         communication: main weights where they exist, model weights otherwise."""
         out: dict[str, DTensor] = {}
-        for name, gid, i, _p in self.named_params():
-            group = self.groups[gid]
-            buf = self.main_weight_buffer(gid) if group.requires_grad else group.model_weight_buffer
-            assert buf is not None
-            sharded = buf.is_data_distributed or (
-                group.requires_grad and self.sharding[gid].main_weights
-            )
-            split = self._is_sharded_slot(gid, i, sharded)
+        tp = self._buffer.tp
+        for name, gid, i, p in self._buffer.named_params():
+            b = self._buffer.buckets[gid]
+            buf, sharded = self._weights_of(b)
+            split = self._is_sharded_slot(b, i, sharded)
             placement = Shard(0) if split else Replicate()
             local = buf.local_param_view(i) if sharded else buf.param_view(buf.data, i)
-            mesh = self.optimizer_mesh(gid) if group.requires_grad else self.shard_mesh(gid)
-            out[name] = self._view_dtensor(gid, i, local, placement, mesh)
-            out[name]._fsdp_row_partition = self._row_partition(gid, i) if split else None  # type: ignore[attr-defined]
-            out[name]._fsdp_tp_partition = self.tp_partition(gid, i)  # type: ignore[attr-defined]
+            mesh = b.optimizer_mesh if b.group.requires_grad else b.shard_mesh
+            out[name] = self._view(b, i, local, placement, mesh)
+            out[name]._fsdp_row_partition = self._row_partition(b, i) if split else None  # type: ignore[attr-defined]
+            out[name]._fsdp_tp_partition = tp.partition(p)  # type: ignore[attr-defined]
         return out
 
-    def _row_partition(self, gid: int, index: int) -> tuple[tuple[int, int], ...] | None:
+    def _row_partition(self, b: Bucket, index: int) -> tuple[tuple[int, int], ...] | None:
         """Rows [start, end) of the parameter on each coordinate of its DTensors' mesh
         (``torch.chunk``'s pieces), or None when it is replicated."""
-        sharding = self.sharding[gid]
-        if not self._is_sharded_slot(gid, index, sharding.main_weights or sharding.model_weights):
+        sharding = b.sharding
+        if not self._is_sharded_slot(b, index, sharding.main_weights or sharding.model_weights):
             return None
-        return self.layouts[gid].row_partition(index)
+        return b.layout.row_partition(index)
 
     def index_of(self, name: str) -> tuple[int, int]:
         """(bucket, position) of the parameter named ``name``."""
         if self._name_index is None:
-            self._name_index = {n: (gid, i) for n, gid, i, _p in self.named_params()}
+            self._name_index = {n: (gid, i) for n, gid, i, _p in self._buffer.named_params()}
         try:
             return self._name_index[name]
         except KeyError:
@@ -166,14 +186,15 @@ class DTensorViews:
     def local_rows(self, name: str) -> tuple[int, int]:
         """The global rows [start, end) of parameter ``name`` this rank holds."""
         gid, i = self.index_of(name)
-        if self.outer_sharded[gid]:
-            buf = self.main_weight_buffer(gid)
+        b = self._buffer.buckets[gid]
+        if b.outer_sharded:
+            buf = b.main_weights
             return buf.layout.local_rows(i, buf.shard_rank)
-        return self.layouts[gid].local_rows(i, self.shard_group_rank(gid))
+        return b.layout.local_rows(i, b.shard.rank)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, under its name (``full_parameter`` of each)."""
-        return {name: self.full_parameter(name) for name, *_ in self.named_params()}
+        return {name: self.full_parameter(name) for name, *_ in self._buffer.named_params()}
 
     def full_parameter(self, name: str) -> torch.Tensor:
         """The whole parameter ``name`` (main weights where they exist), gathered from
@@ -181,24 +202,22 @@ class DTensorViews:
         collective: every rank of the shard group (and the tp group) must call it; the
         same as ``full_tensor()`` of its DTensor."""
         gid, i = self.index_of(name)
-        group = self.groups[gid]
-        buf = self.main_weight_buffer(gid) if group.requires_grad else group.model_weight_buffer
-        assert buf is not None
+        b = self._buffer.buckets[gid]
+        p = b.group.params[i]
+        tp = self._buffer.tp
+        buf, sharded = self._weights_of(b)
         slot = buf.layout.slots[i]
-        sharded = buf.is_data_distributed or (
-            group.requires_grad and self.sharding[gid].main_weights
-        )
         if not sharded:
-            return self._tp_full(gid, i, buf.param_view(buf.data, i).clone())
+            return tp.full(p, buf.param_view(buf.data, i).clone())
         if slot.replicated:
-            return self._tp_full(gid, i, buf.local_param_view(i).clone())
+            return tp.full(p, buf.local_param_view(i).clone())
         partition = buf.layout.row_partition(i)
-        pg = self.shard_group(gid)
-        if self.outer_sharded[gid] and group.requires_grad:
-            partition = self._row_partition(gid, i)
-            pg = self.dist_index.get_dp_group(is_expert_parallel=group.is_expert_param)
+        pg = b.shard.group
+        if b.outer_sharded and b.group.requires_grad:
+            partition = self._row_partition(b, i)
+            pg = self._buffer.dist_index.get_dp_group(is_expert_parallel=b.group.is_expert_param)
         # Rows (a 0-d parameter is one row of one element), placed in row order: the
         # coordinates of a fully-sharded hybrid mesh do not hold increasing rows.
         local = buf.local_param_view(i).reshape(-1, *slot.shape[1:])
         full = collectives.all_gather_uneven(local, 0, partition, pg)
-        return self._tp_full(gid, i, full.view(slot.shape))
+        return tp.full(p, full.view(slot.shape))

@@ -1,12 +1,17 @@
-"""``GradReducePipeline``: reduce each bucket as soon as all its gradients are in.
+"""``GradReducePipeline``: reduce buckets in one fixed order, as they become ready.
 
 Buckets are reduced in one fixed order on every rank (the reverse of forward order,
-which is the order backward usually completes them): a bucket whose gradients are all
-in is launched once every bucket before it in that order has been launched. This keeps
-collectives matched across ranks even when ranks complete buckets in different orders,
-or some parameters get no gradient on some ranks (``finish`` launches whatever is left,
-with zeros standing in for missing gradients). At most ``max_inflight`` reductions are
-in flight; launching one more first waits for the oldest.
+which is the order backward usually completes them): a bucket marked ready is launched
+once every bucket before it in that order has been launched. This keeps collectives
+matched across ranks even when ranks complete buckets in different orders, or some
+parameters get no gradient on some ranks (``finish`` launches whatever is left, with
+zeros standing in for missing gradients). At most ``max_inflight`` reductions are in
+flight; launching one more first waits for the oldest.
+
+A bucket is marked ready whole (``mark_bucket_ready``: the hook layer does it at a
+unit's post-backward). ``mark_param_grad_ready`` is the per-parameter route for loops
+without that layer (``register_grad_hooks``): it marks a bucket ready once every one of
+its trainable parameters reported.
 
 Hybrid sharding: the reduction across the outer dim (``reduce_outer``) runs at the end
 of a backward that syncs (``sync_grads``), else once per optimizer step from
@@ -23,8 +28,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from fsdp_buffers.bucket import GradState
 from fsdp_buffers.collectives import PendingCollective, describe_bucket
-from fsdp_buffers.param_and_grad_buffer import GradState, ParamAndGradBuffer
+from fsdp_buffers.param_and_grad_buffer import ParamAndGradBuffer
 from fsdp_buffers.profiling import annotate
 
 __all__ = ["GradReducePipeline"]
@@ -41,16 +47,18 @@ class GradReducePipeline:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be at least 1; got {max_inflight}")
         self.buffer = buffer
+        self.buckets = buffer.buckets
         self.max_inflight = max_inflight
-        trainable = [g for g, grp in enumerate(buffer.groups) if grp.requires_grad]
+        trainable = [b.gid for b in self.buckets if b.group.requires_grad]
         order = list(reversed(trainable)) if reduce_order is None else list(reduce_order)
         if sorted(order) != trainable:
             raise ValueError(
                 f"reduce_order must list each trainable bucket once ({trainable}); got {order}"
             )
         self.reduce_order = order
+        self._trainable = set(trainable)
         self._expected = {
-            g: {i for i, p in enumerate(buffer.groups[g].params) if p.requires_grad}
+            g: {i for i, p in enumerate(self.buckets[g].group.params) if p.requires_grad}
             for g in trainable
         }
         # When False, buckets with replicated grads only accumulate (no_sync); sharded
@@ -62,8 +70,8 @@ class GradReducePipeline:
         self._begin_backward()
 
     def _begin_backward(self) -> None:
-        self._ready: dict[int, set[int]] = {g: set() for g in self._expected}
-        self._complete: set[int] = set()
+        self._reported: dict[int, set[int]] = {}  # per-parameter route only
+        self._ready: set[int] = set()
         self._next = 0
         self._launched: set[int] = set()
 
@@ -71,45 +79,57 @@ class GradReducePipeline:
         """Make bucket ``gid``'s gradient storage exist now, so that ``param.main_grad``
         views are valid before any gradient arrives (frameworks that accumulate into
         ``main_grad`` themselves, e.g. Transformer Engine's fused wgrad)."""
-        if gid in self._expected and gid not in self._launched:
-            self.buffer.grad_target(gid)
+        if gid in self._trainable and gid not in self._launched:
+            self.buckets[gid].begin_accumulating()
 
-    def mark_param_grad_ready(self, param: nn.Parameter) -> None:
-        """Take ``param``'s gradient into its bucket; launch what became complete."""
+    def accumulate(self, param: nn.Parameter) -> None:
+        """Take ``param``'s gradient into its bucket; an error if the bucket was
+        already reduced in this backward (the gradient would be lost)."""
         gid, i = self.buffer.group_of(param)
         if gid in self._launched:
-            name = self.buffer.groups[gid].names[i]
+            name = self.buckets[gid].group.names[i]
             raise RuntimeError(
                 f"gradient of {name!r} arrived after its bucket {gid} was reduced; it would "
                 f"be lost. Call finish() only after backward is complete"
             )
-        self.buffer.accumulate_param_grad(param)
-        ready = self._ready[gid]
-        ready.add(i)
-        if ready >= self._expected[gid]:
-            self._complete.add(gid)
-            self._launch_in_order()
+        self.buckets[gid].accumulate(i, param)
+
+    def mark_bucket_ready(self, gid: int) -> None:
+        """Every gradient of bucket ``gid`` is in (missing ones count as zeros): launch
+        it, and whatever it held back, in the fixed order."""
+        self._ready.add(gid)
+        self._launch_in_order()
+
+    def mark_param_grad_ready(self, param: nn.Parameter) -> None:
+        """Take ``param``'s gradient into its bucket; mark the bucket ready once every
+        trainable parameter of it has reported."""
+        self.accumulate(param)
+        gid, i = self.buffer.group_of(param)
+        reported = self._reported.setdefault(gid, set())
+        reported.add(i)
+        if reported >= self._expected[gid]:
+            self.mark_bucket_ready(gid)
 
     def _launch_in_order(self) -> None:
-        while (
-            self._next < len(self.reduce_order) and self.reduce_order[self._next] in self._complete
-        ):
-            self._launch(self.reduce_order[self._next])
+        order = self.reduce_order
+        while self._next < len(order) and order[self._next] in self._ready:
+            self._launch(order[self._next])
             self._next += 1
 
     def _launch(self, gid: int) -> None:
         self._launched.add(gid)
-        if not self.sync_grads and not self.buffer.sharding[gid].grads:
-            self.buffer.grad_target(gid)  # accumulate only; reduce at the next sync
+        bucket = self.buckets[gid]
+        if not self.sync_grads and not bucket.sharding.grads:
+            bucket.begin_accumulating()  # accumulate only; reduce at the next sync
             return
         self._wait_for_room()
-        self._inflight.append((self._what[gid], self.buffer.start_grad_reduce(gid)))
+        self._inflight.append((self._what[gid], bucket.start_reduce()))
 
     def finish(self) -> None:
         """End of backward: launch every bucket not launched yet (zeros stand in for
         gradients that never came), wait for all reductions, and start afresh."""
         with annotate("fsdp.finish_grad_sync"):
-            self._complete.update(self._expected)
+            self._ready.update(self._trainable)
             self._launch_in_order()
             self.wait_all()
             if self.sync_grads:
@@ -124,25 +144,32 @@ class GradReducePipeline:
         self.wait_all()
         self._begin_backward()
 
-    def reduce_accumulated(self) -> None:
+    def reduce_accumulated(self) -> bool:
         """Outside backward: reduce, in order, every bucket still holding unreduced
-        gradients (left by backwards run with ``sync_grads=False``), and wait."""
+        gradients (left by backwards run with ``sync_grads=False``), and wait. True
+        when it reduced anything (the same answer on every rank)."""
+        reduced = False
         for gid in self.reduce_order:
-            if self.buffer.grad_state[gid] is GradState.ACCUMULATING:
+            bucket = self.buckets[gid]
+            if bucket.grad_state is GradState.ACCUMULATING:
                 self._wait_for_room()
-                self._inflight.append((self._what[gid], self.buffer.start_grad_reduce(gid)))
+                self._inflight.append((self._what[gid], bucket.start_reduce()))
+                reduced = True
         self.wait_all()
-        self.reduce_outer()
+        return self.reduce_outer() or reduced
 
-    def reduce_outer(self) -> None:
+    def reduce_outer(self) -> bool:
         """Hybrid sharding: reduce across the outer group, in order, every bucket whose
-        shard-reduced gradients have not been yet, and wait. No-op otherwise."""
+        shard-reduced gradients have not been yet, and wait; True when there were any."""
+        reduced = False
         for gid in self.reduce_order:
-            pending = self.buffer.start_outer_grad_reduce(gid)
+            pending = self.buckets[gid].start_outer_reduce()
             if pending is not None:
                 self._wait_for_room()
                 self._inflight.append((f"outer {self._what[gid]}", pending))
+                reduced = True
         self.wait_all()
+        return reduced
 
     def _wait_for_room(self) -> None:
         while len(self._inflight) >= self.max_inflight:
@@ -162,10 +189,10 @@ class GradReducePipeline:
         """Post-accumulate-grad hooks that feed every trainable parameter's gradient
         into this pipeline (for training loops that do not use the hook layer)."""
         handles = []
-        for group in self.buffer.groups:
-            if not group.requires_grad:
+        for bucket in self.buckets:
+            if not bucket.group.requires_grad:
                 continue
-            for p in group.params:
+            for p in bucket.group.params:
                 if p.requires_grad:
                     handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
         return handles

@@ -1,4 +1,4 @@
-"""``TensorParallelViews``: parameters that are already split across a tensor-parallel group.
+"""``TensorParallel``: parameters that are already split across a tensor-parallel group.
 
 Note [tensor parallelism]. With a tensor-parallel dim (``dist_index.tp_dim``) of more
 than one rank, or any DTensor parameter, every parameter is classified once
@@ -56,7 +56,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from fsdp_buffers.collectives import all_gather_uneven
 from fsdp_mesh import get_mcore_tensor_parallel_partition_dim
 
-__all__ = ["TPKind", "TPSpec", "TensorParallelViews", "chunk_ranges", "tensor_parallel_specs"]
+__all__ = ["TPKind", "TPSpec", "TensorParallel", "chunk_ranges", "tensor_parallel_specs"]
 
 Ranges = tuple[tuple[int, int], ...]
 
@@ -188,35 +188,36 @@ def tensor_parallel_specs(module: nn.Module, dist_index) -> dict[nn.Parameter, T
     return specs
 
 
-class TensorParallelViews:
-    """Mixed into ``ParamAndGradBuffer``: the tp side of its parameters (Note
-    [tensor parallelism]). ``tp_specs`` is None when tensor parallelism is off."""
+class TensorParallel:
+    """The tp side of a ``ParamAndGradBuffer``'s parameters (Note [tensor
+    parallelism]), decided once at construction. ``specs`` is None when tensor
+    parallelism is off; every method then treats parameters as plain tensors."""
 
-    def _init_tensor_parallel(self, module: nn.Module) -> None:
-        self.tp_specs = tensor_parallel_specs(module, self.dist_index)
-        self._tp_mesh_2d = None
-        if self.tp_specs is not None:
-            idx = self.dist_index
-            self._tp_mesh_2d = idx.get_submesh((idx.dp_shard_dim, idx.tp_dim))
+    def __init__(self, module: nn.Module, dist_index) -> None:
+        self.dist_index = dist_index
+        self.specs = tensor_parallel_specs(module, dist_index)
+        self._mesh_2d = None
+        if self.specs is not None:
+            self._mesh_2d = dist_index.get_submesh((dist_index.dp_shard_dim, dist_index.tp_dim))
 
-    def _tp_spec(self, p: nn.Parameter) -> TPSpec | None:
-        return None if self.tp_specs is None else self.tp_specs[p]
+    def spec(self, p: nn.Parameter) -> TPSpec | None:
+        return None if self.specs is None else self.specs[p]
 
-    def tp_local_shape(self, p: nn.Parameter) -> tuple[int, ...]:
+    def local_shape(self, p: nn.Parameter) -> tuple[int, ...]:
         """The shape fsdp lays out and shards: the tp-local one."""
-        spec = self._tp_spec(p)
+        spec = self.spec(p)
         return tuple(p.shape if spec is None else spec.local_shape)
 
-    def tp_global_shape(self, p: nn.Parameter) -> torch.Size:
-        spec = self._tp_spec(p)
+    def global_shape(self, p: nn.Parameter) -> torch.Size:
+        spec = self.spec(p)
         return p.shape if spec is None else spec.global_shape
 
     @staticmethod
-    def tp_local_source(p: nn.Parameter) -> torch.Tensor:
+    def local_source(p: nn.Parameter) -> torch.Tensor:
         return (p.to_local() if isinstance(p, DTensor) else p).detach()
 
     @staticmethod
-    def _set_compute_view(p: nn.Parameter, view: torch.Tensor) -> None:
+    def set_compute_view(p: nn.Parameter, view: torch.Tensor) -> None:
         if isinstance(p, DTensor):
             # The same DTensor object (hooks, autograd and the module hold it) over the
             # bucket view: its spec (mesh, placements, global shape) is unchanged.
@@ -225,7 +226,7 @@ class TensorParallelViews:
             p.data = view
 
     @staticmethod
-    def tp_local_grad(p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+    def local_grad(p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
         """The tp-local gradient to accumulate: a DTensor gradient in its parameter's
         placements (FSDP2's rule), unwrapped."""
         if not isinstance(grad, DTensor):
@@ -236,18 +237,17 @@ class TensorParallelViews:
         wait = getattr(local, "wait", None)  # AsyncCollectiveTensor from a redistribution
         return wait() if callable(wait) else local
 
-    def _view_dtensor(
-        self, gid: int, index: int, local: torch.Tensor, placement: Placement, mesh
+    def view_dtensor(
+        self, p: nn.Parameter, local: torch.Tensor, placement: Placement, mesh
     ) -> DTensor:
-        """A DTensor over ``local`` (this rank's part of parameter ``index``) with fsdp's
+        """A DTensor over ``local`` (this rank's part of ``p``) with fsdp's
         ``placement`` on ``mesh``, or, under tensor parallelism, on the 2-D mesh with the
         tp placement too."""
-        p = self.groups[gid].params[index]
-        spec = self._tp_spec(p)
+        spec = self.spec(p)
         if spec is None:
             shape, placements = p.shape, [placement]
         else:
-            mesh, shape = self._tp_mesh_2d, spec.global_shape
+            mesh, shape = self._mesh_2d, spec.global_shape
             if spec.tensor_dim == 0 and placement == Shard(0):
                 placement = _StridedShard(0, split_factor=self.dist_index.tp_size)
             placements = [placement, spec.placement]
@@ -260,19 +260,19 @@ class TensorParallelViews:
             stride=torch.empty(shape, device="meta").stride(),
         )
 
-    def tp_partition(self, gid: int, index: int) -> tuple[int, int, Ranges] | None:
+    def partition(self, p: nn.Parameter) -> tuple[int, int, Ranges] | None:
         """``(tp mesh dim, tensor dim, range per tp coordinate)`` of a tp-split
         parameter's views, None when it is not split (see the module note)."""
-        spec = self._tp_spec(self.groups[gid].params[index])
+        spec = self.spec(p)
         if spec is None or spec.ranges is None:
             return None
         assert spec.tensor_dim is not None
         return (1, spec.tensor_dim, spec.ranges)
 
-    def _tp_full(self, gid: int, index: int, local_full: torch.Tensor) -> torch.Tensor:
+    def full(self, p: nn.Parameter, local_full: torch.Tensor) -> torch.Tensor:
         """The global parameter from this rank's whole tp-local one (a collective over
         the tp group when it is split)."""
-        spec = self._tp_spec(self.groups[gid].params[index])
+        spec = self.spec(p)
         if spec is None or spec.ranges is None:
             return local_full
         assert spec.tensor_dim is not None

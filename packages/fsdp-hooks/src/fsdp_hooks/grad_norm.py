@@ -80,7 +80,7 @@ def total_grad_norm(
     norm_type = float(norm_type)
     dense: list[torch.Tensor] = []
     expert: list[torch.Tensor] = []
-    for _name, param in buffer.optimizer_named_parameters():
+    for _name, param in buffer.views.optimizer_named_parameters():
         if param.grad is None:
             continue
         gid, _ = param._fsdp_group_index  # type: ignore[attr-defined]
@@ -123,7 +123,7 @@ def clip_grad_norm_(
         )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
-        for _name, param in buffer.optimizer_named_parameters():
+        for _name, param in buffer.views.optimizer_named_parameters():
             grad = param.grad
             if grad is not None:
                 local = grad.to_local() if isinstance(grad, DTensor) else grad

@@ -131,6 +131,8 @@ class FSDPHooks:
         # the end of backward, as no unit hook runs around them.
         self.root_groups = buffer.root_groups
         self._callback_queued = False
+        # Whether the gradients of the last backward were checked and attached.
+        self.grads_published = False
         self._nonfinite: list[tuple[str, torch.Tensor]] = []
         self._param_names = {p: name for name, _g, _i, p in buffer.named_params()}
 
@@ -180,7 +182,7 @@ class FSDPHooks:
                 p._fsdp_managed = True  # type: ignore[attr-defined]
 
         # Every place a parameter is reachable from, so tied weights swap together.
-        distributed = dict(buffer.distributed_named_parameters())
+        distributed = dict(buffer.views.distributed_named_parameters())
         by_param = {p: distributed[name] for p, name in self._param_names.items()}
         for dparam in distributed.values():
             dparam._fsdp_model_ref = self._wrapper  # type: ignore[attr-defined]
@@ -240,7 +242,7 @@ class FSDPHooks:
             if unit is None:
                 continue
             gid = self.buffer.group_of(compute)[0]
-            if gid in unit.release_groups and self.buffer.sharding[gid].model_weights:
+            if gid in unit.release_groups and self.buffer.buckets[gid].is_distributed:
                 unit.locations.append((module, attr, compute, dparam))
 
     def _unit_use(self, unit: FSDPUnit, compute: bool) -> None:
@@ -285,7 +287,7 @@ class FSDPHooks:
         if type(packed) is not _SavedWeight:
             return packed
         gid = packed.gid
-        if self.gather.status[gid] is not BucketStatus.READY_TO_USE:
+        if self.buffer.buckets[gid].status is not BucketStatus.READY_TO_USE:
             # Every rank runs the same graph, so every rank gathers here; the end of
             # backward (queued now if no hook of this backward did) releases it.
             self._begin_backward()
@@ -316,20 +318,25 @@ class FSDPHooks:
     def root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         with annotate("fsdp.root_pre_forward"):
             self.recover_if_backward_aborted()
-            if not in_backward():
+            # A forward inside this model's backward is activation recompute (the whole
+            # model checkpointed): not a new step.
+            if self.root_state is not TrainingState.PRE_BACKWARD:
                 if self.schedule is not None:
                     self.schedule.check(Phase.FORWARD)
                 self.params.sync_requires_grad()
                 if self.root_state is TrainingState.IDLE and self.params.main_weights_changed():
                     # In-place writes to the main weights since the last install.
                     self.wrapper.install_optimized_model_weights()
-            self.root_state = TrainingState.FORWARD
+                self.root_state = TrainingState.FORWARD
             self.use_compute_params()
             self.gather.all_gather_params(self.root_groups, prefetch=False)
         return args, kwargs
 
     def root_post_forward(self, output: Any) -> Any:
+        if self.root_state is TrainingState.PRE_BACKWARD:
+            return output  # recompute inside backward: the backward goes on
         with annotate("fsdp.root_post_forward"):
+            self.gather.commit_observed_order()
             backward_pending = torch.is_grad_enabled() and register_pre_backward(
                 output, self._root_pre_backward
             )
@@ -359,6 +366,7 @@ class FSDPHooks:
     def _begin_backward(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
+            self.grads_published = False
             self.reduce.sync_grads = self.wrapper.sync_grads
             queue_end_of_backward_callback(self._end_of_backward)
 
@@ -376,7 +384,7 @@ class FSDPHooks:
             unit.state = TrainingState.PRE_BACKWARD
 
         def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
-            if in_backward():  # recompute
+            if self.root_state is TrainingState.PRE_BACKWARD:  # recompute
                 unit.state = TrainingState.PRE_BACKWARD
                 return args, kwargs
             unit.state = TrainingState.FORWARD
@@ -385,7 +393,7 @@ class FSDPHooks:
             return args, kwargs
 
         def post_forward(module: nn.Module, args: tuple, output: Any) -> Any:
-            if not in_backward():
+            if unit.state is not TrainingState.PRE_BACKWARD:
                 unit.state = TrainingState.IDLE
                 if trainable and torch.is_grad_enabled():
                     register_pre_backward(output, pre_backward)
@@ -398,9 +406,10 @@ class FSDPHooks:
 
     def _unit_pre_forward(self, unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict):
         with annotate("fsdp.pre_forward"):
-            recompute = in_backward()
-            # A recompute runs inside the unit's backward: PRE_BACKWARD even when no
-            # pre-backward hook fired (reentrant checkpoint ran the forward under no_grad).
+            # A forward inside this model's backward is a recompute (activation
+            # checkpointing): the unit is in PRE_BACKWARD even when no pre-backward hook
+            # of its own fired (a reentrant checkpoint ran its forward under no_grad).
+            recompute = self.root_state is TrainingState.PRE_BACKWARD
             unit.state = TrainingState.PRE_BACKWARD if recompute else TrainingState.FORWARD
             if not recompute and self.schedule is not None:
                 self.schedule.check(Phase.UNIT_FORWARD, unit.index)
@@ -419,7 +428,7 @@ class FSDPHooks:
         return args, kwargs
 
     def _unit_post_forward(self, unit: FSDPUnit, module: nn.Module, args: tuple, output: Any):
-        if in_backward():
+        if unit.state is TrainingState.PRE_BACKWARD:
             return output  # recompute: the backward that follows needs the buckets
         with annotate("fsdp.post_forward"):
             for gid in unit.release_groups:
@@ -461,8 +470,7 @@ class FSDPHooks:
         if not units or gid in self._marked or any(u.pending_backward for u in units):
             return
         self._marked.add(gid)
-        for param in self.buffer.groups[gid].params:  # frozen after wrapping included
-            self.reduce.mark_param_grad_ready(param)
+        self.reduce.mark_bucket_ready(gid)
 
     def _reset_call_counts(self) -> None:
         for unit in self.units:
@@ -478,12 +486,9 @@ class FSDPHooks:
             local = grad.to_local() if isinstance(grad, DTensor) else grad  # tp: no collective
             # Kept as a tensor: checking now would sync the device once per parameter.
             self._nonfinite.append((self._param_names[param], torch.isfinite(local).all()))
-        if self.buffer.group_of(param)[0] in self._marked:
-            # Later than its unit's post-backward (see the module note): accumulated if
-            # the bucket waits for its turn, else an error naming the parameter.
-            self.reduce.mark_param_grad_ready(param)  # type: ignore[arg-type]
-        else:
-            self.buffer.accumulate_param_grad(param)  # type: ignore[arg-type]
+        # Later than its unit's post-backward (see the module note) it is still
+        # accumulated if the bucket waits for its turn, else an error names it.
+        self.reduce.accumulate(param)  # type: ignore[arg-type]
 
     def _end_of_backward(self) -> None:
         with annotate("fsdp.end_of_backward"):
@@ -492,7 +497,8 @@ class FSDPHooks:
                 if self.schedule is not None:
                     self.schedule.check(Phase.END_OF_BACKWARD)
                 self.reduce.finish()
-                self.raise_if_nonfinite_grads()
+                if self.reduce.sync_grads:
+                    self.raise_if_nonfinite_grads()
                 self.params.agree_on_reached()
             finally:
                 self._release_all()
@@ -503,8 +509,7 @@ class FSDPHooks:
                 # As in Megatron-FSDP, .grad appears only once every gradient is
                 # reduced: after a backward that synced, else at finish_grad_sync().
                 if self.reduce.sync_grads:
-                    self.buffer.attach_grads()
-                    self.params.drop_unreached_grads()
+                    self.attach_grads(only_with_grads=False)
                 self.wrapper.microbatch_count += 1
                 self._callback_queued = False
                 self.root_state = TrainingState.IDLE
@@ -530,6 +535,21 @@ class FSDPHooks:
 
     def _release_all(self) -> None:
         self.gather.reset()
+
+    def attach_grads(self, only_with_grads: bool) -> None:
+        self.buffer.views.attach_grads(only_with_grads=only_with_grads)
+        self.params.drop_unreached_grads()
+        self.grads_published = True
+
+    def publish_grads(self) -> None:
+        """``finish_grad_sync``: reduce what is still unreduced; when that reduced
+        anything, or the last backward did not publish its gradients (it ran without
+        sync), check them for NaN/Inf and attach them. Once per step: after a backward
+        that synced, both already ran at its end."""
+        reduced = self.reduce.reduce_accumulated()
+        if reduced or not self.grads_published:
+            self.raise_if_nonfinite_grads()
+            self.attach_grads(only_with_grads=True)
 
     def clear_nonfinite_grads(self) -> None:
         self._nonfinite.clear()

@@ -233,7 +233,7 @@ class MegatronFSDP(InnerModuleAttributes):
             self._sync_override: bool | None = None
             self.hooks = FSDPHooks(self)
             self._replace_param_with_distributed_if_needed()
-            for _name, dparam in self.buffer.optimizer_named_parameters():
+            for _name, dparam in self.buffer.views.optimizer_named_parameters():
                 dparam.grad = None  # as in a fresh module: none before the first backward
                 # Megatron-FSDP's marker: Megatron-Core's optimizers then read the local
                 # shard of .grad for the gradient norm (a DTensor grad otherwise).
@@ -433,9 +433,7 @@ class MegatronFSDP(InnerModuleAttributes):
         NaN/Inf when asked, and attach the main-grad shards to the parameters.
         ``force_all_reduce`` is accepted for Megatron-Core's ``finalize_model_grads``
         and, as in Megatron-FSDP, has no effect."""
-        self.grad_reduce_pipeline.reduce_accumulated()
-        self.hooks.raise_if_nonfinite_grads()
-        self.attach_grad_to_optimizer_state()
+        self.hooks.publish_grads()
         self.microbatch_count = 0
 
     def clip_grad_norm_(
@@ -464,8 +462,7 @@ class MegatronFSDP(InnerModuleAttributes):
         """Point ``.grad`` of the optimizer's parameters at their main-grad shards, in
         the groups a backward filled since ``zero_grad_buffer`` (a step without
         backward after ``zero_grad()`` then behaves as in plain PyTorch)."""
-        self.buffer.attach_grads(only_with_grads=True)
-        self.hooks.params.drop_unreached_grads()
+        self.hooks.attach_grads(only_with_grads=True)
 
     def scale_gradients(self, scaling_factor: float) -> None:
         self.buffer.scale_gradients(scaling_factor)

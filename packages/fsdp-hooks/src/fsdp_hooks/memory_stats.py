@@ -55,7 +55,8 @@ def measure_memory_stats(buffer, optimizer: torch.optim.Optimizer | None) -> dic
     for gid, group in enumerate(buffer.groups):
         main = group.main_weight_buffer
         stats["main_weights"] += count(main.data if main is not None else None)
-        fine = buffer._outer_main[gid]  # fully-sharded HSDP main weights (may alias)
+        outer = buffer.buckets[gid].outer
+        fine = outer.fine_main if outer is not None else None  # may alias the weights
         stats["main_weights"] += count(fine.data if fine is not None else None)
     for group in buffer.groups:
         grad = group.main_grad_buffer

@@ -30,7 +30,7 @@ def unit_summary(wrapper: MegatronFSDP) -> list[dict[str, object]]:
             buffer.groups[g].numel * buffer.groups[g].params[0].element_size() for g in gids
         )
         no_shard = all(buffer.groups[g].fsdp_no_shard for g in gids)
-        sharded = any(buffer.sharding[g].model_weights for g in gids)
+        sharded = any(buffer.buckets[g].sharding.model_weights for g in gids)
         mode = "no_shard" if no_shard else ("sharded" if sharded else "replicated")
         rows.append(
             {

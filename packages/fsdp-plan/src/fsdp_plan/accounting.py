@@ -45,7 +45,8 @@ def model_state_bytes(buffer: ParamAndGradBuffer) -> dict[str, int]:
     for gid, group in enumerate(buffer.groups):
         out["parameters"] += _nbytes(group.model_weight_buffer)
         out["main_weights"] += _nbytes(group.main_weight_buffer)
-        fine = buffer._outer_main[gid]  # fully-sharded HSDP: a view when same dtype
+        outer = buffer.buckets[gid].outer
+        fine = outer.fine_main if outer is not None else None  # a view when same dtype
         if fine is not None and fine.dtype != group.dtype:
             out["main_weights"] += _nbytes(fine)
         out["main_grads"] += _nbytes(group.main_grad_buffer)
@@ -89,14 +90,14 @@ def optimizer_state_bytes(
     for gid, group in enumerate(buffer.groups):
         if not group.requires_grad:
             continue
-        elem = buffer.main_weight_buffer(gid).element_size
-        layout = buffer.layouts[gid]
-        sharded = buffer.sharding[gid].main_weights
-        if buffer.outer_sharded[gid]:
+        elem = buffer.buckets[gid].main_weights.element_size
+        layout = buffer.buckets[gid].layout
+        sharded = buffer.buckets[gid].sharding.main_weights
+        if buffer.buckets[gid].outer_sharded:
             kind, pieces = "hybrid", world_size
         else:
             kind = "expert" if group.is_expert_param else "dense"
-            pieces = buffer.shard_group_size(gid)
+            pieces = buffer.buckets[gid].shard.size
         for i, p in enumerate(group.params):
             if not p.requires_grad:
                 continue
@@ -136,7 +137,7 @@ def gathered_peak(buffer: ParamAndGradBuffer, double_buffer: bool) -> int:
     at once into rank-major copies (``install_optimized_model_weights``).
     """
     n = buffer.num_buckets
-    nbytes = [buffer.unsharded_bytes(g) if _distributed(buffer, g) else 0 for g in range(n)]
+    nbytes = [buffer.buckets[g].unsharded_bytes if _distributed(buffer, g) else 0 for g in range(n)]
     roots = set(buffer.root_groups)
     root_bytes = sum(nbytes[g] for g in roots)
     # Bytes per unit, in forward order (buckets are numbered in forward order).
@@ -167,7 +168,11 @@ def gathered_peak(buffer: ParamAndGradBuffer, double_buffer: bool) -> int:
     sync = 0
     for g, group in enumerate(buffer.groups):
         mw = group.model_weight_buffer
-        if group.requires_grad and buffer.sharding[g].main_weights and not _distributed(buffer, g):
+        if (
+            group.requires_grad
+            and buffer.buckets[g].sharding.main_weights
+            and not _distributed(buffer, g)
+        ):
             assert mw is not None
             sync += mw.layout.total_numel * mw.element_size
     return max(peak, sync)
@@ -183,7 +188,7 @@ def comm_per_step(buffer: ParamAndGradBuffer) -> dict[str, CommStats]:
     for gid, group in enumerate(buffer.groups):
         mw = group.model_weight_buffer
         assert mw is not None
-        n = buffer.shard_group_size(gid)
+        n = buffer.buckets[gid].shard.size
         total = mw.layout.total_numel
         if mw.is_data_distributed:
             # Units gather for forward and again for backward; root buckets once.
@@ -192,17 +197,18 @@ def comm_per_step(buffer: ParamAndGradBuffer) -> dict[str, CommStats]:
         if not group.requires_grad:
             continue
         comm = torch.empty((), dtype=policy.grad_comm_dtype_for(group.dtype)).element_size()
-        sharding = buffer.sharding[gid]
+        sharding = buffer.buckets[gid].sharding
         kind = (
             CollectiveKind.REDUCE_SCATTER
             if sharding.grads or sharding.main_weights
             else CollectiveKind.ALL_REDUCE
         )
         shard.record(kind, total, comm, n)
-        outer = buffer.outer_group_size(gid)
+        outer_sharding = buffer.buckets[gid].outer
+        outer = outer_sharding.comm.size if outer_sharding is not None else 1
         gbuf = group.main_grad_buffer
         assert gbuf is not None
-        if buffer.outer_sharded[gid]:
+        if buffer.buckets[gid].outer_sharded:
             # Fully-sharded HSDP (Note [hybrid sharding]): reduce-scatter the coarse
             # main-grad shard across the outer group; after the step, all-gather the
             # updated fine pieces into the coarse compute shard.

@@ -42,7 +42,6 @@ from torch import nn
 
 from fsdp_buffers import (
     GradReducePipeline,
-    GradState,
     MixedPrecisionPolicy,
     ParamAndGradBuffer,
     ShardingStrategy,
@@ -245,7 +244,7 @@ class DistributedDataParallel(InnerModuleAttributes):
             )
         self.grad_reduce_pipeline.reduce_accumulated()
         self._hooks.raise_if_nonfinite(self.data_parallel_group)
-        self.buffer.attach_grads()
+        self.buffer.views.attach_grads()
 
     def scale_gradients(self, scaling_factor: float) -> None:
         self.buffer.scale_gradients(scaling_factor)
@@ -258,10 +257,8 @@ class DistributedDataParallel(InnerModuleAttributes):
         if zero_buffer:
             self.buffer.zero_grad_buffer()
         else:
-            for gid, group in enumerate(self.buffer.groups):
-                self.buffer.grad_state[gid] = GradState.EMPTY
-                for p in group.params:
-                    p.grad = None
+            for bucket in self.buffer.buckets:
+                bucket.forget_grads()
         for group in self.buffer.groups:
             for p in group.params:
                 p.grad_added_to_main_grad = False  # type: ignore[attr-defined]
@@ -290,7 +287,7 @@ class DistributedDataParallel(InnerModuleAttributes):
                 "with all-reduce, step the module's parameters after "
                 "copy_main_grads_to_grads() (or read param.main_grad)"
             )
-        params = [p for _name, p in self.buffer.optimizer_named_parameters()]
+        params = [p for _name, p in self.buffer.views.optimizer_named_parameters()]
         for p in params:
             if p.grad is not None and p.grad.dtype != p.dtype:
                 raise ValueError(

@@ -1,0 +1,560 @@
+"""``Bucket``: one parameter group's buffers, its state, and the collectives on it.
+
+A ``ParamAndGradBuffer`` builds one ``Bucket`` per ``ParameterGroup`` and keeps only
+indexes; everything that belongs to one bucket lives here (FSDP2's ``FSDPParamGroup``
+plays the same part): its layout and sharding, its process groups (resolved once), its
+buffers (on the ``ParameterGroup``, where Megatron-FSDP users look for them), two
+state enums and the verbs that move it between states.
+
+Note [bucket states]. ``status`` (``BucketStatus``) is where the compute weights are:
+
+    EMPTY --start_gather--> GATHER_IN_PROGRESS --wait_gather--> READY_TO_USE --release--> EMPTY
+
+A bucket whose compute weights are replicated is READY_TO_USE for good. ``grad_state``
+(``GradState``) is what the main-grad storage holds:
+
+    EMPTY --begin_accumulating--> ACCUMULATING --start_reduce (waited)--> SHARD_REDUCED
+    SHARD_REDUCED --start_outer_reduce (waited)--> REDUCED       (hybrid sharding only)
+    ACCUMULATING --start_reduce (waited)--> REDUCED              (no outer group)
+    SHARD_REDUCED / REDUCED --begin_accumulating--> ACCUMULATING (rebased: see below)
+    any --zero_grads--> EMPTY
+
+Gradients are scaled just before they are reduced, on the unreduced data
+(Megatron-FSDP's rule), by ``grad_scale`` (1/N for a mean over the N data-parallel
+ranks). Sharded-grad buckets reduce-scatter a fresh staging bucket each backward and add
+the result into the main-grad shard, so microbatches accumulate in the main-grad dtype.
+Replicated-grad buckets (strategies 0 and 1) accumulate local gradients in the full
+main-grad buffer and reduce it in place. If such a buffer already holds reduced values
+R when a second backward accumulates before the optimizer step, R is first rebased to
+the unreduced value that reduces back to R (R/(N·f) on every rank for all-reduce; R/f on
+the owning rank and 0 elsewhere for reduce-scatter), so syncing every microbatch never
+double-counts. The outer reduction of hybrid sharding is rebased the same way (Note
+[hybrid sharding]).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_buffers import collectives
+from fsdp_buffers.collectives import CommStats, PendingCollective
+from fsdp_buffers.data_parallel_buffer import (
+    BucketAllocator,
+    DataParallelBuffer,
+    DoubleBufferAllocator,
+    TemporaryBucketAllocator,
+)
+from fsdp_buffers.hybrid_sharding import OuterSharding
+from fsdp_buffers.layout import FlatLayout, compute_layout
+from fsdp_buffers.mixed_precision import MixedPrecisionPolicy
+from fsdp_buffers.param_group import ParameterGroup
+from fsdp_buffers.profiling import annotate
+from fsdp_buffers.strategy import ShardingStrategy
+
+if TYPE_CHECKING:
+    from fsdp_buffers.tensor_parallel import TensorParallel
+
+__all__ = ["Bucket", "BucketContext", "BucketStatus", "CommGroup", "GradState", "GroupSharding"]
+
+
+class BucketStatus(enum.Enum):
+    """Where a bucket's compute weights are (Note [bucket states])."""
+
+    EMPTY = enum.auto()  # sharded: only this rank's shard exists
+    GATHER_IN_PROGRESS = enum.auto()  # an all-gather into the unsharded bucket is in flight
+    READY_TO_USE = enum.auto()  # unsharded (gathered, or replicated for good)
+
+
+class GradState(enum.Enum):
+    """What a bucket's main-grad storage holds (Note [bucket states])."""
+
+    EMPTY = enum.auto()  # zeros
+    ACCUMULATING = enum.auto()  # local, unreduced gradients (in the staging bucket if sharded)
+    SHARD_REDUCED = enum.auto()  # reduced in the shard group; the outer reduction is to come
+    REDUCED = enum.auto()  # reduced across every data-parallel rank: ready for the optimizer
+
+
+@dataclass(frozen=True)
+class GroupSharding:
+    """Which of a bucket's buffers are sharded."""
+
+    model_weights: bool
+    main_weights: bool
+    grads: bool
+
+
+@dataclass(frozen=True)
+class CommGroup:
+    """A process group resolved once: the group, its size, this rank's position."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+
+
+@dataclass
+class BucketContext:
+    """What every bucket of one ``ParamAndGradBuffer`` shares. Mutable on purpose:
+    ``reset_mixed_precision_policy`` replaces the policy of a wrapped model."""
+
+    policy: MixedPrecisionPolicy
+    stats: CommStats
+    device: torch.device
+    average_in_collective: bool
+    scratch: TemporaryBucketAllocator
+
+
+class Bucket:
+    """One bucket: layout, sharding, buffers, process groups, states and verbs."""
+
+    def __init__(
+        self,
+        gid: int,
+        group: ParameterGroup,
+        ctx: BucketContext,
+        *,
+        strategy: ShardingStrategy,
+        shard: CommGroup,
+        shard_mesh: DeviceMesh,
+        outer: CommGroup | None,
+        outer_shards_main_weights: bool,
+        tp: TensorParallel,
+        grad_scale: float,
+        alignment: int,
+        allocator: BucketAllocator,
+        is_root: bool,
+        slot_keys: dict[int | None, int],
+        load: bool,
+    ) -> None:
+        self.gid = gid
+        self.group = group
+        self.ctx = ctx
+        self.shard = shard
+        self.shard_mesh = shard_mesh
+        self.optimizer_mesh = shard_mesh  # the hybrid mesh instead, set by the buffer
+        self.tp = tp
+        self.grad_scale = grad_scale
+        self.is_root = is_root
+        shardable = shard.size > 1 and not group.fsdp_no_shard
+        self.sharding = GroupSharding(
+            model_weights=shardable and strategy.shards_model_weights,
+            main_weights=shardable and strategy.shards_main_weights,
+            grads=shardable and strategy.shards_grads,
+        )
+        # Fully-sharded hybrid: main weights sharded over shard x outer (Note [hybrid
+        # sharding]); the layout then has shard x outer pieces.
+        outer_sharded = (
+            outer is not None
+            and outer_shards_main_weights
+            and group.requires_grad
+            and self.sharding.main_weights
+        )
+        shapes = [tp.local_shape(p) for p in group.params]
+        pieces = shard.size * (outer.size if outer_sharded and outer is not None else 1)
+        self.layout: FlatLayout = compute_layout(shapes, pieces, alignment)
+        self.outer = OuterSharding(outer, outer_sharded) if outer is not None else None
+        self.status = BucketStatus.READY_TO_USE
+        self.grad_state = GradState.EMPTY
+        self._gather: PendingCollective | None = None
+        self._grad_views: list[torch.Tensor] = []
+        self._build_buffers(allocator, slot_keys, load)
+        if self.outer is not None:
+            self.outer.build_fine_buffers(self, load)
+        if self.is_distributed:
+            self.status = BucketStatus.EMPTY
+
+    # ---- construction ---------------------------------------------------------------
+    def _build_buffers(
+        self, allocator: BucketAllocator, slot_keys: dict[int | None, int], load: bool
+    ) -> None:
+        group, sharding = self.group, self.sharding
+        sources = [self.tp.local_source(p) for p in group.params]
+
+        def make(kind: str, dtype: torch.dtype, sharded: bool) -> DataParallelBuffer:
+            # Only units' weight buckets take turns in the double buffer's two slots: a
+            # root bucket stays gathered all step and a gradient staging bucket is held
+            # until its reduction is waited on, so either would block a unit's slot.
+            in_slots = (
+                isinstance(allocator, DoubleBufferAllocator)
+                and sharded
+                and kind == "model_weight"
+                and not self.is_root
+            )
+            buf = DataParallelBuffer(
+                self.layout,
+                dtype=dtype,
+                device=self.ctx.device,
+                is_data_distributed=sharded,
+                shard_rank=self.shard.rank,
+                allocator=allocator if in_slots else self.ctx.scratch,
+                name=f"group{self.gid}.{kind}",
+                coarse=self.shard.size,
+            )
+            if in_slots:
+                # Units take turns in the two slots in the order they are first built.
+                assert isinstance(allocator, DoubleBufferAllocator)
+                key = slot_keys.setdefault(group.fsdp_unit_id, len(slot_keys))
+                allocator.register(buf, key)
+            return buf
+
+        group.model_weight_buffer = make("model_weight", group.dtype, sharding.model_weights)
+        if load:
+            group.model_weight_buffer.load_params(sources)
+        if not group.requires_grad:
+            return
+        policy = self.ctx.policy
+        main_dtype = policy.main_params_dtype_for(group.dtype)
+        fine = self.outer is not None and self.outer.sharded
+        if main_dtype != group.dtype and not fine:
+            group.main_weight_buffer = make("main_weight", main_dtype, sharding.main_weights)
+            if load:
+                group.main_weight_buffer.load_params(sources)
+        grad_dtype = policy.main_grads_dtype_for(group.dtype)
+        group.main_grad_buffer = make("main_grad", grad_dtype, sharding.grads)
+
+    def point_params_at_buffers(self) -> None:
+        """Compute parameters become views into the (possibly not yet gathered) bucket;
+        ``param.main_grad`` views into the gradient storage."""
+        for p, view in zip(self.group.params, self.model.param_views(), strict=True):
+            self.tp.set_compute_view(p, view)
+        gbuf = self.group.main_grad_buffer
+        if gbuf is not None:
+            self._grad_views = gbuf.param_views()
+            if gbuf.is_data_distributed:
+                self._detach_main_grads()
+            else:
+                self._attach_main_grads()
+
+    def _attach_main_grads(self) -> None:
+        """``param.main_grad``: a view of the parameter in the gradients its backward
+        accumulates into. Replicated gradients keep it for good. Sharded ones stage in a
+        bucket that exists only from ``begin_accumulating`` until the bucket's reduction
+        is launched; outside that window ``main_grad`` is None, so a late write fails
+        instead of landing in freed or reused memory."""
+        for p, view in zip(self.group.params, self._grad_views, strict=True):
+            p.main_grad = view  # type: ignore[attr-defined]
+
+    def _detach_main_grads(self) -> None:
+        for p in self.group.params:
+            p.main_grad = None  # type: ignore[attr-defined]
+
+    # ---- what it holds --------------------------------------------------------------
+    @property
+    def model(self) -> DataParallelBuffer:
+        buf = self.group.model_weight_buffer
+        assert buf is not None
+        return buf
+
+    @property
+    def main_weights(self) -> DataParallelBuffer:
+        """Where the main weights live: the fine buffer of fully-sharded hybrid
+        sharding, their own buffer, or the model weights."""
+        fine = self.outer.fine_main if self.outer is not None else None
+        buf = fine or self.group.main_weight_buffer or self.group.model_weight_buffer
+        assert buf is not None
+        return buf
+
+    @property
+    def main_grads(self) -> DataParallelBuffer:
+        buf = self.group.main_grad_buffer
+        if buf is None:
+            raise RuntimeError(f"bucket {self.gid} ({self.group.names[:3]}...) has no gradients")
+        return buf
+
+    @property
+    def optimizer_grads(self) -> DataParallelBuffer:
+        """The optimizer's gradients: the main grads, or their fine slice when main
+        weights are sharded over shard x outer."""
+        return self.group.hsdp_gbuf or self.main_grads
+
+    @property
+    def outer_sharded(self) -> bool:
+        return self.outer is not None and self.outer.sharded
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether the compute weights are sharded (so gathered before use)."""
+        return self.model.is_data_distributed
+
+    @property
+    def unsharded_bytes(self) -> int:
+        return self.layout.total_numel * self.model.element_size
+
+    @property
+    def has_grads(self) -> bool:
+        """Whether a backward put gradients here since the last ``zero_grads``."""
+        return self.grad_state is not GradState.EMPTY
+
+    def persistent_bytes(self) -> int:
+        """Bytes held by this bucket's persistent buffers (not fetched buckets)."""
+        group = self.group
+        bufs = (group.model_weight_buffer, group.main_weight_buffer, group.main_grad_buffer)
+        total = sum(b.nbytes for b in bufs if b is not None)
+        if self.outer is not None:
+            total += self.outer.own_bytes(self)
+        return total
+
+    # ---- compute weights ------------------------------------------------------------
+    def can_gather(self) -> bool:
+        """Whether the bucket can be fetched now (a double-buffer slot may be held)."""
+        model = self.model
+        return not model.is_data_distributed or model.allocator.can_allocate(model)
+
+    def blocked_by(self, other: Bucket) -> bool:
+        """Whether ``other``, while gathered, keeps this bucket from being fetched."""
+        a, b = self.model, other.model
+        return a.allocator is b.allocator and a.allocator.shares_slot(a, b)
+
+    def start_gather(self) -> None:
+        """EMPTY -> GATHER_IN_PROGRESS: fetch the bucket and start the all-gather."""
+        if self.status is not BucketStatus.EMPTY:
+            return
+        buf = self.model
+        bucket = buf.fetch_bucket()
+        label = f"fsdp.all_gather.{self.gid}"
+        pg = self.shard.group
+        if buf.layout.is_rank_major(buf.coarse):  # straight into the bucket
+            work = collectives.all_gather(bucket, buf.data, pg, self.ctx.stats, label)
+            self._gather = PendingCollective(work, keepalive=(bucket,))
+        else:
+            gathered = torch.empty(buf.layout.total_numel, dtype=buf.dtype, device=buf.device)
+            work = collectives.all_gather(gathered, buf.data, pg, self.ctx.stats, label)
+
+            def unpack() -> None:
+                # Rank-major pieces to parameter-major storage (Note [shard layout]).
+                with torch.no_grad(), annotate(f"fsdp.copy_out.{self.gid}"):
+                    buf.layout.unpack(gathered, bucket, buf.coarse)
+
+            self._gather = PendingCollective(work, unpack, keepalive=(gathered, bucket))
+        self.status = BucketStatus.GATHER_IN_PROGRESS
+
+    def wait_gather(self, what: str) -> None:
+        """-> READY_TO_USE, gathering first if nothing is in flight."""
+        if self.status is BucketStatus.EMPTY:
+            self.start_gather()
+        pending, self._gather = self._gather, None
+        if pending is not None:
+            pending.wait(what)
+        self.status = BucketStatus.READY_TO_USE
+
+    def release(self, what: str) -> None:
+        """-> EMPTY: free the gathered bucket (a gather in flight is finished first: its
+        output is in use by the collective). No-op for replicated compute weights."""
+        if not self.is_distributed:
+            return
+        pending, self._gather = self._gather, None
+        if pending is not None:
+            pending.wait(what)
+        with annotate(f"fsdp.release.{self.gid}"):
+            self.model.free_bucket()
+        self.status = BucketStatus.EMPTY
+
+    # ---- gradients ------------------------------------------------------------------
+    def begin_accumulating(self) -> None:
+        """-> ACCUMULATING: the storage this backward's gradients add into exists (the
+        staging bucket when grads are sharded); reduced gradients are rebased first."""
+        gbuf = self.main_grads
+        state = self.grad_state
+        if state is not GradState.ACCUMULATING:
+            if state is GradState.REDUCED and self.outer is not None:
+                self.outer.rebase(self)
+            if state is not GradState.EMPTY and not gbuf.is_data_distributed:
+                self._rebase_shard()
+            self.grad_state = GradState.ACCUMULATING
+        if gbuf.is_data_distributed and not gbuf.has_unsharded_data:
+            gbuf.fetch_bucket().zero_()
+            self._attach_main_grads()
+
+    def accumulate(self, index: int, param: nn.Parameter) -> None:
+        """Move ``param.grad`` (parameter ``index`` of the bucket) into the gradient
+        storage and drop it. A framework that already added into ``param.main_grad``
+        sets ``param.grad_added_to_main_grad = True`` (Megatron-Core / Transformer
+        Engine)."""
+        self.begin_accumulating()
+        if getattr(param, "grad_added_to_main_grad", False):
+            param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+        elif param.grad is not None:
+            with torch.no_grad():
+                self._grad_views[index].add_(self.tp.local_grad(param, param.grad))
+        param.grad = None
+
+    def _scale_and_op(self) -> tuple[float, dist.ReduceOp.RedOpType]:
+        if self.ctx.average_in_collective:
+            return self.grad_scale * self.shard.size, dist.ReduceOp.AVG
+        return self.grad_scale, dist.ReduceOp.SUM
+
+    def _rebase_shard(self) -> None:
+        """Turn shard-reduced gradients R back into an unreduced contribution that the
+        next reduction maps to R again (module note)."""
+        gbuf = self.main_grads
+        n, f = self.shard.size, self.grad_scale
+        with torch.no_grad():
+            if self.sharding.main_weights:  # reduce-scattered: only the local shard is R
+                local = gbuf.copy_local_shard()
+                gbuf.data.zero_()
+                gbuf.set_local_shard(local.div_(f))
+            elif abs(n * f - 1.0) > 1e-12:
+                gbuf.data.div_(n * f)
+
+    def _shard_reduced(self) -> None:
+        self.grad_state = GradState.REDUCED if self.outer is None else GradState.SHARD_REDUCED
+
+    def outer_reduced(self) -> None:
+        """SHARD_REDUCED -> REDUCED: called when the outer reduction has landed."""
+        self.grad_state = GradState.REDUCED
+
+    def start_reduce(self) -> PendingCollective:
+        """Scale and reduce this backward's gradients in the shard group. Every rank
+        must call it for the same buckets in the same order, with or without local
+        gradients (zeros stand in)."""
+        gbuf = self.main_grads
+        self.begin_accumulating()
+        unsharded = gbuf.unsharded_tensor()
+        if gbuf.is_data_distributed:
+            self._detach_main_grads()  # reduced from here on: later writes are lost
+        factor, op = self._scale_and_op()
+        comm_dtype = self.ctx.policy.grad_comm_dtype_for(self.group.dtype)
+        pg, stats, label = self.shard.group, self.ctx.stats, f"fsdp.reduce.{self.gid}"
+        with torch.no_grad():
+            if not (self.sharding.grads or self.sharding.main_weights):
+                send = unsharded if comm_dtype == gbuf.dtype else unsharded.to(comm_dtype)
+                if factor != 1.0:
+                    send.mul_(factor)
+                work = collectives.all_reduce(send, pg, op, stats, label)
+
+                def finish_all_reduce() -> None:
+                    if send is not unsharded:
+                        unsharded.copy_(send)
+                    self._shard_reduced()
+
+                return PendingCollective(work, finish_all_reduce, keepalive=(send,))
+            # Parameter-major gradients to rank-major pieces (Note [shard layout]); the
+            # staging bucket is free once they are packed.
+            layout = gbuf.layout
+            if layout.is_rank_major(gbuf.coarse) and comm_dtype == gbuf.dtype:
+                send = unsharded  # in place: freed once the reduction is waited on
+            else:
+                send = torch.empty(layout.total_numel, dtype=comm_dtype, device=unsharded.device)
+                with annotate(f"fsdp.copy_in.{self.gid}"):
+                    layout.pack(unsharded, send, gbuf.coarse)
+                if self.sharding.grads:
+                    gbuf.free_bucket()
+            if factor != 1.0:
+                send.mul_(factor)
+            out = torch.empty(
+                len(gbuf.owned_shards) * layout.shard_numel, dtype=comm_dtype, device=send.device
+            )
+            work = collectives.reduce_scatter(out, send, pg, op, stats, label)
+            if self.sharding.grads:
+
+                def finish() -> None:
+                    gbuf.data.add_(out)
+                    gbuf.free_bucket()  # no-op unless the reduction read it in place
+                    self._shard_reduced()
+
+            else:
+
+                def finish() -> None:
+                    # Only the local shard is meaningful after a reduce-scatter.
+                    gbuf.data.zero_()
+                    gbuf.set_local_shard(out)
+                    self._shard_reduced()
+
+            return PendingCollective(work, finish, keepalive=(send, out))
+
+    def start_outer_reduce(self) -> PendingCollective | None:
+        """SHARD_REDUCED -> REDUCED across the outer group (hybrid sharding); None when
+        there is nothing to reduce. Every rank calls it for the same buckets in order."""
+        if self.grad_state is not GradState.SHARD_REDUCED:
+            return None
+        assert self.outer is not None
+        return self.outer.start_grad_reduce(self)
+
+    def zero_grads(self) -> None:
+        """-> EMPTY, with zeroed storage and no ``param.grad``."""
+        gbuf = self.group.main_grad_buffer
+        if gbuf is not None:
+            gbuf.data.zero_()
+            if gbuf.is_data_distributed:
+                gbuf.free_bucket()
+                self._detach_main_grads()
+        self.forget_grads()
+
+    def forget_grads(self) -> None:
+        """-> EMPTY without touching the storage (its owner zeroes it)."""
+        self.grad_state = GradState.EMPTY
+        for p in self.group.params:
+            p.grad = None
+
+    def main_grad_shard(self) -> torch.Tensor:
+        """This rank's shard of the main gradients (a copy when they are replicated)."""
+        gbuf = self.main_grads
+        return gbuf.local_shard if gbuf.is_data_distributed else gbuf.copy_local_shard()
+
+    # ---- main weights ---------------------------------------------------------------
+    def start_install(self) -> PendingCollective | None:
+        """Copy the optimizer's main weights into the compute weights; where compute
+        weights are replicated but main weights sharded (strategies 1 and 2), start the
+        all-gather that gives every rank the whole updated bucket."""
+        if not self.group.requires_grad:
+            return None
+        model = self.model
+        self.release("a stale gathered bucket")  # any gathered copy is now stale
+        if self.outer is not None and self.outer.sharded:
+            return self.outer.start_param_gather(self)
+        main = self.group.main_weight_buffer
+        if main is not None:
+            model.copy_shard_from(main)
+        if not self.sharding.main_weights or model.is_data_distributed:
+            return None
+        # Replicated compute weights, sharded main weights: every rank sends its updated
+        # shard and unpacks everyone's (Note [shard layout]).
+        send = (
+            main.data.to(model.dtype)
+            if main is not None and main.is_data_distributed
+            else model.copy_local_shard()
+        )
+        layout = model.layout
+        gathered = (
+            model.data
+            if layout.is_rank_major()
+            else torch.empty(layout.total_numel, dtype=model.dtype, device=model.device)
+        )
+        work = collectives.all_gather(
+            gathered, send, self.shard.group, self.ctx.stats, label=f"fsdp.param_sync.{self.gid}"
+        )
+
+        def unpack() -> None:
+            if gathered is not model.data:
+                layout.unpack(gathered, model.data)
+
+        return PendingCollective(work, unpack, keepalive=(send, gathered))
+
+    def broadcast(self, src_group_rank: int) -> None:
+        """Make every replicated buffer equal to shard-group rank ``src_group_rank``'s
+        (and the outer replicas equal to outer rank 0's); sharded main weights are then
+        re-derived from the model weights they shadow."""
+        pg = self.shard.group
+        src = dist.get_global_rank(pg, src_group_rank)
+        group = self.group
+        for buf in (group.model_weight_buffer, group.main_weight_buffer):
+            if buf is not None and not buf.is_data_distributed:
+                self.ctx.stats.record(
+                    collectives.CollectiveKind.BROADCAST,
+                    buf.data.numel(),
+                    buf.element_size,
+                    self.shard.size,
+                )
+                dist.broadcast(buf.data, src=src, group=pg)
+        main, model = group.main_weight_buffer, self.model
+        if main is not None and main.is_data_distributed and not model.is_data_distributed:
+            main.copy_shard_from(model)
+        if self.outer is not None:
+            self.outer.broadcast(self)
