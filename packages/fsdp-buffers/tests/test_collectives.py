@@ -20,11 +20,11 @@ from torch.distributed.device_mesh import init_device_mesh
 import fsdp_mesh
 from fsdp_buffers import (
     AllGatherPipeline,
-    CollectiveKind,
     GradReducePipeline,
     ParamAndGradBuffer,
     fsdp_no_shard,
 )
+from fsdp_buffers.collectives import CollectiveKind
 from fsdp_mesh.testing import run_distributed
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -286,7 +286,9 @@ def _accumulate():
             reduces = buf.stats[CollectiveKind.REDUCE_SCATTER].calls
             reduces += buf.stats[CollectiveKind.ALL_REDUCE].calls
             # no_sync skips reducing replicated grads only; sharded ones always go.
-            expected = sum(micro if sh.grads else sum(syncs) for sh in (b.sharding for b in buf.buckets))
+            expected = sum(
+                micro if sh.grads else sum(syncs) for sh in (b.sharding for b in buf.buckets)
+            )
             assert reduces == expected, (case, reduces)
             if no_sync and strategy < 2:
                 assert reduces == sum(syncs) * buf.num_buckets

@@ -12,8 +12,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
-from fsdp_buffers import BucketStatus, TemporaryBucketAllocator, fsdp_no_shard
+from fsdp_buffers import BucketStatus, fsdp_no_shard
 from fsdp_buffers.bucket import GradState
+from fsdp_buffers.data_parallel_buffer import TemporaryBucketAllocator
 from fsdp_hooks import (
     DistributedDataParallelConfig,
     MegatronFSDP,

@@ -5,8 +5,8 @@ import warnings
 import pytest
 import torch
 
-from fsdp_mesh import backend_for_device, current_device, default_device_type, warn_once
-from fsdp_mesh.device import warn_once_each
+from fsdp_mesh import backend_for_device, current_device, default_device_type
+from fsdp_mesh.device import warn_once, warn_once_each
 
 
 def test_default_device_type_follows_cuda_availability():

@@ -59,7 +59,8 @@ from fsdp_hooks.optimizers import (
     refuse_positional_expert_state_in_dcp,
 )
 from fsdp_hooks.validation import check_argument_types, check_outer_strategy
-from fsdp_mesh import FSDPDistributedIndex, default_device_type, warn_once
+from fsdp_mesh import FSDPDistributedIndex, default_device_type
+from fsdp_mesh.device import warn_once
 
 __all__ = ["fully_shard", "fully_shard_model", "fully_shard_optimizer"]
 

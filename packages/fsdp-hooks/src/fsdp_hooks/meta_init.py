@@ -71,9 +71,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_buffers import ParamAndGradBuffer, annotate, copy_param_attributes
+from fsdp_buffers import ParamAndGradBuffer, annotate
+from fsdp_buffers.no_shard import copy_param_attributes
 from fsdp_hooks.validation import digest, gather_ints
-from fsdp_mesh import warn_once
+from fsdp_mesh.device import warn_once
 
 if TYPE_CHECKING:
     from fsdp_hooks.megatron_fsdp import MegatronFSDP

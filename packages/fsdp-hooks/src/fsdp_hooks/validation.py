@@ -327,7 +327,7 @@ def check_tensor_parallel_replicas(module: nn.Module, dist_index) -> None:
     replicated over tp hold the same values on every tp rank: a model seeded per rank
     would otherwise train diverging copies without a word. One all-gather of two
     float64 checksums per replicated parameter over the tp group."""
-    from fsdp_buffers import TPKind, tensor_parallel_specs
+    from fsdp_buffers.tensor_parallel import TPKind, tensor_parallel_specs
 
     specs = tensor_parallel_specs(module, dist_index)
     if specs is None or dist_index.tp_size <= 1:

@@ -58,7 +58,7 @@ from fsdp_hooks.adapters.ddp_grads import DDPGradHooks
 from fsdp_hooks.inner_module import InnerModuleAttributes
 from fsdp_hooks.unused_options import options_set, warn_unused_options
 from fsdp_hooks.validation import check_no_meta_params, check_not_wrapped, check_same_model
-from fsdp_mesh import warn_once
+from fsdp_mesh.device import warn_once
 
 __all__ = ["DistributedDataParallel"]
 
