@@ -191,7 +191,7 @@ class MegatronFSDP(InnerModuleAttributes):
         )
         if differ:
             broadcast_from_dp_rank0(module, differ, dist_index)
-        check_tensor_parallel_replicas(module, dist_index)
+        tensor_parallel = check_tensor_parallel_replicas(module, dist_index)
         self.module = module
         # From here storage moves into buffers: a failure restores the module.
         with rollback_on_failure(module):
@@ -222,6 +222,7 @@ class MegatronFSDP(InnerModuleAttributes):
                     is_expert_param, dist_index.has_expert_mesh
                 ),
                 allow_meta=init_model_with_meta_device,
+                tensor_parallel=tensor_parallel,
             )
             self.all_gather_pipeline = AllGatherPipeline(self.buffer)
             self.grad_reduce_pipeline = GradReducePipeline(self.buffer)

@@ -17,6 +17,7 @@ from fsdp_mesh import current_device
 
 if TYPE_CHECKING:
     from fsdp_buffers import MixedPrecisionPolicy
+    from fsdp_buffers.tensor_parallel import TensorParallel
 
 __all__ = [
     "broadcast_from_dp_rank0",
@@ -321,21 +322,24 @@ def check_same_model(
     return differ
 
 
-def check_tensor_parallel_replicas(module: nn.Module, dist_index) -> None:
+def check_tensor_parallel_replicas(module: nn.Module, dist_index) -> TensorParallel:
     """Classify the parameters for tensor parallelism (``fsdp_buffers.tensor_parallel``,
     which raises on bad input, alike on every rank), then check that the parameters
     replicated over tp hold the same values on every tp rank: a model seeded per rank
     would otherwise train diverging copies without a word. One all-gather of two
-    float64 checksums per replicated parameter over the tp group."""
-    from fsdp_buffers.tensor_parallel import TPKind, tensor_parallel_specs
+    float64 checksums per replicated parameter over the tp group. Returns the
+    classification, for the buffer (``ParamAndGradBuffer(tensor_parallel=...)``): the
+    parameters are classified once per wrap."""
+    from fsdp_buffers.tensor_parallel import TensorParallel, TPKind
 
-    specs = tensor_parallel_specs(module, dist_index)
+    tp = TensorParallel(module, dist_index)
+    specs = tp.specs
     if specs is None or dist_index.tp_size <= 1:
-        return
+        return tp
     names = {p: n for n, p in module.named_parameters()}
     replicated = [p for p, s in specs.items() if s.kind is TPKind.REPLICATED]
     if not replicated:
-        return
+        return tp
     with torch.no_grad():
         mine = torch.stack(
             [torch.stack([p.double().sum(), p.double().square().sum()]) for p in replicated]
@@ -356,6 +360,7 @@ def check_tensor_parallel_replicas(module: nn.Module, dist_index) -> None:
             "(fsdp_mesh.model_parallel_seed), or mark them tensor-parallel (a DTensor on "
             "the tp mesh, or Megatron-Core's tensor_model_parallel and partition_dim)"
         )
+    return tp
 
 
 def broadcast_from_dp_rank0(module: nn.Module, names: list[str], dist_index) -> None:
