@@ -93,7 +93,7 @@ def _megatron_available() -> bool:
 
 
 def run_benchmark(
-    workloads: Sequence[str] = ("overhead", "compute", "frozen"),
+    workloads: Sequence[str] = ("overhead", "blocks", "compute", "frozen"),
     strategies: Sequence[int] = (3, 2),
     reps: int = 3,
     tiny: bool = False,
@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         prog="python -m benchmarks.compare", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument(
-        "--workloads", default="overhead,compute,frozen", help="comma-separated subset"
+        "--workloads", default="overhead,blocks,compute,frozen", help="comma-separated subset"
     )
     parser.add_argument("--strategies", default="3,2", help="ZeRO stages to run: 3, 2 or both")
     parser.add_argument("--reps", type=int, default=3, help="repetitions per configuration")

@@ -19,8 +19,10 @@ __all__ = [
     "SEED",
     "WORKLOADS",
     "DeepMLP",
+    "DeepNormMLP",
     "EncoderLayer",
     "MLPUnit",
+    "NormMLPUnit",
     "VisionEncoder",
     "VisionLanguageModel",
     "Workload",
@@ -53,6 +55,33 @@ class DeepMLP(nn.Module):
     def __init__(self, n_units: int, dim: int) -> None:
         super().__init__()
         self.units = nn.ModuleList(MLPUnit(dim) for _ in range(n_units))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for unit in self.units:
+            x = unit(x)
+        return x
+
+
+class NormMLPUnit(nn.Module):
+    """One unit of the blocks workload: a pre-norm two-layer MLP with a residual, as
+    real transformer blocks hold several small parameters (6 here)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class DeepNormMLP(nn.Module):
+    """Many units of several small parameters each, nothing outside them."""
+
+    def __init__(self, n_units: int, dim: int) -> None:
+        super().__init__()
+        self.units = nn.ModuleList(NormMLPUnit(dim) for _ in range(n_units))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for unit in self.units:
@@ -142,6 +171,15 @@ WORKLOADS: dict[str, Workload] = {
         steps=20,
         warmup=3,
     ),
+    "blocks": Workload(
+        "blocks",
+        "64 units of LayerNorm(64)+Linear(64,256)+GELU+Linear(256,64), batch 32 per rank: "
+        "several small parameters per unit, per-unit and per-parameter overhead",
+        full={"n_units": 64, "dim": 64, "batch": 32},
+        tiny={"n_units": 8, "dim": 16, "batch": 2},
+        steps=10,
+        warmup=2,
+    ),
     "compute": Workload(
         "compute",
         "GPT, 49M parameters (13 blocks, dim 512, vocab 16384), batch 2x64 tokens per rank",
@@ -197,6 +235,8 @@ def build_model(workload: str, size: dict[str, Any]) -> nn.Module:
     torch.manual_seed(SEED)
     if workload == "overhead":
         return DeepMLP(size["n_units"], size["dim"])
+    if workload == "blocks":
+        return DeepNormMLP(size["n_units"], size["dim"])
     if workload == "compute":
         cfg = GPTConfig(
             vocab_size=size["vocab"],
@@ -221,6 +261,7 @@ def build_model(workload: str, size: dict[str, Any]) -> nn.Module:
 def unit_classes(workload: str) -> list[type[nn.Module]]:
     return {
         "overhead": [MLPUnit],
+        "blocks": [NormMLPUnit],
         "compute": [Block],
         "frozen": [VisionEncoder, Block],
     }[workload]
@@ -232,7 +273,7 @@ def make_batch(
     """Rank ``rank``'s rows of the global batch of ``step``: (inputs, targets)."""
     b = size["batch"]
     rows = slice(rank * b, (rank + 1) * b)
-    if workload == "overhead":
+    if workload in ("overhead", "blocks"):
         g = torch.Generator().manual_seed(SEED + step)
         x = torch.randn(b * world, size["dim"], generator=g)
         y = torch.randn(b * world, size["dim"], generator=g)
@@ -246,7 +287,7 @@ def make_batch(
 
 
 def loss_of(workload: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    if workload == "overhead":
+    if workload in ("overhead", "blocks"):
         return F.mse_loss(output, target)
     return F.cross_entropy(output.flatten(0, 1).float(), target.flatten())
 

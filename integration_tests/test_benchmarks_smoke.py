@@ -1,20 +1,19 @@
 """The benchmark runner (benchmarks/compare.py) on tiny models: every workload under
 ZeRO-3 and ZeRO-2, both peers (fsdp, FSDP2) and the floor run; fsdp communicates exactly
-what its buckets imply, never more than 1% above theory, and the recorded workload's
-excess is exactly its whole-row padding. Times are not asserted."""
+what its buckets imply, never more than 1% above theory, and the recorded overhead
+workload moves exactly theory. Times are not asserted."""
 
 import pytest
 
 from benchmarks.compare import run_benchmark
 
-# Units of Linear(128, 128): 128 + 1 rows of 128 elements (weight, then bias as one
-# more row). Shards are whole rows of each parameter and a parameter is one contiguous
-# piece of its bucket, so a bucket of R rows of width w takes shards of ceil(R/N)·w
-# elements: 65·128 at world size 2, padding 1/129 (+0.8%), within 1% of 3·Ψ·(N−1)/N.
-# (The real workload's Linear(64, 64) units: 65 rows of 64, +1/65 = +1.5%; see
-# docs/benchmarks.md.)
+# Units of Linear(128, 128): every parameter is split into torch.chunk pieces (Note
+# [shard layout]); 128 rows and 128 bias elements chunk evenly over 2 ranks, so no padding.
 SIZES = {
     "overhead": {"n_units": 4, "dim": 128, "batch": 2},
+    # dim 64: every shard of a unit (16608 elements) is a multiple of the 16-element
+    # alignment, so the only excess is the one byte per parameter of reached flags.
+    "blocks": {"n_units": 2, "dim": 64, "batch": 2},
     "frozen": {
         "patch_dim": 12,
         "patches": 4,
@@ -30,7 +29,7 @@ SIZES = {
 }
 
 
-WORKLOADS = ("overhead", "compute", "frozen")
+WORKLOADS = ("overhead", "blocks", "compute", "frozen")
 STRATEGIES = (3, 2)
 
 
@@ -63,7 +62,7 @@ def _row(result, config, impl):
 
 def _configs():
     for strategy in STRATEGIES:
-        for config in ("overhead", "compute", "frozen", "frozen+no_shard"):
+        for config in ("overhead", "blocks", "compute", "frozen", "frozen+no_shard"):
             yield f"{config} ZeRO-{strategy}"
 
 

@@ -16,8 +16,11 @@ which buckets are asked for with forward prefetch during a forward, and
 that the following backward and the next forward prefetch in, as FSDP2 does with its
 post-forward order: a model that runs its units in another order than it registers them
 prefetches the unit that actually comes next. Buckets not asked for keep their relative
-order after those that were. ``wasted_prefetches`` counts buckets gathered by prefetch
-and released without being asked for.
+order after those that were. Two counters tell how well prefetch guessed:
+``wasted_prefetches``, buckets gathered by prefetch and released without being asked
+for, and ``prefetch_misses``, buckets asked for (with prefetch on) that no prefetch had
+started: with the right order, one per pass (the first unit of a forward, of a
+backward).
 
 With ``fsdp_double_buffer`` two units cannot hold one slot: prefetch stops at a bucket
 whose slot is taken, and a bucket asked for whose slot is held by buckets that were
@@ -70,6 +73,7 @@ class AllGatherPipeline:
         self._what = [describe_bucket(buffer, g, "all-gather") for g in range(n)]
         self._asked: set[int] = set()  # gathered because asked for, not only prefetched
         self.wasted_prefetches = 0
+        self.prefetch_misses = 0
         self.reset()
 
     def _set_forward_order(self, order: list[int]) -> None:
@@ -127,6 +131,7 @@ class AllGatherPipeline:
 
     def wait_bucket_ready(self, gid: int) -> None:
         self._asked.add(gid)
+        self.async_bucket_gather(gid)  # if EMPTY: evicts prefetched slot holders first
         self.buckets[gid].wait_gather(self._what[gid])
 
     def all_gather_params(
@@ -141,6 +146,10 @@ class AllGatherPipeline:
         them in ``prefetch_order``, and wait for ``bucket_ids`` unless told not to."""
         ids = list(bucket_ids)
         self._asked.update(ids)
+        if prefetch:
+            self.prefetch_misses += sum(
+                1 for g in ids if self.buckets[g].status is BucketStatus.EMPTY
+            )
         if prefetch and prefetch_order is PrefetchOrder.FORWARD_PASS_ORDER:
             for gid in ids:
                 if gid not in self._observed_set:

@@ -100,6 +100,10 @@ class GradReducePipeline:
         self._ready.add(gid)
         self._launch_in_order()
 
+    def is_ready(self, gid: int) -> bool:
+        """Whether bucket ``gid`` was marked ready in this backward."""
+        return gid in self._ready
+
     def mark_param_grad_ready(self, param: nn.Parameter) -> None:
         """Take ``param``'s gradient into its bucket; mark the bucket ready once every
         trainable parameter of it has reported."""

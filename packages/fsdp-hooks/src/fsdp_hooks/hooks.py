@@ -144,7 +144,6 @@ class FSDPHooks:
         # as all do without overlap_grad_reduce.
         overlap = wrapper.ddp_config.overlap_grad_reduce
         self._markers: dict[int, list[FSDPUnit]] = {}
-        self._marked: set[int] = set()
         for index, name in enumerate(buffer.unit_names):
             unit_module = module.get_submodule(name)
             groups: list[int] = []
@@ -467,15 +466,13 @@ class FSDPHooks:
         """Mark bucket ``gid`` ready for reduction once no unit that uses it has a call
         whose backward is still to come; missing gradients count as zeros."""
         units = self._markers.get(gid)
-        if not units or gid in self._marked or any(u.pending_backward for u in units):
+        if not units or self.reduce.is_ready(gid) or any(u.pending_backward for u in units):
             return
-        self._marked.add(gid)
         self.reduce.mark_bucket_ready(gid)
 
     def _reset_call_counts(self) -> None:
         for unit in self.units:
             unit.pending_backward = 0
-        self._marked.clear()
 
     # ---- gradients ------------------------------------------------------------------
     def _on_param_grad(self, param: torch.Tensor) -> None:

@@ -224,7 +224,7 @@ class MegatronFSDP(InnerModuleAttributes):
                 allow_meta=init_model_with_meta_device,
                 tensor_parallel=tensor_parallel,
             )
-            self.all_gather_pipeline = AllGatherPipeline(self.buffer)
+            self.all_gather_pipeline = AllGatherPipeline(self.buffer, follow_observed_order=True)
             self.grad_reduce_pipeline = GradReducePipeline(self.buffer)
             if init_model_with_meta_device:
                 from fsdp_hooks.meta_init import initialize_from_meta
