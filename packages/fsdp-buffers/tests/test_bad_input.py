@@ -16,11 +16,11 @@ from torch.distributed.device_mesh import init_device_mesh
 import fsdp_mesh
 from fsdp_buffers import (
     AllGatherPipeline,
-    CollectiveKind,
     GradReducePipeline,
     ParamAndGradBuffer,
     ShardingStrategy,
 )
+from fsdp_buffers.collectives import CollectiveKind
 from fsdp_mesh.testing import run_distributed
 
 STRATEGIES = [0, 1, 2, 3]

@@ -20,11 +20,11 @@ from torch.distributed.device_mesh import init_device_mesh
 import fsdp_mesh
 from fsdp_buffers import (
     AllGatherPipeline,
-    CollectiveKind,
     GradReducePipeline,
     ParamAndGradBuffer,
     fsdp_no_shard,
 )
+from fsdp_buffers.collectives import CollectiveKind
 from fsdp_mesh.testing import run_distributed
 
 WORLD_SIZES = [1, 2, 3, 4]

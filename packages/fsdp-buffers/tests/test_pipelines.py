@@ -15,12 +15,12 @@ import fsdp_mesh
 from fsdp_buffers import (
     AllGatherPipeline,
     BucketStatus,
-    CollectiveKind,
     GradReducePipeline,
     ParamAndGradBuffer,
     PrefetchOrder,
     fsdp_no_shard,
 )
+from fsdp_buffers.collectives import CollectiveKind
 from fsdp_mesh.testing import run_distributed
 
 EMPTY = BucketStatus.EMPTY

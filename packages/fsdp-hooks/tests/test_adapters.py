@@ -455,7 +455,16 @@ def _fsdp(ddp_config: object, config: object = None) -> None:
             },
             None,
             ValueError,
-            ["needs data_parallel_sharding_strategy='optim_grads_params'", "'optim_grads'"],
+            [
+                "requires data_parallel_sharding_strategy (zero_dp_strategy) 'optim_grads_params'",
+                "'optim_grads'",
+            ],
+        ),
+        (
+            {"data_parallel_sharding_strategy": 3, "outer_dp_sharding_strategy": "optim"},
+            None,
+            ValueError,
+            ["no outer dim was given", "num_distributed_optimizer_instances > 1"],
         ),
         (
             {"data_parallel_sharding_strategy": "no_shard"},

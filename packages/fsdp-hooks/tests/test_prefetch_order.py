@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from fsdp_buffers import CollectiveKind
+from fsdp_buffers.collectives import CollectiveKind
 from fsdp_hooks import fully_shard
 from fsdp_mesh.testing import assert_tensors_close, run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch

@@ -294,7 +294,23 @@ def _job(ckpt_dir):
         ("megatron", 2): _resume("megatron", 2, ckpt_dir),
     }
     out["bad"] = _bad_inputs()
+    out["classified"] = _classifications_per_wrap()
     return out
+
+
+def _classifications_per_wrap():
+    """Before: the wrapper's replica check and the buffer each classified the
+    parameters (``tensor_parallel_specs``); one wrap classifies them once."""
+    from unittest import mock
+
+    from fsdp_buffers import tensor_parallel
+
+    spy = mock.patch.object(
+        tensor_parallel, "tensor_parallel_specs", wraps=tensor_parallel.tensor_parallel_specs
+    )
+    with spy as calls:
+        _wrap("dtensor", 3)
+    return calls.call_count
 
 
 @pytest.fixture(scope="module")
@@ -444,6 +460,10 @@ def _bad_inputs():
     out["hybrid"] = _error_of(lambda: wrap(Net(), device_mesh=hybrid, dp_outer_dim="dp_outer"))
     out["meta"] = _error_of(lambda: wrap(Net(), init_model_with_meta_device=True))
     return out
+
+
+def test_parameters_are_classified_once_per_wrap(world4):
+    assert [r["classified"] for r in world4[1]] == [1] * WORLD
 
 
 def test_bad_input_errors_on_every_rank(world4):

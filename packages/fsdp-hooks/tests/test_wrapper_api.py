@@ -12,8 +12,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
-from fsdp_buffers import BucketStatus, TemporaryBucketAllocator, fsdp_no_shard
+from fsdp_buffers import BucketStatus, fsdp_no_shard
 from fsdp_buffers.bucket import GradState
+from fsdp_buffers.data_parallel_buffer import TemporaryBucketAllocator
 from fsdp_hooks import (
     DistributedDataParallelConfig,
     MegatronFSDP,
@@ -412,49 +413,75 @@ def test_megatron_fsdp_methods(strategy):
 
 # ---- CUDA-only options on CPU ------------------------------------------------------------
 
-CUDA_ONLY = ("nccl_ub", "disable_symmetric_registration", "keep_fp8_transpose_cache")
+# Every CUDA-only option, as ddp_config fields and as fully_shard's keywords.
+CUDA_ONLY_FIELDS = (
+    "nccl_ub",
+    "disable_symmetric_registration",
+    "keep_fp8_transpose_cache",
+    "fp8_param_gather",
+    "fsdp_manual_registration",
+    "megatron_fsdp_cuda_graph_mode",
+)
+CUDA_ONLY_KEYWORDS = (
+    "nccl_ub",
+    "disable_symmetric_registration",
+    "keep_fp8_transpose_cache",
+    "cuda_graph_mode",
+)
+IGNORED_KEYWORDS = ("use_decoupled_grad", "enable_fine_grained_param_gather")
 
 
-def _fsdp_warnings(caught):
-    return [str(w.message) for w in caught if any(f"{o}=True" in str(w.message) for o in CUDA_ONLY)]
+def _naming(caught, names):
+    return [str(w.message) for w in caught if any(n in str(w.message) for n in names)]
 
 
 def _options_body():
+    """Before: one warning per option per process, and none at all for
+    fp8_param_gather, fsdp_manual_registration and the cuda-graph flag of ddp_config."""
+    from fsdp_hooks import DistributedDataParallel
+
     rank = dist.get_rank()
-    options = dict.fromkeys(CUDA_ONLY, True)
+    mesh = fully_shard_model(_gpt(), fsdp_unit_modules=[Block]).get_distributed_index()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        config = DistributedDataParallelConfig(
+            data_parallel_sharding_strategy=3, **dict.fromkeys(CUDA_ONLY_FIELDS, True)
+        )
+        first = MegatronFSDP(_gpt(), mesh, ddp_config=config, fsdp_unit_modules=[Block])
+        # Wrapped again, through every entry point: nothing more is said.
         module = _gpt()
         model, opt = fully_shard(
             module, torch.optim.SGD(module.parameters(), lr=0.1), fsdp_unit_modules=[Block],
-            **options,
+            **dict.fromkeys(CUDA_ONLY_KEYWORDS, True),
         )  # fmt: skip
-        first = _fsdp_warnings(caught)
-    for option in CUDA_ONLY:
-        assert sum(f"{option}=True" in m for m in first) == 1, first
-        assert any("ignored on cpu" in m and option in m for m in first), first
+        MegatronFSDP(_gpt(), mesh, ddp_config=config, fsdp_unit_modules=[Block])
+        DistributedDataParallel(
+            None, dict(config.__dict__, data_parallel_sharding_strategy="no_shard"), _gpt()
+        )
+    (message,) = _naming(caught, CUDA_ONLY_FIELDS)
+    for name in CUDA_ONLY_FIELDS:
+        assert f"{name}=True" in message, message
+    assert "cuda_graph_mode" in message and "ignored on cpu" in message, message
     # Ignored on CPU, including nccl_ub's double buffers.
-    assert isinstance(model.buffer.allocator, TemporaryBucketAllocator)
+    for wrapper in (first, model):
+        assert isinstance(wrapper.buffer.allocator, TemporaryBucketAllocator)
     _loss(model, *_data(0, rank)).backward()
     opt.step()
 
-    # A second wrap in the same process (also through the config) warns no more.
+    # Options fsdp ignores on every device: one warning too, naming them.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fully_shard_model(_gpt(), fsdp_unit_modules=[Block], **options)
-        mesh = model.get_distributed_index()
-        again = MegatronFSDP(
-            _gpt(),
-            mesh,
-            ddp_config=DistributedDataParallelConfig(data_parallel_sharding_strategy=3, **options),
-            fsdp_unit_modules=[Block],
-        )
-        assert _fsdp_warnings(caught) == []
-    assert isinstance(again.buffer.allocator, TemporaryBucketAllocator)
+        for _ in range(2):
+            fully_shard_model(
+                _gpt(), fsdp_unit_modules=[Block], **dict.fromkeys(IGNORED_KEYWORDS, True)
+            )
+    (message,) = _naming(caught, IGNORED_KEYWORDS)
+    assert all(f"fully_shard's {n}" in message for n in IGNORED_KEYWORDS), message
+    assert "has no effect in fsdp" in message, message
     return True
 
 
-def test_cuda_only_options_accepted_on_cpu_with_one_warning_each():
+def test_cuda_only_options_accepted_on_cpu_with_one_warning_in_all():
     assert run_distributed(_options_body, WORLD) == [True, True]
 
 

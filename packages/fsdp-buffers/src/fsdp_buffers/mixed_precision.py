@@ -10,10 +10,12 @@ parameter dtype, so every buffer asks the same question the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 
-__all__ = ["MixedPrecisionPolicy"]
+__all__ = ["MixedPrecisionPolicy", "cast_floating"]
 
 
 @dataclass(frozen=True)
@@ -151,3 +153,8 @@ def _check_param_dtype(param_dtype: torch.dtype) -> None:
             "them out of the sharded parameters (register them as buffers, or set "
             "requires_grad=False and exclude them)."
         )
+
+
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with its floating tensors cast to ``dtype`` (FSDP2's input/output casts)."""
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)

@@ -74,6 +74,7 @@ class ParamAndGradBuffer:
         is_expert_param: Callable[[str, nn.Parameter], bool] | None = None,
         alignment: int = DEFAULT_ALIGNMENT,
         allow_meta: bool = False,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         self.module = module
         self.dist_index = dist_index
@@ -95,7 +96,10 @@ class ParamAndGradBuffer:
             average_in_collective=average_in_collective,
             scratch=TemporaryBucketAllocator(),
         )
-        self.tp = TensorParallel(module, dist_index)
+        # The wrapper classifies the parameters for tp once, at its checks, and passes it.
+        self.tp = (
+            tensor_parallel if tensor_parallel is not None else TensorParallel(module, dist_index)
+        )
         unit_classes = resolve_unit_classes(fsdp_unit_modules, module)
         self.groups, self.unit_names = group_parameters(
             module,

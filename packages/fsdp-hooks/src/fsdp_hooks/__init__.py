@@ -14,11 +14,9 @@ from fsdp_hooks.adapters import (
     FullyShardedDataParallel,
     finalize_model_grads,
 )
-from fsdp_hooks.backward import RegisterFSDPBackwardFunction
 from fsdp_hooks.config import DistributedDataParallelConfig
 from fsdp_hooks.experts import DEFAULT_EXPERT_PATTERN, default_is_expert_param, mark_expert_params
 from fsdp_hooks.fully_shard import fully_shard, fully_shard_model, fully_shard_optimizer
-from fsdp_hooks.hooks import FSDPUnit
 from fsdp_hooks.megatron_compat import find_megatron_fsdp
 from fsdp_hooks.megatron_fsdp import MegatronFSDP
 from fsdp_hooks.pretrained import from_pretrained, save_pretrained
@@ -31,10 +29,8 @@ __all__ = [
     "DEFAULT_EXPERT_PATTERN",
     "DistributedDataParallel",
     "DistributedDataParallelConfig",
-    "FSDPUnit",
     "FullyShardedDataParallel",
     "MegatronFSDP",
-    "RegisterFSDPBackwardFunction",
     "TrainingState",
     "__version__",
     "default_is_expert_param",

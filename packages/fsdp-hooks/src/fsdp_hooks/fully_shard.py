@@ -59,7 +59,8 @@ from fsdp_hooks.optimizers import (
     refuse_positional_expert_state_in_dcp,
 )
 from fsdp_hooks.validation import check_argument_types, check_outer_strategy
-from fsdp_mesh import FSDPDistributedIndex, warn_once
+from fsdp_mesh import FSDPDistributedIndex, default_device_type
+from fsdp_mesh.device import warn_once
 
 __all__ = ["fully_shard", "fully_shard_model", "fully_shard_optimizer"]
 
@@ -80,8 +81,7 @@ def _default_mesh(dp_shard_dim: str, tp_dim: str | None) -> DeviceMesh:
             f"dp_shard_dim and tp_dim name the same dim ({tp_dim!r}); give them different "
             "names, or pass a device_mesh"
         )
-    backend = dist.get_backend()
-    device_type = "cuda" if backend == "nccl" and torch.cuda.is_available() else "cpu"
+    device_type = default_device_type()
     if tp_dim is None:
         return init_device_mesh(
             device_type, (dist.get_world_size(),), mesh_dim_names=(dp_shard_dim,)
@@ -172,14 +172,6 @@ def fully_shard_model(
                 f"{name} is kept on the FSDPDistributedIndex, but fsdp's all-gathers use the "
                 "shard group (no separate all-gather communicator yet)",
             )
-    for name, value in (
-        ("enable_fine_grained_param_gather", enable_fine_grained_param_gather),
-        ("use_decoupled_grad", use_decoupled_grad),
-        ("cuda_graph_mode", cuda_graph_mode),
-        ("fsdp_db_use_persist_buf_on_alloc_fail", fsdp_db_use_persist_buf_on_alloc_fail),
-    ):
-        if value:
-            warn_once(f"fsdp.ignored.{name}", f"{name} has no effect in fsdp; ignored")
     if dp_shard_dim is None and device_mesh.ndim == 1 and device_mesh.mesh_dim_names:
         dp_shard_dim = device_mesh.mesh_dim_names[0]
     dist_index = FSDPDistributedIndex(
@@ -204,8 +196,14 @@ def fully_shard_model(
         outer_dp_sharding_strategy=outer.megatron_name,
         keep_fp8_transpose_cache=keep_fp8_transpose_cache,
         nccl_ub=nccl_ub,
-        fsdp_double_buffer=fsdp_double_buffer or maxpool_double_buffer,
+        fsdp_double_buffer=fsdp_double_buffer,
+        fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
         disable_symmetric_registration=disable_symmetric_registration,
+        # Accepted, ignored (MegatronFSDP warns once; see fsdp_hooks.unused_options).
+        megatron_fsdp_use_decoupled_grad=use_decoupled_grad,
+        megatron_fsdp_cuda_graph_mode=cuda_graph_mode,
+        megatron_fsdp_enable_fine_grained_param_gather=enable_fine_grained_param_gather,
+        megatron_fsdp_max_pool_double_buffer=maxpool_double_buffer,
         megatron_fsdp_main_params_dtype=policy.main_params_dtype,
         megatron_fsdp_main_grads_dtype=policy.main_grads_dtype,
         megatron_fsdp_grad_comm_dtype=policy.grad_comm_dtype,

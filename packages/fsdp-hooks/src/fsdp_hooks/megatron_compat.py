@@ -2,8 +2,6 @@
 
 - ``default_ddp_config``: Megatron-FSDP's configuration when ``ddp_config`` is None
   (``optim_grads_params``, overlapped reduction and gather).
-- ``warn_ignored_options``: constructor options accepted for signature compatibility
-  that fsdp has no use for, named in one warning each when set.
 - ``reset_policy``: Megatron-FSDP's ``reset_mixed_precision_policy`` rule.
 - ``MegatronParamAndGradBuffer``: ``model.param_and_grad_buffer`` as Megatron-FSDP's
   users and Megatron-Core's ``DistributedOptimizer`` read it.
@@ -17,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 from fsdp_buffers import MixedPrecisionPolicy, ParameterGroup
 from fsdp_hooks.config import DistributedDataParallelConfig
-from fsdp_mesh import warn_once
 
 if TYPE_CHECKING:
     from fsdp_hooks.megatron_fsdp import MegatronFSDP
@@ -27,7 +24,6 @@ __all__ = [
     "default_ddp_config",
     "find_megatron_fsdp",
     "reset_policy",
-    "warn_ignored_options",
 ]
 
 
@@ -68,15 +64,6 @@ def default_ddp_config(
         disable_symmetric_registration=disable_symmetric_registration,
         check_for_nan_in_grad=False,
     )
-
-
-def warn_ignored_options(**options: bool) -> None:
-    """One warning per option that is set but has no effect in fsdp."""
-    for name, value in options.items():
-        if value:
-            warn_once(
-                f"fsdp.ignored.{name}", f"MegatronFSDP: {name} has no effect in fsdp; ignored"
-            )
 
 
 def reset_policy(current: MixedPrecisionPolicy, new: MixedPrecisionPolicy) -> MixedPrecisionPolicy:

@@ -7,23 +7,23 @@ shard), so any torch optimizer, ``clip_grad_norm_`` and ``state_dict()`` work on
 from the start of forward to the end of backward they are the compute parameters, whose
 ``.data`` are views into gathered buckets. Tied parameters are swapped at every place
 they are reachable from, so they stay tied.
+
+Around it: wrap-time checks in ``validation``, the Megatron-FSDP/Megatron-Core surface
+(``param_and_grad_buffer``'s view, the policy-reset rule) in ``megatron_compat``, and
+``generate`` in ``pretrained``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
-from torch.utils._pytree import tree_map_only
 
 from fsdp_buffers import (
     AllGatherPipeline,
@@ -33,6 +33,7 @@ from fsdp_buffers import (
     PrefetchOrder,
     ShardingStrategy,
 )
+from fsdp_buffers.mixed_precision import cast_floating
 from fsdp_hooks.config import DistributedDataParallelConfig
 from fsdp_hooks.expert_names import ExpertStateNames
 from fsdp_hooks.experts import resolve_is_expert_param
@@ -43,19 +44,22 @@ from fsdp_hooks.megatron_compat import (
     MegatronParamAndGradBuffer,
     default_ddp_config,
     reset_policy,
-    warn_ignored_options,
 )
 from fsdp_hooks.rollback import rollback_on_failure
 from fsdp_hooks.summary import log_unit_summary
 from fsdp_hooks.training_state import TrainingState
+from fsdp_hooks.unused_options import options_set, warn_unused_options
 from fsdp_hooks.validation import (
+    broadcast_from_dp_rank0,
     check_argument_types,
-    check_cuda_only_options,
     check_hybrid_index,
+    check_no_meta_params,
     check_not_wrapped,
+    check_param_dtype,
     check_same_model,
     check_tensor_parallel_replicas,
 )
+from fsdp_mesh import current_device
 
 __all__ = ["MegatronFSDP"]
 
@@ -116,24 +120,26 @@ class MegatronFSDP(InnerModuleAttributes):
                 fsdp_double_buffer,
                 disable_symmetric_registration,
             )
-        warn_ignored_options(
-            fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
-            enable_fine_grained_param_gather_hook=enable_fine_grained_param_gather_hook,
-            enable_fine_grained_param_gather_backward_hook=(
-                enable_fine_grained_param_gather_backward_hook
-            ),
-            fine_grained_recurse_module_types=bool(fine_grained_recurse_module_types),
-        )
         self.ddp_config = ddp_config
         self.dist_index = dist_index
-        self.device = _resolve_device(device, dist_index)
-        check_cuda_only_options(
+        self.device = (
+            torch.device(device) if device is not None else current_device(dist_index.device_type)
+        )
+        warn_unused_options(
             self.device,
-            nccl_ub=nccl_ub or ddp_config.nccl_ub,
-            disable_symmetric_registration=disable_symmetric_registration
-            or ddp_config.disable_symmetric_registration,
-            keep_fp8_transpose_cache=keep_fp8_transpose_cache
-            or ddp_config.keep_fp8_transpose_cache,
+            "MegatronFSDP",
+            options_set(
+                ddp_config,
+                nccl_ub=nccl_ub,
+                disable_symmetric_registration=disable_symmetric_registration,
+                keep_fp8_transpose_cache=keep_fp8_transpose_cache,
+                fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
+                enable_fine_grained_param_gather_hook=enable_fine_grained_param_gather_hook,
+                enable_fine_grained_param_gather_backward_hook=(
+                    enable_fine_grained_param_gather_backward_hook
+                ),
+                fine_grained_recurse_module_types=fine_grained_recurse_module_types,
+            ),
         )
         self.strategy = ShardingStrategy.parse(ddp_config.data_parallel_sharding_strategy)
         self.outer_strategy = ShardingStrategy.parse(ddp_config.outer_dp_sharding_strategy)
@@ -152,14 +158,14 @@ class MegatronFSDP(InnerModuleAttributes):
             main_grads_dtype=ddp_config.megatron_fsdp_main_grads_dtype,
             grad_comm_dtype=ddp_config.megatron_fsdp_grad_comm_dtype,
         )
-        _check_param_dtype(module, self.mixed_precision_policy)
-        has_meta = any(p.device.type == "meta" for p in module.parameters())
-        if has_meta and not init_model_with_meta_device:
-            raise ValueError(
-                "the module has parameters on the meta device; pass "
-                "init_model_with_meta_device=True to materialize them shard by shard"
+        check_param_dtype(module, self.mixed_precision_policy)
+        if not init_model_with_meta_device:
+            check_no_meta_params(
+                module,
+                "MegatronFSDP",
+                "pass init_model_with_meta_device=True to materialize them shard by shard",
             )
-        if not has_meta:
+        if not any(p.device.type == "meta" for p in module.parameters()):
             module.to(self.device)
         split_experts = dist_index.expt_dp_size != dist_index.dp_size
         differ = check_same_model(
@@ -184,8 +190,8 @@ class MegatronFSDP(InnerModuleAttributes):
             skip_values=resolve_is_expert_param(is_expert_param, True) if split_experts else None,
         )
         if differ:
-            _broadcast_from_dp_rank0(module, differ, dist_index)
-        check_tensor_parallel_replicas(module, dist_index)
+            broadcast_from_dp_rank0(module, differ, dist_index)
+        tensor_parallel = check_tensor_parallel_replicas(module, dist_index)
         self.module = module
         # From here storage moves into buffers: a failure restores the module.
         with rollback_on_failure(module):
@@ -216,6 +222,7 @@ class MegatronFSDP(InnerModuleAttributes):
                     is_expert_param, dist_index.has_expert_mesh
                 ),
                 allow_meta=init_model_with_meta_device,
+                tensor_parallel=tensor_parallel,
             )
             self.all_gather_pipeline = AllGatherPipeline(self.buffer, follow_observed_order=True)
             self.grad_reduce_pipeline = GradReducePipeline(self.buffer)
@@ -330,13 +337,13 @@ class MegatronFSDP(InnerModuleAttributes):
         compute parameters in place around it, the policy's input and output casts."""
         policy = self.mixed_precision_policy
         if policy.cast_forward_inputs and policy.param_dtype is not None:
-            inputs, kwargs = _cast_floating((inputs, kwargs), policy.param_dtype)
+            inputs, kwargs = cast_floating((inputs, kwargs), policy.param_dtype)
         inputs, kwargs = self.hooks.root_pre_forward(inputs, kwargs)
         with self.hooks.saved_weights_hooks():
             output = fn(*inputs, **kwargs)
         output = self.hooks.root_post_forward(output)
         if policy.output_dtype is not None:
-            output = _cast_floating(output, policy.output_dtype)
+            output = cast_floating(output, policy.output_dtype)
         return output
 
     def save_pretrained(self, directory: Any, **kwargs: Any) -> None:
@@ -351,36 +358,13 @@ class MegatronFSDP(InnerModuleAttributes):
         forward it makes run as the wrapper's forward does: parameters gathered unit by
         unit (ZeRO-3 included) and released after each step. Same tokens as the
         unwrapped model."""
-        inner = self.module
-        generate = getattr(inner, "generate", None)
-        if not callable(generate):
-            raise AttributeError(
-                f"{type(inner).__name__} has no generate(): MegatronFSDP.generate runs the "
-                f"wrapped model's own (a transformers GenerationMixin)"
-            )
-        if "forward" in inner.__dict__:
-            raise RuntimeError(
-                f"{type(inner).__name__} has an instance attribute 'forward'; generate() "
-                f"routes the model's forward through the wrapper by setting one"
-            )
-        original = inner.forward
+        from fsdp_hooks.pretrained import generate
 
-        @functools.wraps(original)  # generate inspects forward's signature
-        def forward(*a: Any, **k: Any) -> Any:
-            return self._root_call(original, a, k)
-
-        inner.forward = forward
-        try:
-            return generate(*args, **kwargs)
-        finally:
-            del inner.forward
+        return generate(self, *args, **kwargs)
 
     # ---- parameter views ------------------------------------------------------------
     def _replace_param_with_distributed_if_needed(self) -> None:
         self.hooks.use_distributed_params()
-
-    def _replace_param_with_raw_if_needed(self) -> None:
-        self.hooks.use_compute_params()
 
     # ---- gathers --------------------------------------------------------------------
     def all_gather_and_wait_parameters_ready(
@@ -582,61 +566,3 @@ class MegatronFSDP(InnerModuleAttributes):
             ref = self.__dict__.get("_fsdp_optimizer_ref")
             optimizer = ref() if ref is not None else None
         return measure_memory_stats(self.buffer, optimizer)
-
-
-def _resolve_device(device: torch.device | str | None, dist_index) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    if dist_index.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(dist_index.device_type)
-
-
-def _broadcast_from_dp_rank0(module: nn.Module, names: list[str], dist_index) -> None:
-    """Initial values that differ across data-parallel ranks (a per-rank seed): take
-    data-parallel rank 0's, as torch DDP does at construction, and say so once."""
-    group = dist_index.get_dp_group()
-    src = dist.get_global_rank(group, 0)
-    params = dict(module.named_parameters())
-    with torch.no_grad():
-        for name in names:
-            p = params[name]
-            local = p.to_local() if isinstance(p, DTensor) else p
-            dist.broadcast(local.data, src=src, group=group)
-    if dist.get_rank(group) == 0:
-        logger.warning(
-            "fsdp: %d parameters (%s) held different initial values across data-parallel "
-            "ranks; data-parallel rank 0's were broadcast, as torch DDP does. Seed the "
-            "initialization alike on every rank to avoid this.",
-            len(names),
-            ", ".join(names[:5]) + (", ..." if len(names) > 5 else ""),
-        )
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    """``tree`` with its floating tensors cast to ``dtype`` (FSDP2's input/output casts)."""
-    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
-
-
-def _check_param_dtype(module: nn.Module, policy: MixedPrecisionPolicy) -> None:
-    """FSDP2's ``param_dtype``: the compute copy in another dtype than the parameters' is
-    not made by the buffers yet, so a model in another dtype is refused, never run in
-    a dtype other than the one asked for."""
-    want = policy.param_dtype
-    if want is None:
-        return
-    other = sorted(
-        {str(p.dtype) for p in module.parameters() if p.is_floating_point() and p.dtype != want}
-    )
-    if other:
-        raise ValueError(
-            f"MixedPrecisionPolicy(param_dtype={want}): the model has {other} parameters. "
-            f"fsdp does not make the {want} compute copy itself yet: cast the model "
-            f"before wrapping (model.to({want})); the main weights stay in "
-            f"main_params_dtype={policy.main_params_dtype} (fp32 by default), so the "
-            f"optimizer still steps fp32 weights"
-        )

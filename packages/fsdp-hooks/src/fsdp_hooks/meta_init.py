@@ -62,7 +62,6 @@ small collective.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,8 +71,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_buffers import ParamAndGradBuffer, annotate, copy_param_attributes
-from fsdp_mesh import warn_once
+from fsdp_buffers import ParamAndGradBuffer, annotate
+from fsdp_buffers.no_shard import copy_param_attributes
+from fsdp_hooks.validation import digest, gather_ints
+from fsdp_mesh.device import warn_once
 
 if TYPE_CHECKING:
     from fsdp_hooks.megatron_fsdp import MegatronFSDP
@@ -559,17 +560,8 @@ def _check_same_rng_state(wrapper: MegatronFSDP) -> None:
     state = _rng_state(wrapper.buffer.device)
     if state is None:
         return
-    digest = hashlib.sha256(bytes(state.cpu().tolist())).digest()
-    value = int.from_bytes(digest[:7], "little")
-    comm_device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if wrapper.dist_index.device_type == "cuda"
-        else torch.device("cpu")
-    )
-    mine = torch.tensor([value], dtype=torch.int64, device=comm_device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    values = [int(t.item()) for t in everyone]
+    mine = digest(bytes(state.cpu().tolist()))
+    values = [row[0] for row in gather_ints([mine], group, wrapper.dist_index.device_type)]
     if len(set(values)) > 1:
         differ = [r for r, v in enumerate(values) if v != values[0]]
         raise ValueError(

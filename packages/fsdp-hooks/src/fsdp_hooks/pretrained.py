@@ -27,6 +27,7 @@ rank raises.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -338,3 +339,33 @@ def save_pretrained(
         dist.broadcast_object_list(error, src=0)
     if error[0] is not None:
         raise RuntimeError(f"save_pretrained to {directory} failed on rank 0: {error[0]}")
+
+
+def generate(wrapper: MegatronFSDP, *args: Any, **kwargs: Any) -> Any:
+    """``wrapper.generate(...)``: the wrapped model's ``generate`` (a Hugging Face ``GenerationMixin``), every
+    forward it makes run as the wrapper's forward does: parameters gathered unit by
+    unit (ZeRO-3 included) and released after each step. Same tokens as the
+    unwrapped model."""
+    inner = wrapper.module
+    generate = getattr(inner, "generate", None)
+    if not callable(generate):
+        raise AttributeError(
+            f"{type(inner).__name__} has no generate(): MegatronFSDP.generate runs the "
+            f"wrapped model's own (a transformers GenerationMixin)"
+        )
+    if "forward" in inner.__dict__:
+        raise RuntimeError(
+            f"{type(inner).__name__} has an instance attribute 'forward'; generate() "
+            f"routes the model's forward through the wrapper by setting one"
+        )
+    original = inner.forward
+
+    @functools.wraps(original)  # generate inspects forward's signature
+    def forward(*a: Any, **k: Any) -> Any:
+        return wrapper._root_call(original, a, k)
+
+    inner.forward = forward
+    try:
+        return generate(*args, **kwargs)
+    finally:
+        del inner.forward

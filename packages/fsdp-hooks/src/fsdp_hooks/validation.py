@@ -4,26 +4,37 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_mesh import warn_once
+from fsdp_mesh import current_device
+
+if TYPE_CHECKING:
+    from fsdp_buffers import MixedPrecisionPolicy
+    from fsdp_buffers.tensor_parallel import TensorParallel
 
 __all__ = [
+    "broadcast_from_dp_rank0",
     "check_argument_types",
-    "check_cuda_only_options",
     "check_hybrid_index",
+    "check_no_meta_params",
     "check_not_wrapped",
     "check_outer_strategy",
+    "check_param_dtype",
     "check_same_model",
     "check_tensor_parallel_replicas",
     "describe_option",
+    "digest",
+    "gather_ints",
 ]
+
+logger = logging.getLogger("fsdp_hooks")
 
 
 def _show(value: object) -> str:
@@ -69,28 +80,36 @@ def check_argument_types(
             )
 
 
-def check_outer_strategy(strategy, outer, has_outer_dim: bool, where: str) -> None:
+def check_outer_strategy(
+    strategy,
+    outer,
+    has_outer_dim: bool,
+    where: str,
+    add_outer_dim: str = "pass dp_outer_dim (a dim of device_mesh)",
+) -> None:
     """Megatron-FSDP's rules for ``outer_dp_sharding_strategy`` (``ShardingStrategy``
     values): ``no_shard`` (replicate across the outer dim, HSDP) or ``optim`` (shard
     main weights and optimizer state across it too), the latter only over an outer dim
-    and with ``optim_grads_params`` inside. Local information only: same on every rank."""
+    (``add_outer_dim`` says how to get one) and with ``optim_grads_params`` inside.
+    Local information only: same on every rank. Every entry point checks with this."""
     from fsdp_buffers import ShardingStrategy
 
     if outer not in (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM):
         raise ValueError(
-            f"{where}: outer_dp_sharding_strategy={outer.megatron_name!r} is not supported; "
-            "across the outer data-parallel dim use 'no_shard' (replicate, HSDP) or "
-            "'optim' (fully-sharded HSDP)."
+            f"{where}: outer_dp_sharding_strategy={outer.megatron_name!r} is not supported "
+            "across the outer (replica) data-parallel dim; allowed: 'no_shard', 'optim' "
+            "(replicate across it, HSDP; or also shard main weights and optimizer state "
+            "across it, fully-sharded HSDP)."
         )
     if outer is ShardingStrategy.OPTIM and not has_outer_dim:
         raise ValueError(
             f"{where}: outer_dp_sharding_strategy='optim' shards across the outer "
-            "data-parallel dim, but no outer dim was given; pass dp_outer_dim (a dim of "
-            "device_mesh) or use outer_dp_sharding_strategy='no_shard'."
+            f"data-parallel dim, but no outer dim was given; {add_outer_dim} or use "
+            "outer_dp_sharding_strategy='no_shard'."
         )
     if outer is ShardingStrategy.OPTIM and strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS:
         raise ValueError(
-            f"{where}: outer_dp_sharding_strategy='optim' requires "
+            f"{where}: outer_dp_sharding_strategy='optim' (fully-sharded HSDP) requires "
             "data_parallel_sharding_strategy (zero_dp_strategy) 'optim_grads_params' (3); "
             f"got {strategy.megatron_name!r}."
         )
@@ -135,6 +154,17 @@ def check_hybrid_index(dist_index, strategy, outer, init_model_with_meta_device:
         )
 
 
+def check_no_meta_params(module: nn.Module, where: str, remedy: str) -> None:
+    """Refuse a module with parameters on the meta device, naming them, before anything
+    touches it (``module.to(device)`` would fail on them without saying why)."""
+    names = [n for n, p in module.named_parameters() if p.device.type == "meta"]
+    if names:
+        raise ValueError(
+            f"{where}: parameters {names[:5]}{' ...' if len(names) > 5 else ''} are on the "
+            f"meta device; {remedy}"
+        )
+
+
 def check_not_wrapped(module: nn.Module) -> None:
     if getattr(module, "_is_fsdp_wrapper", False) or any(
         getattr(m, "_is_fsdp_wrapper", False) for m in module.modules()
@@ -155,19 +185,6 @@ def check_not_wrapped(module: nn.Module) -> None:
             f"parameters {managed[:5]} already belong to an fsdp-wrapped model; wrap "
             f"the original module once"
         )
-
-
-def check_cuda_only_options(device: torch.device, **options: bool) -> None:
-    """CUDA/NCCL-only options are accepted everywhere; off CUDA they are ignored with
-    one warning per option per process."""
-    if device.type == "cuda":
-        return
-    for name, value in options.items():
-        if value:
-            warn_once(
-                f"fsdp.cuda_only.{name}",
-                f"{name}=True only has an effect with CUDA/NCCL; ignored on {device.type}",
-            )
 
 
 def _fingerprint(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
@@ -214,8 +231,21 @@ def _value_checksums(
     return names, (torch.stack(sums).cpu() if sums else None)
 
 
-def _digest(text: bytes) -> int:
-    return int.from_bytes(hashlib.sha256(text).digest()[:7], "little")  # fits in int64
+def digest(data: bytes) -> int:
+    """A 56-bit digest of ``data``: fits in an int64 for ``gather_ints``."""
+    return int.from_bytes(hashlib.sha256(data).digest()[:7], "little")
+
+
+def gather_ints(
+    values: Sequence[int], group: dist.ProcessGroup, device_type: str
+) -> list[list[int]]:
+    """Every rank's ``values`` (the same count on each), in ``group`` rank order: one
+    all-gather of int64s on the group's device. The check-across-ranks primitive: hash
+    locally (``digest``), compare here, gather details only when something differs."""
+    mine = torch.tensor(list(values), dtype=torch.int64, device=current_device(device_type))
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return [t.tolist() for t in everyone]
 
 
 def check_same_model(
@@ -243,19 +273,12 @@ def check_same_model(
     entries = _fingerprint(module)
     described = {k: describe_option(v) for k, v in (options or {}).items()}
     value_names, checksums = _value_checksums(module, skip_values) if check_values else ([], None)
-    structure = _digest(repr((entries, sorted(described.items()))).encode())
-    values = _digest(
+    structure = digest(repr((entries, sorted(described.items()))).encode())
+    values = digest(
         repr(value_names).encode() + (checksums.numpy().tobytes() if checksums is not None else b"")
     )
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist_index.device_type == "cuda"
-        else torch.device("cpu")
-    )
-    mine = torch.tensor([structure, values], dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    if all(torch.equal(t, mine) for t in everyone):
+    everyone = gather_ints([structure, values], group, dist_index.device_type)
+    if all(row == everyone[0] for row in everyone):
         return []
     summaries: list[Any] = [None] * dist.get_world_size(group)
     mine_details = (dist.get_rank(), entries, described, value_names, checksums)
@@ -299,21 +322,24 @@ def check_same_model(
     return differ
 
 
-def check_tensor_parallel_replicas(module: nn.Module, dist_index) -> None:
+def check_tensor_parallel_replicas(module: nn.Module, dist_index) -> TensorParallel:
     """Classify the parameters for tensor parallelism (``fsdp_buffers.tensor_parallel``,
     which raises on bad input, alike on every rank), then check that the parameters
     replicated over tp hold the same values on every tp rank: a model seeded per rank
     would otherwise train diverging copies without a word. One all-gather of two
-    float64 checksums per replicated parameter over the tp group."""
-    from fsdp_buffers import TPKind, tensor_parallel_specs
+    float64 checksums per replicated parameter over the tp group. Returns the
+    classification, for the buffer (``ParamAndGradBuffer(tensor_parallel=...)``): the
+    parameters are classified once per wrap."""
+    from fsdp_buffers.tensor_parallel import TensorParallel, TPKind
 
-    specs = tensor_parallel_specs(module, dist_index)
+    tp = TensorParallel(module, dist_index)
+    specs = tp.specs
     if specs is None or dist_index.tp_size <= 1:
-        return
+        return tp
     names = {p: n for n, p in module.named_parameters()}
     replicated = [p for p, s in specs.items() if s.kind is TPKind.REPLICATED]
     if not replicated:
-        return
+        return tp
     with torch.no_grad():
         mine = torch.stack(
             [torch.stack([p.double().sum(), p.double().square().sum()]) for p in replicated]
@@ -333,4 +359,46 @@ def check_tensor_parallel_replicas(module: nn.Module, dist_index) -> None:
             "different values on its ranks; seed their initialization alike on every tp rank "
             "(fsdp_mesh.model_parallel_seed), or mark them tensor-parallel (a DTensor on "
             "the tp mesh, or Megatron-Core's tensor_model_parallel and partition_dim)"
+        )
+    return tp
+
+
+def broadcast_from_dp_rank0(module: nn.Module, names: list[str], dist_index) -> None:
+    """Initial values that differ across data-parallel ranks (a per-rank seed): take
+    data-parallel rank 0's, as torch DDP does at construction, and say so once."""
+    group = dist_index.get_dp_group()
+    src = dist.get_global_rank(group, 0)
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name in names:
+            p = params[name]
+            local = p.to_local() if isinstance(p, DTensor) else p
+            dist.broadcast(local.data, src=src, group=group)
+    if dist.get_rank(group) == 0:
+        logger.warning(
+            "fsdp: %d parameters (%s) held different initial values across data-parallel "
+            "ranks; data-parallel rank 0's were broadcast, as torch DDP does. Seed the "
+            "initialization alike on every rank to avoid this.",
+            len(names),
+            ", ".join(names[:5]) + (", ..." if len(names) > 5 else ""),
+        )
+
+
+def check_param_dtype(module: nn.Module, policy: MixedPrecisionPolicy) -> None:
+    """FSDP2's ``param_dtype``: the compute copy in another dtype than the parameters' is
+    not made by the buffers yet, so a model in another dtype is refused, never run in
+    a dtype other than the one asked for."""
+    want = policy.param_dtype
+    if want is None:
+        return
+    other = sorted(
+        {str(p.dtype) for p in module.parameters() if p.is_floating_point() and p.dtype != want}
+    )
+    if other:
+        raise ValueError(
+            f"MixedPrecisionPolicy(param_dtype={want}): the model has {other} parameters. "
+            f"fsdp does not make the {want} compute copy itself yet: cast the model "
+            f"before wrapping (model.to({want})); the main weights stay in "
+            f"main_params_dtype={policy.main_params_dtype} (fp32 by default), so the "
+            f"optimizer still steps fp32 weights"
         )

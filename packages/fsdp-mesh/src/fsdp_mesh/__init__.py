@@ -8,7 +8,7 @@ version checks for optional dependencies. The multi-process test harness lives i
 
 from importlib import metadata as _metadata
 
-from fsdp_mesh.device import backend_for_device, current_device, default_device_type, warn_once
+from fsdp_mesh.device import backend_for_device, current_device, default_device_type
 from fsdp_mesh.distributed_index import FSDPDistributedIndex
 from fsdp_mesh.mesh_utils import (
     DP_OUTER_DIM,
@@ -77,5 +77,4 @@ __all__ = [
     "parse_version",
     "safe_get_rank",
     "using_tensor_parallel",
-    "warn_once",
 ]

@@ -1,22 +1,26 @@
 """Device and backend helpers shared by every layer.
 
 fsdp runs the same code path on CPU (gloo) and CUDA (NCCL); these helpers are the only
-place that decides which one is in use, so the rest of the code never tests for CUDA
-itself.
+place that decides which one is in use (``default_device_type`` when nothing says,
+``current_device`` for a mesh's device type), so the rest of the code never tests for
+CUDA itself.
 """
 
 from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 __all__ = [
     "backend_for_device",
     "current_device",
     "default_device_type",
     "warn_once",
+    "warn_once_each",
 ]
 
 # Device type -> the collective backend fsdp uses for it.
@@ -27,8 +31,15 @@ _warned_lock = threading.Lock()
 
 
 def default_device_type() -> str:
-    """Return ``"cuda"`` when a CUDA device is usable, else ``"cpu"``."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """Return the device type fsdp computes and communicates on when none is given:
+    ``"cuda"`` when a CUDA device is usable and the default process group, if there is
+    one, talks NCCL (a gloo group on a CUDA machine communicates CPU tensors); else
+    ``"cpu"``. Every default mesh, tracker and device is built from this answer."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    if dist.is_available() and dist.is_initialized():
+        return "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    return "cuda"
 
 
 def backend_for_device(device_type: str) -> str:
@@ -75,3 +86,22 @@ def warn_once(key: str, message: str, category: type[Warning] = UserWarning) -> 
         _warned_keys.add(key)
     warnings.warn(message, category, stacklevel=2)
     return True
+
+
+def warn_once_each(
+    keys: Sequence[str],
+    message: Callable[[list[str]], str],
+    category: type[Warning] = UserWarning,
+) -> list[str]:
+    """One warning, ``message(new)``, for those of ``keys`` not seen before in this
+    process (none when all were); return them.
+
+    For a group of options set together: one warning names them all, and a later call
+    with the same options says nothing, one with a new option names only that one.
+    """
+    with _warned_lock:
+        new = [k for k in dict.fromkeys(keys) if k not in _warned_keys]
+        _warned_keys.update(new)
+    if new:
+        warnings.warn(message(new), category, stacklevel=2)
+    return new

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_buffers import CommStats, ParamAndGradBuffer
-from fsdp_buffers.collectives import CollectiveKind
+from fsdp_buffers import ParamAndGradBuffer
+from fsdp_buffers.collectives import CollectiveKind, CommStats
 
 __all__ = [
     "OPTIMIZER_STATES",

@@ -21,8 +21,7 @@ from fsdp_buffers import MixedPrecisionPolicy, ParamAndGradBuffer, ShardingStrat
 from fsdp_buffers.collectives import CollectiveKind
 from fsdp_hooks import DistributedDataParallelConfig
 from fsdp_hooks.experts import resolve_is_expert_param
-from fsdp_hooks.megatron_fsdp import _check_param_dtype
-from fsdp_hooks.validation import check_hybrid_index, check_outer_strategy
+from fsdp_hooks.validation import check_hybrid_index, check_outer_strategy, check_param_dtype
 from fsdp_mesh import FSDPDistributedIndex, build_device_mesh
 from fsdp_plan.accounting import (
     OPTIMIZER_STATES,
@@ -238,7 +237,7 @@ def plan(
         )
         # The wrapper's own checks: what it refuses, plan() refuses too.
         check_hybrid_index(index, strategy, outer, False)
-        _check_param_dtype(meta, policy)
+        check_param_dtype(meta, policy)
         buffer = ParamAndGradBuffer(
             meta,
             index,

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_hooks.config import DistributedDataParallelConfig
-from fsdp_mesh import FSDPDistributedIndex
+from fsdp_mesh import FSDPDistributedIndex, default_device_type
 
 __all__ = [
     "DP_DIM",
@@ -141,11 +141,6 @@ def _unknown_fields_set(ddp_config: object) -> dict[str, Any]:
     return out
 
 
-def _device_type() -> str:
-    backend = dist.get_backend()
-    return "cuda" if backend == "nccl" and torch.cuda.is_available() else "cpu"
-
-
 def dist_index_over(
     group: dist.ProcessGroup | None, who: str, what: str = "data_parallel_group"
 ) -> FSDPDistributedIndex:
@@ -160,14 +155,14 @@ def dist_index_over(
         )
     world = dist.get_world_size()
     if group is None or group is dist.group.WORLD:
-        mesh = init_device_mesh(_device_type(), (world,), mesh_dim_names=(DP_DIM,))
+        mesh = init_device_mesh(default_device_type(), (world,), mesh_dim_names=(DP_DIM,))
         return FSDPDistributedIndex(mesh, dp_shard_dim=DP_DIM)
     if dist.get_rank(group) < 0:
         raise ValueError(
             f"{who}: this rank ({dist.get_rank()}) is not in the {what} it was given; "
             "pass the group this rank belongs to (each rank passes its own)"
         )
-    mesh = DeviceMesh.from_group(group, _device_type(), mesh_dim_names=(DP_DIM,))
+    mesh = DeviceMesh.from_group(group, default_device_type(), mesh_dim_names=(DP_DIM,))
     return FSDPDistributedIndex(mesh, dp_shard_dim=DP_DIM, part_of_world=True)
 
 
@@ -188,7 +183,7 @@ def hybrid_dist_index(instances: int, outer_optim: bool, who: str) -> FSDPDistri
             f"{world} data-parallel ranks; use a divisor of {world}"
         )
     mesh = init_device_mesh(
-        _device_type(), (instances, world // instances), mesh_dim_names=(OUTER_DIM, DP_DIM)
+        default_device_type(), (instances, world // instances), mesh_dim_names=(OUTER_DIM, DP_DIM)
     )
     return FSDPDistributedIndex(
         mesh, dp_shard_dim=DP_DIM, dp_outer_dim=OUTER_DIM, hsdp_outer_dp_shard=outer_optim

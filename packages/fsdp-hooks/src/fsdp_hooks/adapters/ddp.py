@@ -56,8 +56,9 @@ from fsdp_hooks.adapters._common import (
 from fsdp_hooks.adapters.ddp_checks import WHO, effective_ddp_config
 from fsdp_hooks.adapters.ddp_grads import DDPGradHooks
 from fsdp_hooks.inner_module import InnerModuleAttributes
-from fsdp_hooks.validation import check_not_wrapped, check_same_model
-from fsdp_mesh import warn_once
+from fsdp_hooks.unused_options import options_set, warn_unused_options
+from fsdp_hooks.validation import check_no_meta_params, check_not_wrapped, check_same_model
+from fsdp_mesh.device import warn_once
 
 __all__ = ["DistributedDataParallel"]
 
@@ -73,12 +74,13 @@ def _policy(module: nn.Module, grads_in_fp32: bool, distributed: bool) -> MixedP
 
 
 def _module_device(module: nn.Module, mesh_device_type: str) -> torch.device:
+    check_no_meta_params(
+        module,
+        WHO,
+        "materialize the module first (meta-device initialization is a "
+        "FullyShardedDataParallel feature)",
+    )
     devices = {p.device for p in module.parameters()}
-    if any(d.type == "meta" for d in devices):
-        raise ValueError(
-            f"{WHO}: the module has parameters on the meta device; materialize it first "
-            "(meta-device initialization is a FullyShardedDataParallel feature)"
-        )
     if not devices:
         raise ValueError(f"{WHO}: the module has no parameters; there is nothing to reduce")
     device = next(iter(devices))
@@ -171,6 +173,7 @@ class DistributedDataParallel(InnerModuleAttributes):
         else:
             dist_index = dist_index_over(data_parallel_group, WHO)
         device = _module_device(module, dist_index.device_type)
+        warn_unused_options(device, WHO, options_set(cfg))
         # Megatron-Core's DDP leaves initial values as they are until broadcast_params().
         check_same_model(module, dist_index, check_values=False)
         self.config = config

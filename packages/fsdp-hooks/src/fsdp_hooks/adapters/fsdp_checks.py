@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from fsdp_buffers import ShardingStrategy
 from fsdp_hooks.config import DistributedDataParallelConfig
+from fsdp_hooks.validation import check_outer_strategy
 
 __all__ = ["check_fsdp_config"]
 
 _INNER = ", ".join(repr(s.megatron_name) for s in ShardingStrategy)
-_OUTER = (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM)
 
 
 def _parse(value: object, field: str, allowed: str) -> ShardingStrategy:
@@ -35,29 +35,19 @@ def check_fsdp_config(
     outer = _parse(
         ddp_config.outer_dp_sharding_strategy, "outer_dp_sharding_strategy", "'no_shard', 'optim'"
     )
-    if outer not in _OUTER:
-        raise ValueError(
-            f"FullyShardedDataParallel: ddp_config.outer_dp_sharding_strategy="
-            f"{ddp_config.outer_dp_sharding_strategy!r} is not allowed across the outer "
-            "(replica) dim; allowed: 'no_shard', 'optim'"
-        )
     instances = ddp_config.num_distributed_optimizer_instances
     if not isinstance(instances, int) or isinstance(instances, bool) or instances < 1:
         raise ValueError(
             "FullyShardedDataParallel: ddp_config.num_distributed_optimizer_instances must be "
             f"a positive int (1 = no hybrid sharding); got {instances!r}"
         )
-    if outer is ShardingStrategy.OPTIM and inner is not ShardingStrategy.OPTIM_GRADS_PARAMS:
-        raise ValueError(
-            "FullyShardedDataParallel: outer_dp_sharding_strategy='optim' (fully-sharded "
-            "HSDP) needs data_parallel_sharding_strategy='optim_grads_params'; got "
-            f"{inner.megatron_name!r}. Use 'optim_grads_params', or outer 'no_shard'"
-        )
-    if outer is ShardingStrategy.OPTIM and instances == 1:
-        raise ValueError(
-            "FullyShardedDataParallel: outer_dp_sharding_strategy='optim' applies to hybrid "
-            "sharding, which needs num_distributed_optimizer_instances > 1; got 1"
-        )
+    check_outer_strategy(
+        inner,
+        outer,
+        instances > 1,
+        "FullyShardedDataParallel",
+        "set ddp_config.num_distributed_optimizer_instances > 1 (hybrid sharding)",
+    )
     if init_model_with_meta_device and inner is ShardingStrategy.NO_SHARD:
         raise ValueError(
             "FullyShardedDataParallel: meta-device initialization "
