@@ -49,6 +49,7 @@ from fsdp_buffers.param_group import (
 from fsdp_buffers.profiling import annotate
 from fsdp_buffers.strategy import ShardingStrategy
 from fsdp_buffers.tensor_parallel import TensorParallel
+from fsdp_mesh import current_device
 
 __all__ = ["ParamAndGradBuffer"]
 
@@ -337,4 +338,4 @@ def _check_devices(
         return target
     if real:
         return next(iter(real))
-    return torch.device("cpu")
+    return current_device()  # all on meta, no device given: the process's default

@@ -83,6 +83,7 @@ from fsdp_hooks.backward import (
 from fsdp_hooks.param_state import ParamState
 from fsdp_hooks.schedule_check import Phase, ScheduleCheck, schedule_check_requested
 from fsdp_hooks.training_state import TrainingState
+from fsdp_mesh.device import control_device
 
 if TYPE_CHECKING:
     from fsdp_hooks.megatron_fsdp import MegatronFSDP
@@ -197,7 +198,7 @@ class FSDPHooks:
         # Opt-in (FSDP_CHECK_SCHEDULE=1): ranks agree on each point that issues collectives.
         self.schedule: ScheduleCheck | None = None
         if schedule_check_requested() and dist.is_initialized():
-            device = buffer.device if buffer.device.type != "meta" else torch.device("cpu")
+            device = control_device(buffer.device)
             self.schedule = ScheduleCheck(
                 wrapper.dist_index.get_dp_group(), [u.name for u in self.units], device
             )
@@ -561,7 +562,7 @@ class FSDPHooks:
         bad = sorted({name for name, finite in self._nonfinite if not bool(finite)})
         self._nonfinite.clear()
         group = self.wrapper.dist_index.get_dp_group()
-        device = self.buffer.device if self.buffer.device.type != "meta" else torch.device("cpu")
+        device = control_device(self.buffer.device)
         flag = torch.tensor([1.0 if bad else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if flag.item() == 0:

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_mesh.device import control_device
+
 if TYPE_CHECKING:
     from fsdp_hooks.hooks import FSDPHooks
 
@@ -99,7 +101,7 @@ class ParamState:
         if dist.is_initialized():
             index = self._hooks.wrapper.dist_index
             device = self._hooks.buffer.device
-            device = device if device.type != "meta" else torch.device("cpu")
+            device = control_device(device)
             flags = reached.to(device)
             expert = torch.tensor(self._expert, device=device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=index.get_dp_group())

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 __all__ = [
     "backend_for_device",
+    "control_device",
     "current_device",
     "default_device_type",
     "warn_once",
@@ -72,6 +73,14 @@ def current_device(device_type: str | None = None) -> torch.device:
     raise ValueError(
         f"Unsupported device type {device_type!r}; supported device types are {sorted(_BACKENDS)}."
     )
+
+
+def control_device(device: torch.device) -> torch.device:
+    """Return where a small control tensor (a flag or a count that a collective
+    agrees on) lives for buffers on ``device``: ``device`` itself, or this process's
+    default device when the buffers are on the meta device (a plan, or a model not yet
+    materialized), since collectives cannot move meta tensors."""
+    return current_device() if device.type == "meta" else device
 
 
 def warn_once(key: str, message: str, category: type[Warning] = UserWarning) -> bool:
