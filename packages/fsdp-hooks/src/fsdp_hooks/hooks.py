@@ -25,11 +25,16 @@ Note on one step under ZeRO-3 (see DESIGN.md's data flow):
    swap the DTensor parameters back in with their ``.grad`` on the main-grad shards.
 
 Activation recompute: a unit's forward that runs inside backward (torch.utils.checkpoint
-recomputing it, reentrant or not) is not a new forward. Its pre-forward finds the
-buckets already gathered by the unit's pre-backward (or, when the unit itself was
-checkpointed reentrantly, its first forward ran under no_grad and no pre-backward was
-registered: gathers them itself) and puts the unit in PRE_BACKWARD; its post-forward
-keeps them for the backward that follows, so a recomputed unit is gathered once for both.
+recomputing it, reentrant or not) is not a new forward. ``TrainingState`` tells: a unit
+forward that starts while the root is in PRE_BACKWARD (a backward of this model is
+under way) is a recompute. Its pre-forward finds the buckets already gathered by the
+unit's pre-backward (or, when the unit itself was checkpointed reentrantly, its first
+forward ran under no_grad and no pre-backward was registered: gathers them itself),
+prefetches in backward order and puts the unit in PRE_BACKWARD; its post-forward, seeing
+PRE_BACKWARD, keeps them for the backward that follows, so a recomputed unit is gathered
+once for both. The engine's own "is a backward running" query is asked in one place
+only: to tell a backward that raised (its end-of-backward callback never ran, the root
+is left in PRE_BACKWARD) from one still under way (``recover_if_backward_aborted``).
 
 When reductions start. A bucket's reduction is launched only at points that every rank
 reaches in the same order, so that reductions and the gathers of ZeRO-3's backward are
