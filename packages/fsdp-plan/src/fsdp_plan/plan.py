@@ -32,11 +32,14 @@ from fsdp_plan.accounting import (
     optimizer_state_bytes,
     total_comm,
 )
+from fsdp_plan.activations import forward_inputs, meta_activations
 from fsdp_plan.fake_world import fake_world
 
 __all__ = ["MODEL_STATE_KEYS", "Plan", "plan"]
 
 MODEL_STATE_KEYS = ("parameters", "main_weights", "main_grads", "optimizer_state")
+# What ``peak`` sums (``activations`` only when the plan has inputs).
+PEAK_KEYS = (*MODEL_STATE_KEYS, "gathered_peak", "activations")
 _KINDS = {
     "all_gather": CollectiveKind.ALL_GATHER,
     "reduce_scatter": CollectiveKind.REDUCE_SCATTER,
@@ -94,7 +97,8 @@ class Plan:
 
     ``per_rank``: the rank with the largest ``peak`` (rank 0: ``torch.chunk`` gives the
     first ranks the most rows): ``parameters``, ``main_weights``, ``main_grads``,
-    ``optimizer_state``, ``gathered_peak``, ``peak`` (their sum), and per step
+    ``optimizer_state``, ``gathered_peak``, ``activations`` (only when the plan was
+    given inputs), ``peak`` (their sum), and per step
     ``all_gather``, ``reduce_scatter``, ``all_reduce`` (ring traffic each rank sends,
     ``comm_stats()``'s ``traffic_bytes``). ``ranks``: the figures of every other rank
     whose figures differ, keyed by the lowest rank that has them (empty when all ranks
@@ -199,13 +203,13 @@ def plan(
     them), the model-state bytes each rank holds, the gathered bytes
     at once, and the bytes each step moves. ``optimizer``: one of
     ``fsdp_plan.accounting.OPTIMIZER_STATES`` ("adamw", "adam", "sgd",
-    "sgd_momentum"). ``module`` is not modified; build it under
-    ``torch.device("meta")`` to plan a model that does not fit in host memory."""
-    if batch_size is not None or seq_len is not None or example_inputs is not None:
-        raise NotImplementedError(
-            "plan() does not count activations yet (batch_size, seq_len, example_inputs); "
-            "leave them out for model-state and communication figures"
-        )
+    "sgd_momentum"). ``batch_size`` and ``seq_len`` (token ids of that shape, one
+    rank's micro-batch) or ``example_inputs`` (a tensor, a tuple of positional or a dict
+    of keyword arguments) add ``activations``: the tensors a meta-device training
+    forward saves for backward (``fsdp_plan.activations``). ``module`` is not modified;
+    build it under ``torch.device("meta")`` to plan a model that does not fit in host
+    memory."""
+    inputs = forward_inputs(batch_size, seq_len, example_inputs)
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(
             f"optimizer={optimizer!r} is not one plan() knows; allowed: {sorted(OPTIMIZER_STATES)}"
@@ -226,6 +230,7 @@ def plan(
         )
     double_buffer = bool(options.get("fsdp_double_buffer") or options.get("maxpool_double_buffer"))
     meta = _meta_copy(module)
+    activations = None if inputs is None else meta_activations(meta, *inputs)
     with fake_world(world_size, rank=0):
         meshes = build_device_mesh(
             dp_shard=world_size // dp_outer,
@@ -267,7 +272,9 @@ def plan(
         out = dict(held)
         out["optimizer_state"] = optim[rank]
         out["gathered_peak"] = peak
-        out["peak"] = sum(out[k] for k in (*MODEL_STATE_KEYS, "gathered_peak"))
+        if activations is not None:
+            out["activations"] = activations
+        out["peak"] = sum(out.get(k, 0) for k in PEAK_KEYS)
         out.update(traffic)
         return out
 
