@@ -13,7 +13,7 @@ import torch.distributed as dist
 from fsdp_hooks import fully_shard
 from fsdp_mesh.testing import run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
-from fsdp_plan import plan
+from fsdp_plan import MODEL_STATE_KEYS, plan
 
 CFG = GPTConfig(vocab_size=66, dim=36, n_heads=4, n_layers=3, max_seq_len=64)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -94,9 +94,7 @@ def _check(kind, configs):
             assert abs(planned - got["activations"]) <= 0.10 * got["activations"], where
             assert got["total"] == sum(v for k, v in got.items() if k != "total")
         assert p.per_rank["peak"] == sum(
-            p.per_rank[k]
-            for k in (*("parameters", "main_weights", "main_grads", "optimizer_state"),)
-            + ("gathered_peak", "activations")
+            p.per_rank[k] for k in (*MODEL_STATE_KEYS, "gathered_peak", "activations")
         )
 
 

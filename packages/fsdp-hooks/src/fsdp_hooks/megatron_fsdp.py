@@ -601,9 +601,7 @@ class MegatronFSDP(InnerModuleAttributes):
         if optimizer is None:
             ref = self.__dict__.get("_fsdp_optimizer_ref")
             optimizer = ref() if ref is not None else None
-        meter = self.__dict__.get("_activation_meter") or self.__dict__.get(
-            "_measured_activations"
-        )
+        meter = self.__dict__.get("_activation_meter") or self.__dict__.get("_measured_activations")
         return measure_memory_stats(self.buffer, optimizer, meter)
 
 

@@ -94,9 +94,9 @@ def meta_activations(module: nn.Module, args: tuple, kwargs: dict) -> int:
     was_training = module.training
     module.train()
     try:
-        with SavedTensorCounter(persistent) as counter, _FusedAttention(counter):
-            with torch.enable_grad():
-                module(*args, **kwargs)
+        counter = SavedTensorCounter(persistent)
+        with counter, _FusedAttention(counter), torch.enable_grad():
+            module(*args, **kwargs)
     except Exception as err:
         raise RuntimeError(
             f"plan(): the meta-device forward for activations failed ({type(err).__name__}: "

@@ -27,13 +27,13 @@ from fsdp_mesh import FSDPDistributedIndex, build_device_mesh
 from fsdp_plan.accounting import (
     OPTIMIZER_STATES,
     comm_per_step,
-    gathered_peak,
     model_state_bytes,
     optimizer_state_bytes,
     total_comm,
 )
 from fsdp_plan.activations import forward_inputs, meta_activations
 from fsdp_plan.fake_world import fake_world
+from fsdp_plan.gathered import gathered_peak
 
 __all__ = ["MODEL_STATE_KEYS", "Plan", "plan"]
 
@@ -260,7 +260,7 @@ def plan(
             allow_meta=True,
         )
         held = model_state_bytes(buffer)
-        peak = gathered_peak(buffer, double_buffer)
+        peak = gathered_peak(buffer)
         by_dim = comm_per_step(buffer)
         comm = total_comm(by_dim)
         # Ranks differ only in the optimizer state of torch.chunk pieces (the buffers'
