@@ -53,6 +53,14 @@ def _parser() -> argparse.ArgumentParser:
         help="hybrid sharding: replicas of the shard group (world-size / dp-outer ranks each)",
     )
     p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks: the factory builds one tp rank's module (Megatron-Core "
+        "marks: tensor_model_parallel, partition_dim); a Hugging Face model is split by its "
+        "tensor-parallel plan",
+    )
+    p.add_argument(
         "--ep",
         type=int,
         default=1,
@@ -162,6 +170,7 @@ def _sweep(args, build, units) -> int:
         args.world_size,
         budget,
         ep=args.ep,
+        tp=args.tp,
         optimizer=args.optimizer,
         fsdp_unit_modules=units or None,
         fsdp_double_buffer=args.double_buffer,
@@ -206,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         from fsdp_plan.hf import hf_builder
 
-        hf_build, hf_units, _ = hf_builder(args.model)
+        hf_build, hf_units, _ = hf_builder(args.model, tp=args.tp)
         build = hf_build if args.dtype is None else (lambda: hf_build().to(_DTYPES[args.dtype]))
         units = [u.strip() for u in args.units.split(",") if u.strip()] or hf_units
     if args.memory_per_device is not None:
@@ -222,6 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 build(),
                 args.world_size,
                 dp_outer=args.dp_outer,
+                tp=args.tp,
                 ep=args.ep,
                 outer_dp_sharding_strategy=args.outer_strategy,
                 optimizer=args.optimizer,

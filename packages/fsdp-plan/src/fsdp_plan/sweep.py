@@ -50,14 +50,21 @@ class Candidate:
 
 
 def sweep(
-    build: Callable[[], nn.Module], world_size: int, budget: int, ep: int = 1, **options: Any
+    build: Callable[[], nn.Module],
+    world_size: int,
+    budget: int,
+    ep: int = 1,
+    tp: int = 1,
+    **options: Any,
 ) -> list[Candidate]:
     """Every candidate, sorted: those that fit first, each group by bytes moved per
-    step, then by peak. ``build`` makes a fresh (meta-device) model per plan. With an
+    step, then by peak. ``build`` makes a fresh (meta-device) model per plan (one tp
+    rank's, with ``tp`` > 1: every ``dp_outer`` divides ``world_size / tp``). With an
     expert mesh (``ep`` > 1) only ``dp_outer`` 1: experts with hybrid sharding are not
     supported by the wrapper yet."""
     out = []
-    outers = [1] if ep > 1 else [d for d in range(1, world_size + 1) if world_size % d == 0]
+    dp = world_size // tp if world_size % tp == 0 else world_size  # plan() refuses the rest
+    outers = [1] if ep > 1 else [d for d in range(1, dp + 1) if dp % d == 0]
     for dp_outer in outers:
         configs = [(s, "no_shard") for s in (0, 1, 2, 3)]
         if dp_outer > 1:
@@ -68,6 +75,7 @@ def sweep(
                 world_size,
                 dp_outer=dp_outer,
                 ep=ep,
+                tp=tp,
                 zero_dp_strategy=strategy,
                 outer_dp_sharding_strategy=outer,
                 **options,
