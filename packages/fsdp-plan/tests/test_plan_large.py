@@ -88,7 +88,7 @@ def test_plan_leaves_the_module_alone():
     ("option", "value", "named"),
     [
         ("dp_outer_dim", "dp_outer", "dp_outer=<size>"),
-        ("tp_dim", "tp", "tensor parallelism"),
+        ("tp_dim", "tp", "tp=<size>"),
         ("expt_device_mesh", object(), "ep=<size>"),
     ],
 )

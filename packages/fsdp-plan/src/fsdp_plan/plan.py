@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_buffers import MixedPrecisionPolicy, ParamAndGradBuffer, ShardingStrategy
-from fsdp_buffers.no_shard import copy_param_attributes
 from fsdp_buffers.collectives import CollectiveKind
+from fsdp_buffers.no_shard import copy_param_attributes
 from fsdp_hooks import DistributedDataParallelConfig
 from fsdp_hooks.experts import resolve_is_expert_param
 from fsdp_hooks.megatron_fsdp import _check_param_dtype
@@ -232,9 +232,7 @@ def plan(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int; got {value!r}")
     if not isinstance(world_size, int) or world_size % (dp_outer * tp):
-        raise ValueError(
-            f"dp_outer x tp = {dp_outer} x {tp} must divide world_size={world_size!r}"
-        )
+        raise ValueError(f"dp_outer x tp = {dp_outer} x {tp} must divide world_size={world_size!r}")
     check_outer_strategy(strategy, outer, dp_outer > 1, "plan")
     policy = options.get("mixed_precision_policy") or MixedPrecisionPolicy()
     if not isinstance(policy, MixedPrecisionPolicy):
