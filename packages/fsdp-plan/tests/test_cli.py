@@ -145,3 +145,17 @@ def test_hugging_face_config_with_tp(tmp_path):
     numel = sum(p.numel() for p in local.parameters())
     assert numel < 0.52 * sum(p.numel() for p in whole.parameters())
     assert written["per_rank"]["parameters"] == pytest.approx(4 * numel / 2, rel=0.02)
+
+
+def test_cli_activations(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["fsdp_mesh.testing.models:GPT", "--world-size", "2", "--units", "Block"]
+    assert main([*argv, "--batch-size", "2", "--seq-len", "8", "--json", str(out)]) == 0
+    assert "activations" in capsys.readouterr().out
+    (written,) = json.loads(out.read_text())
+    with torch.device("meta"):
+        module = GPT()
+    expected = plan(module, 2, fsdp_unit_modules=[Block], batch_size=2, seq_len=8)
+    assert written["per_rank"] == expected.per_rank and expected.per_rank["activations"] > 0
+    with pytest.raises(ValueError, match="seq_len must be a positive int"):
+        main([*argv, "--batch-size", "2"])

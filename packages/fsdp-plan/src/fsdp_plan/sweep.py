@@ -42,7 +42,8 @@ class Candidate:
 
     def why_not(self, budget: int) -> str:
         per_rank = self.plan.per_rank
-        biggest = max((*MODEL_STATE_KEYS, "gathered_peak"), key=lambda k: per_rank[k])
+        parts = (*MODEL_STATE_KEYS, "gathered_peak", "activations")
+        biggest = max((k for k in parts if k in per_rank), key=lambda k: per_rank[k])
         return (
             f"peak {per_rank['peak'] / 2**30:.2f} GiB > {budget / 2**30:.2f} GiB "
             f"(largest part: {biggest}, {per_rank[biggest] / 2**30:.2f} GiB)"
