@@ -210,10 +210,14 @@ def test_tp_plan_matches_memory_stats_comm_stats_and_gathered_peak():
                     )  # fmt: skip
 
 
-def test_tp_must_divide_the_world_and_dtensors_are_refused_by_name():
+def test_tp_bad_input_is_refused():
     with torch.device("meta"):
         meta = Net()
     with pytest.raises(ValueError, match="must divide world_size"):
         plan(meta, 6, tp=4)
     with pytest.raises(ValueError, match="tp must be a positive int"):
         plan(meta, 4, tp=0)
+    # What the wrapper refuses, plan() refuses: tp with hybrid sharding or experts.
+    for mesh in ({"dp_outer": 2}, {"ep": 2}):
+        with pytest.raises(NotImplementedError, match="tensor parallelism"):
+            plan(meta, 8, tp=2, fsdp_unit_modules=[Block], **mesh)
