@@ -147,3 +147,49 @@ def test_example_inputs_and_bad_inputs():
         plan(meta, 2, example_inputs="tokens")
     with pytest.raises(RuntimeError, match="meta-device forward"):
         plan(meta, 2, example_inputs=torch.zeros(2, 16))  # float ids: embedding refuses
+
+
+def _losses(modes):
+    import os
+
+    out = []
+    for mode in modes:
+        os.environ.pop("FSDP_REGATHER_SAVED_WEIGHTS", None)
+        if mode == "measured+regather":
+            os.environ["FSDP_REGATHER_SAVED_WEIGHTS"] = "1"
+        torch.manual_seed(0)
+        module = GPT(CFG)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        model, optimizer = fully_shard(
+            module, optimizer, fsdp_unit_modules=[Block], zero_dp_strategy=3
+        )
+        losses = []
+        for step in range(3):
+            x, y = token_batch(step, 2, 16, CFG.vocab_size, seed=dist.get_rank())
+            if mode == "plain":
+                logits = model(x)
+            else:
+                with model.measure_activations():
+                    logits = model(x)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        out.append((mode, losses, model.memory_stats().get("activations")))
+    os.environ.pop("FSDP_REGATHER_SAVED_WEIGHTS", None)
+    return out
+
+
+def test_measuring_changes_nothing_and_composes_with_regathered_weights():
+    """Measured steps train exactly as unmeasured ones (same losses over three steps,
+    so the same gradients), and inside the wrapper's own saved-weight hooks
+    (FSDP_REGATHER_SAVED_WEIGHTS=1) the count is the same: both hooks run."""
+    modes = ("plain", "measured", "measured+regather")
+    for results in run_distributed(_losses, 2, args=(modes,), timeout=120):
+        by_mode = {m: (losses, acts) for m, losses, acts in results}
+        assert by_mode["plain"][1] is None
+        assert by_mode["measured"][0] == by_mode["plain"][0]
+        assert by_mode["measured+regather"][0] == by_mode["plain"][0]
+        assert by_mode["measured"][1] > 0
+        assert by_mode["measured+regather"][1] == by_mode["measured"][1]
