@@ -77,6 +77,10 @@ def test_memory_per_device_sweep(tmp_path, capsys):
     ]
     assert moved == sorted(moved)  # ... by bytes moved per step
     assert "cheapest that does not fit" in text and "largest part" in text
+    # With a tp dim (or experts) only dp_outer 1: the wrapper has no hybrid tp yet.
+    assert main([*argv, "--tp", "2", "--memory-per-device", "1GiB", "--json", str(out)]) == 0
+    found = json.loads(out.read_text())
+    assert [(e["dp_outer"], e["options"]["tp"]) for e in found] == [(1, "2")] * 4
 
 
 def test_hugging_face_config(tmp_path, capsys):

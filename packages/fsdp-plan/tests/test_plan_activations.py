@@ -2,7 +2,7 @@
 saved for backward) against ``memory_stats()["activations"]`` measured on the real
 wrapped forward under ``model.measure_activations()`` (CPU: the same saved-tensor
 accounting), within 10%, for our GPT and a tiny Hugging Face Llama, at world size 2
-under ZeRO-3 and ZeRO-1, fp32 and bf16, and two batch shapes."""
+under ZeRO-3 and ZeRO-1, fp32 and bf16, at several batch shapes."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from fsdp_plan import MODEL_STATE_KEYS, plan
 CFG = GPTConfig(vocab_size=66, dim=36, n_heads=4, n_layers=3, max_seq_len=64)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # (strategy, dtype, batch, seq)
-CONFIGS = [(3, "fp32", 2, 8), (3, "fp32", 4, 64), (1, "fp32", 2, 32), (3, "bf16", 2, 32)]
+CONFIGS = [(3, "fp32", 2, 8), (3, "fp32", 4, 64), (1, "bf16", 2, 32)]
 
 
 def _llama_config():

@@ -60,12 +60,12 @@ def sweep(
 ) -> list[Candidate]:
     """Every candidate, sorted: those that fit first, each group by bytes moved per
     step, then by peak. ``build`` makes a fresh (meta-device) model per plan (one tp
-    rank's, with ``tp`` > 1: every ``dp_outer`` divides ``world_size / tp``). With an
-    expert mesh (``ep`` > 1) only ``dp_outer`` 1: experts with hybrid sharding are not
-    supported by the wrapper yet."""
+    rank's, with ``tp`` > 1). With an expert mesh (``ep`` > 1) or a tp dim, only
+    ``dp_outer`` 1: the wrapper does not support hybrid sharding with either yet."""
     out = []
-    dp = world_size // tp if world_size % tp == 0 else world_size  # plan() refuses the rest
-    outers = [1] if ep > 1 else [d for d in range(1, dp + 1) if dp % d == 0]
+    # The wrapper takes hybrid sharding with neither experts nor tp yet.
+    hybrid = ep == 1 and tp == 1
+    outers = [d for d in range(1, world_size + 1) if world_size % d == 0] if hybrid else [1]
     for dp_outer in outers:
         configs = [(s, "no_shard") for s in (0, 1, 2, 3)]
         if dp_outer > 1:
