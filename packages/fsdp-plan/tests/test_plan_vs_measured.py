@@ -186,8 +186,9 @@ def test_hybrid_plan_matches_memory_stats_and_comm_stats():
             assert parts == p.comm[kind]["bytes"]
 
 
-# A tiny Hugging Face Llama (decoder layers as units, untied head), every strategy and a
-# bf16 model; and our GPT with its first block kept replicated (fsdp_no_shard).
+# A tiny Hugging Face Llama (decoder layers as units, untied head) at 1, 2 and 4 ranks,
+# every strategy and a bf16 model; and our GPT with its first block kept replicated
+# (fsdp_no_shard).
 HF = [(s, "fp32") for s in STRATEGIES] + [(3, "bf16")]
 
 
@@ -243,7 +244,7 @@ def _compare(p, got, comm, where):
             )  # fmt: skip
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_hugging_face_llama_plan_matches_memory_stats_and_comm_stats(world_size):
     pytest.importorskip("transformers", reason="needs transformers (the hf dependency group)")
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
