@@ -582,12 +582,15 @@ class MegatronFSDP(InnerModuleAttributes):
     @contextlib.contextmanager
     def measure_activations(self) -> Iterator[None]:
         """Forwards inside are measured: ``memory_stats()`` then reports the last one's
-        ``activations`` (and ``peak`` on CUDA); see ``fsdp_hooks.activations``."""
-        self.__dict__["_activation_meter"] = ActivationMeter(self.buffer.device)
+        ``activations`` (and ``peak`` on CUDA, whose peak statistics each measured
+        forward resets); see ``fsdp_hooks.activations``."""
+        meter = self.__dict__["_activation_meter"] = ActivationMeter(self.buffer.device)
         try:
             yield
         finally:
-            self.__dict__["_measured_activations"] = self.__dict__.pop("_activation_meter")
+            self.__dict__.pop("_activation_meter", None)
+            if meter.last is not None:  # no forward inside: the last measurement stands
+                self.__dict__["_measured_activations"] = meter
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """This rank's model-state bytes, measured from the buffers' storages (and the
