@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -76,6 +77,10 @@ def test_memory_per_device_sweep(tmp_path, capsys):
     ]
     assert moved == sorted(moved)  # ... by bytes moved per step
     assert "cheapest that does not fit" in text and "largest part" in text
+    # With a tp dim (or experts) only dp_outer 1: the wrapper has no hybrid tp yet.
+    assert main([*argv, "--tp", "2", "--memory-per-device", "1GiB", "--json", str(out)]) == 0
+    found = json.loads(out.read_text())
+    assert [(e["dp_outer"], e["options"]["tp"]) for e in found] == [(1, "2")] * 4
 
 
 def test_hugging_face_config(tmp_path, capsys):
@@ -102,3 +107,59 @@ def test_hugging_face_config(tmp_path, capsys):
     assert written["per_rank"] == expected.per_rank
     # bf16 compute weights, fp32 main weights: the config's dtype was used.
     assert written["per_rank"]["main_weights"] == 2 * written["per_rank"]["parameters"]
+
+
+def test_hugging_face_config_with_tp(tmp_path):
+    """``--tp 2``: the model split by its tensor-parallel plan (colwise rows, rowwise
+    columns, the vocabulary), one tp rank's pieces marked for fsdp; the rest whole."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (hf group)")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from fsdp_plan.hf import tp_local
+
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=101,
+    )
+    config.save_pretrained(tmp_path)
+    out = tmp_path / "plan.json"
+    argv = [str(tmp_path / "config.json"), "--world-size", "4", "--tp", "2", "--json", str(out)]
+    assert main(argv) == 0
+    (written,) = json.loads(out.read_text())
+    with torch.device("meta"):
+        whole = transformers.AutoModelForCausalLM.from_config(config)
+    local = tp_local(copy.deepcopy(whole), 2)
+    shapes = {n: tuple(p.shape) for n, p in local.named_parameters()}
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (32, 64)
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == (16, 64)
+    assert shapes["model.layers.0.self_attn.o_proj.weight"] == (64, 32)
+    assert shapes["model.layers.1.mlp.down_proj.weight"] == (64, 48)
+    assert shapes["model.embed_tokens.weight"] == (51, 64)  # torch.chunk: rank 0's 51
+    assert shapes["lm_head.weight"] == (51, 64)
+    assert shapes["model.norm.weight"] == (64,)
+    marked = {n for n, p in local.named_parameters() if getattr(p, "tensor_model_parallel", 0)}
+    assert "model.layers.0.input_layernorm.weight" not in marked and len(marked) == 2 + 2 * 7
+    expected = plan(local, 4, tp=2, fsdp_unit_modules=[LlamaDecoderLayer], zero_dp_strategy=3)
+    assert written["per_rank"] == expected.per_rank
+    # Half the model per tp rank (the norms whole), sharded over the 2 data-parallel ranks.
+    numel = sum(p.numel() for p in local.parameters())
+    assert numel < 0.52 * sum(p.numel() for p in whole.parameters())
+    assert written["per_rank"]["parameters"] == pytest.approx(4 * numel / 2, rel=0.02)
+
+
+def test_cli_activations(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["fsdp_mesh.testing.models:GPT", "--world-size", "2", "--units", "Block"]
+    assert main([*argv, "--batch-size", "2", "--seq-len", "8", "--json", str(out)]) == 0
+    assert "activations" in capsys.readouterr().out
+    (written,) = json.loads(out.read_text())
+    with torch.device("meta"):
+        module = GPT()
+    expected = plan(module, 2, fsdp_unit_modules=[Block], batch_size=2, seq_len=8)
+    assert written["per_rank"] == expected.per_rank and expected.per_rank["activations"] > 0
+    with pytest.raises(ValueError, match="seq_len must be a positive int"):
+        main([*argv, "--batch-size", "2"])

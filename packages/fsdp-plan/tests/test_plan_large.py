@@ -88,7 +88,7 @@ def test_plan_leaves_the_module_alone():
     ("option", "value", "named"),
     [
         ("dp_outer_dim", "dp_outer", "dp_outer=<size>"),
-        ("tp_dim", "tp", "tensor parallelism"),
+        ("tp_dim", "tp", "tp=<size>"),
         ("expt_device_mesh", object(), "ep=<size>"),
     ],
 )
@@ -108,8 +108,8 @@ def test_bad_input_is_refused():
         plan(module, 8, optimizer="lion")
     with pytest.raises(ValueError, match="world_size must be a positive int"):
         plan(module, 0)
-    with pytest.raises(NotImplementedError, match="activations"):
-        plan(module, 8, batch_size=4, seq_len=16)
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        plan(module, 8, batch_size=0, seq_len=16)
     # What the wrapper refuses, plan() refuses: experts with hybrid sharding, ...
     with pytest.raises(NotImplementedError, match="expert-parallel meshes"):
         plan(module, 8, dp_outer=2, ep=2)

@@ -184,3 +184,117 @@ def test_hybrid_plan_matches_memory_stats_and_comm_stats():
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             parts = sum(p.comm_by_dim[d][kind]["bytes"] for d in ("dp_shard", "dp_outer"))
             assert parts == p.comm[kind]["bytes"]
+
+
+# A tiny Hugging Face Llama (decoder layers as units, untied head) at 1, 2 and 4 ranks,
+# every strategy and a bf16 model; and our GPT with its first block kept replicated
+# (fsdp_no_shard).
+HF = [(s, "fp32") for s in STRATEGIES] + [(3, "bf16")]
+
+
+def _llama():
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=40,
+        intermediate_size=60,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=66,
+    )
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _hf_step(configs):
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    results = []
+    for strategy, dtype in configs:
+        torch.manual_seed(0)
+        module = _llama().to(DTYPES[dtype])
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        model, optimizer = fully_shard(
+            module, optimizer, fsdp_unit_modules=[LlamaDecoderLayer], zero_dp_strategy=strategy
+        )
+        for step in range(2):
+            model.reset_comm_stats()
+            x, y = token_batch(step, 2, 8, 66, seed=dist.get_rank())
+            logits = model(x).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        results.append(((strategy, dtype), model.memory_stats(), model.comm_stats()))
+    return results
+
+
+def _compare(p, got, comm, where):
+    figures = [p.per_rank, *p.ranks.values()]
+    mine = [f for f in figures if _close(f["optimizer_state"], got["optimizer_state"])]
+    assert mine, f"{where}: no planned rank has optimizer_state {got}; plan {figures}"
+    for key in MODEL_STATE_KEYS:
+        assert _close(mine[0][key], got[key]), (where, key, mine[0][key], got[key])
+    for kind, counts in comm.items():
+        if kind == "broadcast":
+            continue
+        for field, value in counts.items():
+            assert _close(p.comm[kind][field], value), (
+                where, kind, field, p.comm[kind][field], value
+            )  # fmt: skip
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_hugging_face_llama_plan_matches_memory_stats_and_comm_stats(world_size):
+    pytest.importorskip("transformers", reason="needs transformers (the hf dependency group)")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    measured = run_distributed(_hf_step, world_size, args=(HF,), timeout=120)
+    for config in HF:
+        strategy, dtype = config
+        with torch.device("meta"):
+            meta = _llama().to(DTYPES[dtype])
+        p = plan(meta, world_size, fsdp_unit_modules=[LlamaDecoderLayer], zero_dp_strategy=strategy)
+        for rank, results in enumerate(measured):
+            ((got, comm),) = [(m, c) for cfg, m, c in results if cfg == config]
+            _compare(p, got, comm, f"llama world {world_size} {config} rank {rank}")
+
+
+def _no_shard_step(strategies):
+    from fsdp_buffers import fsdp_no_shard
+
+    results = []
+    for strategy in strategies:
+        torch.manual_seed(0)
+        module = GPT(CFG)
+        fsdp_no_shard(module.blocks[0])
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        model, optimizer = fully_shard(
+            module, optimizer, fsdp_unit_modules=[Block], zero_dp_strategy=strategy
+        )
+        for step in range(2):
+            model.reset_comm_stats()
+            x, y = token_batch(step, 2, 8, CFG.vocab_size, seed=dist.get_rank())
+            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        results.append((strategy, model.memory_stats(), model.comm_stats()))
+    return results
+
+
+def test_fsdp_no_shard_marks_are_planned():
+    """A block marked ``fsdp_no_shard`` on the module given to plan() stays replicated
+    in the plan as in the job (plan()'s meta copy keeps the mark)."""
+    from fsdp_buffers import fsdp_no_shard
+
+    strategies = (1, 3)
+    measured = run_distributed(_no_shard_step, 2, args=(strategies,), timeout=120)
+    for strategy in strategies:
+        with torch.device("meta"):
+            meta = GPT(CFG)
+        fsdp_no_shard(meta.blocks[0])
+        p = plan(meta, 2, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+        for rank, results in enumerate(measured):
+            ((got, comm),) = [(m, c) for s, m, c in results if s == strategy]
+            _compare(p, got, comm, f"no_shard strategy {strategy} rank {rank}")

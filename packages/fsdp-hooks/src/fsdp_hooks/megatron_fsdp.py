@@ -34,6 +34,7 @@ from fsdp_buffers import (
     ShardingStrategy,
 )
 from fsdp_buffers.mixed_precision import cast_floating
+from fsdp_hooks.activations import ActivationMeter, measured_forward
 from fsdp_hooks.config import DistributedDataParallelConfig
 from fsdp_hooks.expert_names import ExpertStateNames
 from fsdp_hooks.experts import resolve_is_expert_param
@@ -339,8 +340,12 @@ class MegatronFSDP(InnerModuleAttributes):
         if policy.cast_forward_inputs and policy.param_dtype is not None:
             inputs, kwargs = cast_floating((inputs, kwargs), policy.param_dtype)
         inputs, kwargs = self.hooks.root_pre_forward(inputs, kwargs)
-        with self.hooks.saved_weights_hooks():
-            output = fn(*inputs, **kwargs)
+        meter = self.__dict__.get("_activation_meter")
+        if meter is None:
+            with self.hooks.saved_weights_hooks():
+                output = fn(*inputs, **kwargs)
+        else:
+            output = measured_forward(self, meter, lambda: fn(*inputs, **kwargs))
         output = self.hooks.root_post_forward(output)
         if policy.output_dtype is not None:
             output = cast_floating(output, policy.output_dtype)
@@ -555,14 +560,30 @@ class MegatronFSDP(InnerModuleAttributes):
     def reset_comm_stats(self) -> None:
         self.buffer.stats.reset()
 
+    @contextlib.contextmanager
+    def measure_activations(self) -> Iterator[None]:
+        """Forwards inside are measured: ``memory_stats()`` then reports the last one's
+        ``activations`` (and ``peak`` on CUDA, whose peak statistics each measured
+        forward resets); see ``fsdp_hooks.activations``."""
+        meter = self.__dict__["_activation_meter"] = ActivationMeter(self.buffer.device)
+        try:
+            yield
+        finally:
+            self.__dict__.pop("_activation_meter", None)
+            if meter.last is not None:  # no forward inside: the last measurement stands
+                self.__dict__["_measured_activations"] = meter
+
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """This rank's model-state bytes, measured from the buffers' storages (and the
         state tensors of ``optimizer``, or of the one ``fully_shard_optimizer`` attached):
-        ``parameters``, ``main_weights``, ``main_grads``, ``optimizer_state``, ``total``.
-        The keys of ``fsdp.plan(...).per_rank``; see ``fsdp_hooks.memory_stats``."""
+        ``parameters``, ``main_weights``, ``main_grads``, ``optimizer_state``, ``total``;
+        ``activations`` of the last forward run under ``measure_activations()`` (and
+        ``peak`` on CUDA). The keys of ``fsdp.plan(...).per_rank``; see
+        ``fsdp_hooks.memory_stats``."""
         from fsdp_hooks.memory_stats import measure_memory_stats
 
         if optimizer is None:
             ref = self.__dict__.get("_fsdp_optimizer_ref")
             optimizer = ref() if ref is not None else None
-        return measure_memory_stats(self.buffer, optimizer)
+        meter = self.__dict__.get("_activation_meter") or self.__dict__.get("_measured_activations")
+        return measure_memory_stats(self.buffer, optimizer, meter)

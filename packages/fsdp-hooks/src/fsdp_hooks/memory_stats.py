@@ -10,13 +10,18 @@ Keys, in bytes: ``parameters`` (model-weight buffers held between steps: the sha
 ZeRO-3, the whole parameter-major buffer below it; gathered buckets are not counted),
 ``main_weights`` (separate main-weight buffers: 0 when they are the model weights),
 ``main_grads``, ``optimizer_state`` (only when an optimizer is given or was attached by
-``fully_shard_optimizer``) and ``total``.
+``fully_shard_optimizer``), ``activations`` (the last forward run under
+``model.measure_activations()``: saved tensors on CPU, the allocator's growth on CUDA;
+``fsdp_hooks.activations``), ``total`` (their sum) and, on CUDA after a measured
+forward, ``peak`` (``max_memory_allocated`` since that forward began).
 """
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from fsdp_hooks.activations import ActivationMeter
 
 __all__ = ["measure_memory_stats"]
 
@@ -45,8 +50,11 @@ class _Counter:
         return nbytes
 
 
-def measure_memory_stats(buffer, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
-    """The model-state bytes of ``buffer`` (a ``ParamAndGradBuffer``) and ``optimizer``."""
+def measure_memory_stats(
+    buffer, optimizer: torch.optim.Optimizer | None, meter: ActivationMeter | None = None
+) -> dict[str, int]:
+    """The model-state bytes of ``buffer`` (a ``ParamAndGradBuffer``) and ``optimizer``,
+    and the activations ``meter`` measured last (``fsdp_hooks.activations``)."""
     count = _Counter()
     stats = {"parameters": 0, "main_weights": 0, "main_grads": 0}
     for group in buffer.groups:
@@ -68,5 +76,10 @@ def measure_memory_stats(buffer, optimizer: torch.optim.Optimizer | None) -> dic
                 if isinstance(value, torch.Tensor):
                     total += count(value)
         stats["optimizer_state"] = total
+    if meter is not None and meter.last is not None:
+        stats["activations"] = meter.last
     stats["total"] = sum(stats.values())
+    peak = meter.peak() if meter is not None else None
+    if peak is not None:
+        stats["peak"] = peak  # CUDA: the allocator's, since the measured forward began
     return stats

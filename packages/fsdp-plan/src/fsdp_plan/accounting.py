@@ -16,7 +16,6 @@ from fsdp_buffers.collectives import CollectiveKind, CommStats
 __all__ = [
     "OPTIMIZER_STATES",
     "comm_per_step",
-    "gathered_peak",
     "model_state_bytes",
     "optimizer_state_bytes",
     "total_comm",
@@ -119,63 +118,6 @@ def optimizer_state_bytes(
         for r, piece in enumerate(piece_of[kind]):
             out[r] += per_piece[piece]
     return out
-
-
-def _distributed(buffer: ParamAndGradBuffer, gid: int) -> bool:
-    mw = buffer.groups[gid].model_weight_buffer
-    return mw is not None and mw.is_data_distributed
-
-
-def gathered_peak(buffer: ParamAndGradBuffer, double_buffer: bool) -> int:
-    """Bytes of gathered weights held at once (docs/design.md, Bounds).
-
-    ZeRO-3: the root buckets (gathered for the whole step) + the most a unit and what
-    the ``AllGatherPipeline`` prefetches after it (within its budget: the largest
-    unit's bytes; with double buffering, the two slots, reserved for good) + one
-    rank-major copy of the largest bucket (an all-gather's output before copy-out).
-    ZeRO-1/2: after the optimizer step every group's updated shards are all-gathered
-    at once into rank-major copies (``install_optimized_model_weights``).
-    """
-    n = buffer.num_buckets
-    nbytes = [buffer.buckets[g].unsharded_bytes if _distributed(buffer, g) else 0 for g in range(n)]
-    roots = set(buffer.root_groups)
-    root_bytes = sum(nbytes[g] for g in roots)
-    # Bytes per unit, in forward order (buckets are numbered in forward order).
-    units: dict[object, int] = {}
-    for g in range(n):
-        if g in roots or not nbytes[g]:
-            continue
-        key = buffer.groups[g].fsdp_unit_id
-        units[key if key is not None else ("bucket", g)] = units.get(key, 0) + nbytes[g]
-    sizes = list(units.values())
-    if double_buffer:
-        units_peak = max(sizes[0::2], default=0) + max(sizes[1::2], default=0)
-    else:
-        budget = max(sizes, default=0)
-        units_peak = 0
-        for order in (sizes, sizes[::-1]):
-            for i, size in enumerate(order):
-                used = 0
-                for nxt in order[i + 1 :]:  # as AllGatherPipeline._prefetch walks
-                    if used + nxt > budget:
-                        break
-                    used += nxt
-                    if used >= budget:
-                        break
-                units_peak = max(units_peak, size + used)
-    transient = max(nbytes, default=0)
-    peak = root_bytes + units_peak + transient if any(nbytes) else 0
-    sync = 0
-    for g, group in enumerate(buffer.groups):
-        mw = group.model_weight_buffer
-        if (
-            group.requires_grad
-            and buffer.buckets[g].sharding.main_weights
-            and not _distributed(buffer, g)
-        ):
-            assert mw is not None
-            sync += mw.layout.total_numel * mw.element_size
-    return max(peak, sync)
 
 
 def comm_per_step(buffer: ParamAndGradBuffer) -> dict[str, CommStats]:

@@ -26,7 +26,8 @@ from fsdp_plan.sweep import parse_bytes, sweep
 
 __all__ = ["main"]
 
-_ROWS = (*MODEL_STATE_KEYS, "gathered_peak", "peak", "all_gather", "reduce_scatter", "all_reduce")
+_MEMORY_ROWS = (*MODEL_STATE_KEYS, "gathered_peak", "activations", "peak")
+_TRAFFIC_ROWS = ("all_gather", "reduce_scatter", "all_reduce")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -51,6 +52,14 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="hybrid sharding: replicas of the shard group (world-size / dp-outer ranks each)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks: the factory builds one tp rank's module (Megatron-Core "
+        "marks: tensor_model_parallel, partition_dim); a Hugging Face model is split by its "
+        "tensor-parallel plan",
     )
     p.add_argument(
         "--ep",
@@ -82,6 +91,16 @@ def _parser() -> argparse.ArgumentParser:
         help="cast the model to this dtype first (main weights and grads stay fp32)",
     )
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="with --seq-len: one rank's micro-batch of token ids, for activations (a "
+        "meta-device forward; the model's forward must take the ids as its first argument)",
+    )
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per sequence (see --batch-size)"
+    )
     p.add_argument("--double-buffer", action="store_true", help="fsdp_double_buffer=True")
     p.add_argument(
         "--memory-per-device",
@@ -136,8 +155,12 @@ def _human(n: float) -> str:
 
 def format_table(plans: Sequence[Plan]) -> str:
     header = ["per rank", *(p.strategy for p in plans)]
-    rows = [[key, *(_human(p.per_rank[key]) for p in plans)] for key in _ROWS]
-    rows.insert(len(MODEL_STATE_KEYS) + 2, ["per step (ring traffic)", *("" for _ in plans)])
+    memory = [k for k in _MEMORY_ROWS if any(k in p.per_rank for p in plans)]
+    rows = [
+        [key, *(_human(p.per_rank[key]) if key in p.per_rank else "-" for p in plans)]
+        for key in (*memory, *_TRAFFIC_ROWS)
+    ]
+    rows.insert(len(memory), ["per step (ring traffic)", *("" for _ in plans)])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
                        enumerate(zip(r, widths, strict=True))) for r in [header, *rows]]  # fmt: skip
@@ -162,7 +185,10 @@ def _sweep(args, build, units) -> int:
         args.world_size,
         budget,
         ep=args.ep,
+        tp=args.tp,
         optimizer=args.optimizer,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
         fsdp_unit_modules=units or None,
         fsdp_double_buffer=args.double_buffer,
     )
@@ -206,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         from fsdp_plan.hf import hf_builder
 
-        hf_build, hf_units, _ = hf_builder(args.model)
+        hf_build, hf_units, _ = hf_builder(args.model, tp=args.tp)
         build = hf_build if args.dtype is None else (lambda: hf_build().to(_DTYPES[args.dtype]))
         units = [u.strip() for u in args.units.split(",") if u.strip()] or hf_units
     if args.memory_per_device is not None:
@@ -222,9 +248,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 build(),
                 args.world_size,
                 dp_outer=args.dp_outer,
+                tp=args.tp,
                 ep=args.ep,
                 outer_dp_sharding_strategy=args.outer_strategy,
                 optimizer=args.optimizer,
+                batch_size=args.batch_size,
+                seq_len=args.seq_len,
                 fsdp_unit_modules=units or None,
                 zero_dp_strategy=strategy,
                 mixed_precision_policy=MixedPrecisionPolicy(),

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_buffers import MixedPrecisionPolicy, ParamAndGradBuffer, ShardingStrategy
 from fsdp_buffers.collectives import CollectiveKind
+from fsdp_buffers.no_shard import copy_param_attributes
 from fsdp_hooks import DistributedDataParallelConfig
 from fsdp_hooks.experts import resolve_is_expert_param
 from fsdp_hooks.validation import check_hybrid_index, check_outer_strategy, check_param_dtype
@@ -26,16 +27,19 @@ from fsdp_mesh import FSDPDistributedIndex, build_device_mesh
 from fsdp_plan.accounting import (
     OPTIMIZER_STATES,
     comm_per_step,
-    gathered_peak,
     model_state_bytes,
     optimizer_state_bytes,
     total_comm,
 )
+from fsdp_plan.activations import forward_inputs, meta_activations
 from fsdp_plan.fake_world import fake_world
+from fsdp_plan.gathered import gathered_peak
 
 __all__ = ["MODEL_STATE_KEYS", "Plan", "plan"]
 
 MODEL_STATE_KEYS = ("parameters", "main_weights", "main_grads", "optimizer_state")
+# What ``peak`` sums (``activations`` only when the plan has inputs).
+PEAK_KEYS = (*MODEL_STATE_KEYS, "gathered_peak", "activations")
 _KINDS = {
     "all_gather": CollectiveKind.ALL_GATHER,
     "reduce_scatter": CollectiveKind.REDUCE_SCATTER,
@@ -78,7 +82,7 @@ _NOT_YET = {
     "dp_outer_dim": "a named outer dim (dp_outer_dim; pass dp_outer=<size> instead)",
     "hybrid_fsdp_group": "a given hybrid group (hybrid_fsdp_group; pass dp_outer=<size>)",
     "hybrid_fsdp_expt_group": "hybrid sharding of experts (hybrid_fsdp_expt_group)",
-    "tp_dim": "tensor parallelism (tp_dim)",
+    "tp_dim": "a named tp dim (tp_dim; pass tp=<size> instead)",
     "expt_device_mesh": "a given expert mesh (expt_device_mesh; pass ep=<size>)",
     "fsdp_group_ag": "a separate all-gather group (fsdp_group_ag)",
     "expt_fsdp_group_ag": "a separate expert all-gather group (expt_fsdp_group_ag)",
@@ -93,7 +97,8 @@ class Plan:
 
     ``per_rank``: the rank with the largest ``peak`` (rank 0: ``torch.chunk`` gives the
     first ranks the most rows): ``parameters``, ``main_weights``, ``main_grads``,
-    ``optimizer_state``, ``gathered_peak``, ``peak`` (their sum), and per step
+    ``optimizer_state``, ``gathered_peak``, ``activations`` (only when the plan was
+    given inputs), ``peak`` (their sum), and per step
     ``all_gather``, ``reduce_scatter``, ``all_reduce`` (ring traffic each rank sends,
     ``comm_stats()``'s ``traffic_bytes``). ``ranks``: the figures of every other rank
     whose figures differ, keyed by the lowest rank that has them (empty when all ranks
@@ -131,9 +136,14 @@ def _meta_copy(module: nn.Module) -> nn.Module:
     for p in module.parameters():
         if isinstance(p, DTensor):
             raise NotImplementedError(
-                "plan() does not model DTensor (tensor-parallel) parameters yet"
+                "plan() takes tensor parallelism as tp=<size> over a module that holds one "
+                "tp rank's pieces as plain tensors marked as Megatron-Core marks them "
+                "(tensor_model_parallel=True, partition_dim, partition_stride=1), not as "
+                "DTensor parameters (they need the job's process group)"
             )
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+        meta = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+        # fsdp_no_shard marks and Megatron-Core's tensor-parallel attributes.
+        memo[id(p)] = copy_param_attributes(p, meta)
     for b in module.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(module, memo)
@@ -183,6 +193,7 @@ def plan(
     world_size: int,
     *,
     dp_outer: int = 1,
+    tp: int = 1,
     ep: int = 1,
     optimizer: str = "adamw",
     batch_size: int | None = None,
@@ -191,20 +202,24 @@ def plan(
     **options: Any,
 ) -> Plan:
     """Predict, for ``fully_shard_model(module, **options)`` over ``world_size`` ranks
-    (``world_size / dp_outer`` ranks per shard group and, with ``dp_outer`` > 1, that many
-    replicas: hybrid sharding, fully sharded with ``outer_dp_sharding_strategy="optim"``;
-    with ``ep`` > 1 an expert mesh of ``ep`` expert-parallel ranks, ``module`` then
-    holding one rank's experts; ranks laid out as ``fsdp_mesh.build_device_mesh`` lays
-    them), the model-state bytes each rank holds, the gathered bytes
+    (``world_size / (dp_outer * tp)`` ranks per shard group and, with ``dp_outer`` > 1,
+    that many replicas: hybrid sharding, fully sharded with
+    ``outer_dp_sharding_strategy="optim"``; with ``tp`` > 1 a tensor-parallel dim of
+    ``tp`` ranks, ``module`` then holding one tp rank's pieces, marked as Megatron-Core
+    marks them (``tensor_model_parallel``, ``partition_dim``; unmarked parameters are
+    replicated over tp); with ``ep`` > 1 an expert mesh of ``ep`` expert-parallel ranks,
+    ``module`` then holding one rank's experts; ranks laid out as
+    ``fsdp_mesh.build_device_mesh`` lays them), the model-state bytes each rank holds,
+    the gathered bytes
     at once, and the bytes each step moves. ``optimizer``: one of
     ``fsdp_plan.accounting.OPTIMIZER_STATES`` ("adamw", "adam", "sgd",
-    "sgd_momentum"). ``module`` is not modified; build it under
-    ``torch.device("meta")`` to plan a model that does not fit in host memory."""
-    if batch_size is not None or seq_len is not None or example_inputs is not None:
-        raise NotImplementedError(
-            "plan() does not count activations yet (batch_size, seq_len, example_inputs); "
-            "leave them out for model-state and communication figures"
-        )
+    "sgd_momentum"). ``batch_size`` and ``seq_len`` (token ids of that shape, one
+    rank's micro-batch) or ``example_inputs`` (a tensor, a tuple of positional or a dict
+    of keyword arguments) add ``activations``: the tensors a meta-device training
+    forward saves for backward (``fsdp_plan.activations``). ``module`` is not modified;
+    build it under ``torch.device("meta")`` to plan a model that does not fit in host
+    memory."""
+    inputs = forward_inputs(batch_size, seq_len, example_inputs)
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(
             f"optimizer={optimizer!r} is not one plan() knows; allowed: {sorted(OPTIMIZER_STATES)}"
@@ -212,11 +227,11 @@ def plan(
     _check_options(options)
     strategy = ShardingStrategy.parse(options.get("zero_dp_strategy", 3))
     outer = ShardingStrategy.parse(options.get("outer_dp_sharding_strategy", 0))
-    for name, value in (("dp_outer", dp_outer), ("ep", ep)):
+    for name, value in (("dp_outer", dp_outer), ("tp", tp), ("ep", ep)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int; got {value!r}")
-    if not isinstance(world_size, int) or world_size % dp_outer:
-        raise ValueError(f"dp_outer={dp_outer} must divide world_size={world_size!r}")
+    if not isinstance(world_size, int) or world_size % (dp_outer * tp):
+        raise ValueError(f"dp_outer x tp = {dp_outer} x {tp} must divide world_size={world_size!r}")
     check_outer_strategy(strategy, outer, dp_outer > 1, "plan")
     policy = options.get("mixed_precision_policy") or MixedPrecisionPolicy()
     if not isinstance(policy, MixedPrecisionPolicy):
@@ -225,10 +240,12 @@ def plan(
         )
     double_buffer = bool(options.get("fsdp_double_buffer") or options.get("maxpool_double_buffer"))
     meta = _meta_copy(module)
+    activations = None if inputs is None else meta_activations(meta, *inputs)
     with fake_world(world_size, rank=0):
         meshes = build_device_mesh(
-            dp_shard=world_size // dp_outer,
+            dp_shard=world_size // (dp_outer * tp),
             dp_outer=dp_outer,
+            tp=tp,
             expert_parallel=ep if ep > 1 else None,
             device_type="cpu",
         )
@@ -254,7 +271,7 @@ def plan(
             allow_meta=True,
         )
         held = model_state_bytes(buffer)
-        peak = gathered_peak(buffer, double_buffer)
+        peak = gathered_peak(buffer)
         by_dim = comm_per_step(buffer)
         comm = total_comm(by_dim)
         # Ranks differ only in the optimizer state of torch.chunk pieces (the buffers'
@@ -266,7 +283,9 @@ def plan(
         out = dict(held)
         out["optimizer_state"] = optim[rank]
         out["gathered_peak"] = peak
-        out["peak"] = sum(out[k] for k in (*MODEL_STATE_KEYS, "gathered_peak"))
+        if activations is not None:
+            out["activations"] = activations
+        out["peak"] = sum(out.get(k, 0) for k in PEAK_KEYS)
         out.update(traffic)
         return out
 
@@ -279,7 +298,8 @@ def plan(
     return Plan(
         world_size=world_size,
         strategy=strategy.megatron_name
-        + (f" + {outer.megatron_name} x{dp_outer}" if dp_outer > 1 else ""),
+        + (f" + {outer.megatron_name} x{dp_outer}" if dp_outer > 1 else "")
+        + (f", tp {tp}" if tp > 1 else ""),
         per_rank=figures(largest),
         ranks=ranks,
         comm=comm.as_dict(),
@@ -287,6 +307,7 @@ def plan(
         options={
             "optimizer": optimizer,
             "dp_outer": str(dp_outer),
+            "tp": str(tp),
             **{k: repr(v) for k, v in sorted(options.items())},
         },
     )

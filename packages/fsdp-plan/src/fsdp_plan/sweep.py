@@ -42,7 +42,8 @@ class Candidate:
 
     def why_not(self, budget: int) -> str:
         per_rank = self.plan.per_rank
-        biggest = max((*MODEL_STATE_KEYS, "gathered_peak"), key=lambda k: per_rank[k])
+        parts = (*MODEL_STATE_KEYS, "gathered_peak", "activations")
+        biggest = max((k for k in parts if k in per_rank), key=lambda k: per_rank[k])
         return (
             f"peak {per_rank['peak'] / 2**30:.2f} GiB > {budget / 2**30:.2f} GiB "
             f"(largest part: {biggest}, {per_rank[biggest] / 2**30:.2f} GiB)"
@@ -50,14 +51,21 @@ class Candidate:
 
 
 def sweep(
-    build: Callable[[], nn.Module], world_size: int, budget: int, ep: int = 1, **options: Any
+    build: Callable[[], nn.Module],
+    world_size: int,
+    budget: int,
+    ep: int = 1,
+    tp: int = 1,
+    **options: Any,
 ) -> list[Candidate]:
     """Every candidate, sorted: those that fit first, each group by bytes moved per
-    step, then by peak. ``build`` makes a fresh (meta-device) model per plan. With an
-    expert mesh (``ep`` > 1) only ``dp_outer`` 1: experts with hybrid sharding are not
-    supported by the wrapper yet."""
+    step, then by peak. ``build`` makes a fresh (meta-device) model per plan (one tp
+    rank's, with ``tp`` > 1). With an expert mesh (``ep`` > 1) or a tp dim, only
+    ``dp_outer`` 1: the wrapper does not support hybrid sharding with either yet."""
     out = []
-    outers = [1] if ep > 1 else [d for d in range(1, world_size + 1) if world_size % d == 0]
+    # The wrapper takes hybrid sharding with neither experts nor tp yet.
+    hybrid = ep == 1 and tp == 1
+    outers = [d for d in range(1, world_size + 1) if world_size % d == 0] if hybrid else [1]
     for dp_outer in outers:
         configs = [(s, "no_shard") for s in (0, 1, 2, 3)]
         if dp_outer > 1:
@@ -68,6 +76,7 @@ def sweep(
                 world_size,
                 dp_outer=dp_outer,
                 ep=ep,
+                tp=tp,
                 zero_dp_strategy=strategy,
                 outer_dp_sharding_strategy=outer,
                 **options,
