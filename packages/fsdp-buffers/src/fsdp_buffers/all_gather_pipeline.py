@@ -16,7 +16,10 @@ which buckets are asked for with forward prefetch during a forward, and
 that the following backward and the next forward prefetch in, as FSDP2 does with its
 post-forward order: a model that runs its units in another order than it registers them
 prefetches the unit that actually comes next. Buckets not asked for keep their relative
-order after those that were. Two counters tell how well prefetch guessed:
+order after those that were. The backward order is the reverse, without the buckets
+that the forward reported no backward will ask for (``record_backward``: a frozen unit run
+with autograd on whose outputs need no gradient), so that a backward never prefetches a
+unit it does not run. Two counters tell how well prefetch guessed:
 ``wasted_prefetches``, buckets gathered by prefetch and released without being asked
 for, and ``prefetch_misses``, buckets asked for (with prefetch on) that no prefetch had
 started: with the right order, one per pass (the first unit of a forward, of a
@@ -61,6 +64,8 @@ class AllGatherPipeline:
         self.follow_observed_order = follow_observed_order
         self._observed: list[int] = []
         self._observed_set: set[int] = set()
+        self._no_backward: set[int] = set()
+        self._backward: set[int] = set()
         if prefetch_budget_bytes is None:
             # One FSDP unit ahead: the largest unit's unsharded bytes.
             per_unit: dict[object, int] = {}
@@ -76,20 +81,25 @@ class AllGatherPipeline:
         self.prefetch_misses = 0
         self.reset()
 
-    def _set_forward_order(self, order: list[int]) -> None:
+    def _set_forward_order(self, order: list[int], no_backward: set[int] | None = None) -> None:
         n = len(self.buckets)
         if sorted(order) != list(range(n)):
             raise ValueError(
                 f"forward_order must be a permutation of the {n} bucket ids; got {order}"
             )
         self.forward_order = order
+        skip = no_backward or set()
         self._sequence = {
             PrefetchOrder.FORWARD_PASS_ORDER: order,
-            PrefetchOrder.BACKWARD_PASS_ORDER: order[::-1],
+            PrefetchOrder.BACKWARD_PASS_ORDER: [g for g in order[::-1] if g not in skip],
         }
         self._position = {
             kind: {g: i for i, g in enumerate(seq)} for kind, seq in self._sequence.items()
         }
+        # A bucket asked for in backward but left out of its sequence prefetches nothing.
+        backward = self._position[PrefetchOrder.BACKWARD_PASS_ORDER]
+        for g in skip:
+            backward[g] = len(self._sequence[PrefetchOrder.BACKWARD_PASS_ORDER])
 
     @property
     def num_buckets(self) -> int:
@@ -108,16 +118,23 @@ class AllGatherPipeline:
         for gid in range(self.num_buckets):
             self.release_bucket(gid)
 
+    def record_backward(self, bucket_ids: Iterable[int], expected: bool) -> None:
+        """During a forward: whether a backward will ask for these buckets. Those that
+        no call of the forward expects a backward for are left out of the backward
+        prefetch order committed next."""
+        (self._backward if expected else self._no_backward).update(bucket_ids)
+
     def commit_observed_order(self) -> None:
         """End of a forward: prefetch from now on in the order buckets were asked for
         in it (with ``follow_observed_order``); see the module note."""
         observed, self._observed, self._observed_set = self._observed, [], set()
+        skip = self._no_backward - self._backward
+        self._no_backward, self._backward = set(), set()
         if not self.follow_observed_order or not observed:
             return
         seen = set(observed)
         order = observed + [g for g in self.forward_order if g not in seen]
-        if order != self.forward_order:
-            self._set_forward_order(order)
+        self._set_forward_order(order, skip)
 
     def async_bucket_gather(self, gid: int) -> None:
         bucket = self.buckets[gid]

@@ -441,7 +441,13 @@ class FSDPHooks:
             self._unit_use(unit, compute=False)
             unit.state = TrainingState.IDLE
             if torch.is_grad_enabled():
-                register_pre_backward(output, functools.partial(self._unit_pre_backward, unit))
+                # Autograd on, yet no output needs a gradient (a frozen unit): no
+                # backward will gather it, so none should prefetch it. (Under no_grad,
+                # a reentrant checkpoint's first forward, its recompute will.)
+                expected = register_pre_backward(
+                    output, functools.partial(self._unit_pre_backward, unit)
+                )
+                self.gather.record_backward(unit.release_groups, expected)
         return output
 
     def _unit_pre_backward(self, unit: FSDPUnit) -> None:
