@@ -35,7 +35,8 @@ for it runs unchanged. Differences a user may notice:
   Parameters already split across it (DTensors from ``parallelize_module``, or
   Megatron-Core tensor-parallel parameters) are sharded across the data-parallel dims
   on top of their tensor-parallel piece; see Note [tensor parallelism] in
-  ``fsdp_buffers.tensor_parallel`` (not yet with hybrid sharding or an expert mesh).
+  ``fsdp_buffers.tensor_parallel`` (also with hybrid sharding; not yet with an expert
+  mesh).
 """
 
 from __future__ import annotations

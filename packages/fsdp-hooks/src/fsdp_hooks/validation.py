@@ -117,11 +117,11 @@ def check_hybrid_index(dist_index, strategy, outer, init_model_with_meta_device:
             "model first or use outer_dp_sharding_strategy='no_shard'."
         )
     tp = dist_index.tp_size > 1 or dist_index.expt_tp_size > 1
-    if tp and (dist_index.use_hybrid_fsdp or dist_index.has_expert_mesh):
+    if tp and dist_index.has_expert_mesh:
         raise NotImplementedError(
             f"tensor parallelism (tp_dim={dist_index.tp_dim!r} of {dist_index.tp_size} "
-            "ranks) together with hybrid sharding (dp_outer_dim) or an expert-parallel mesh "
-            "(expt_device_mesh) is not implemented yet in fsdp; use one or the other."
+            "ranks) together with an expert-parallel mesh (expt_device_mesh) is not "
+            "implemented yet in fsdp; use one or the other."
         )
     if tp and init_model_with_meta_device:
         raise NotImplementedError(

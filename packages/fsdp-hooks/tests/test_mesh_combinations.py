@@ -1,0 +1,145 @@
+"""Mesh combinations Megatron-FSDP's own tests exercise, CPU/gloo, world size 4.
+
+* Tensor parallelism with hybrid sharding: a mesh (dp_outer 2, dp_shard 1, tp 2), the
+  model of ``test_tensor_parallel.py`` parallelized with torch's ``parallelize_module``
+  or Megatron-Core style, outer strategy ``no_shard`` (HSDP) and ``optim``
+  (fully-sharded HSDP), trains like one process on the whole global batch (losses,
+  gradient norms, final parameters; fp32, 1e-5 relative), and its state dict holds
+  DTensors on fsdp's dim x tp whose local tensors are the ``torch.chunk`` pieces their
+  placements say.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.nn import functional as F
+
+from fsdp_hooks import fully_shard
+from fsdp_mesh import build_device_mesh
+from fsdp_mesh.testing import run_distributed
+
+WORLD = 4
+
+
+def _load(file: str):
+    name = f"_fsdp_mesh_combinations_{file.removesuffix('.py')}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(file))
+        assert spec is not None and spec.loader is not None
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+tp = _load("test_tensor_parallel.py")
+
+
+# ---- tensor parallelism with hybrid sharding -------------------------------------------
+
+
+def wrap_tp_hybrid(kind: str, outer: str, strategy: int = 3):
+    """The tp test's model on (dp_outer 2, dp_shard world/4, tp 2) under hybrid
+    sharding."""
+    mesh = build_device_mesh(dp_outer=2, dp_shard=dist.get_world_size() // 4, tp=2).device_mesh
+    net = tp._net(kind, mesh)
+    return fully_shard(
+        net,
+        tp._optimizer(net.parameters()),
+        device_mesh=mesh,
+        dp_shard_dim="dp_shard",
+        dp_outer_dim="dp_outer",
+        tp_dim="tp",
+        fsdp_unit_modules=[tp.Block],
+        zero_dp_strategy=strategy,
+        outer_dp_sharding_strategy=outer,
+    )
+
+
+def train_tp(model, opt, start, stop):
+    """Steps ``start..stop`` on the tp test's batches: data-parallel rank r (both of
+    its tp ranks) takes its 1/dp of the global batch. Returns (losses, norms)."""
+    idx = model.dist_index
+    per = tp.DP * tp.ROWS // idx.dp_size
+    rows = slice(idx.dp_rank * per, (idx.dp_rank + 1) * per)
+    losses, norms = [], []
+    for step in range(start, stop):
+        x, y = tp._batch(step)
+        loss = F.mse_loss(model(x[rows]), y[rows])
+        loss.backward()
+        norms.append(
+            tp._norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), tp.MAX_NORM))
+        )
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / dist.get_world_size())
+    return losses, norms
+
+
+def _chunk_check(model) -> list[str]:
+    """Names whose DTensor's local tensor is not the piece its placements say:
+    ``full_tensor()`` redistributed back must give the same local tensor."""
+    bad = []
+    for name, value in model.state_dict().items():
+        assert isinstance(value, DTensor), name
+        full = value.full_tensor()
+        again = torch.distributed.tensor.distribute_tensor(
+            full, value.device_mesh, value.placements, src_data_rank=None
+        )
+        if not torch.equal(again.to_local(), value.to_local()):
+            bad.append(name)
+    return bad
+
+
+def _tp_hybrid_job(kind, outer, strategy):
+    model, opt = wrap_tp_hybrid(kind, outer, strategy)
+    losses, norms = train_tp(model, opt, 0, tp.STEPS)
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": model.buffer.views.full_parameters(),
+        "meshes": {
+            n: (v.device_mesh.mesh_dim_names, tuple(v.placements))
+            for n, v in model.state_dict().items()
+        },
+        "bad_chunks": _chunk_check(model),
+    }
+
+
+def _assert_parity(results):
+    ref_losses, ref_norms, ref_params = tp._reference()
+    assert max(ref_norms[: tp.STEPS]) > tp.MAX_NORM  # clipping is exercised
+    for rank, out in enumerate(results):
+        torch.testing.assert_close(out["losses"], ref_losses[: tp.STEPS], rtol=1e-5, atol=0)
+        torch.testing.assert_close(out["norms"], ref_norms[: tp.STEPS], rtol=1e-5, atol=0)
+        assert set(out["params"]) == set(ref_params), rank
+        for name, ref in ref_params.items():
+            tp._close(out["params"][name], ref, f"rank {rank} {name}")
+        assert out["bad_chunks"] == [], (rank, out["bad_chunks"])
+
+
+@pytest.mark.parametrize(
+    "kind, outer, strategy, world",
+    [
+        ("dtensor", "no_shard", 3, WORLD),
+        ("megatron", "no_shard", 1, WORLD),
+        # Fully sharded needs a shard dim of 2 to shard anything: 2 x 2 x 2.
+        ("dtensor", "optim", 3, 8),
+    ],
+)
+def test_tp_with_hybrid_sharding_matches_one_process(kind, outer, strategy, world):
+    results = run_distributed(_tp_hybrid_job, world, args=(kind, outer, strategy), timeout=240)
+    _assert_parity(results)
+    meshes = results[0]["meshes"]
+    # fsdp's dim x tp: the shard dim (outer replicate) or the flattened hybrid dim.
+    fsdp_dim = "dp_outer_dp_shard" if outer == "optim" else "dp_shard"
+    assert meshes["blocks.0.up.weight"][0] == (fsdp_dim, "tp"), meshes
+    assert meshes["inp.weight"][0] == (fsdp_dim, "tp"), meshes
