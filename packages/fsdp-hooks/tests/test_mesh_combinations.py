@@ -21,9 +21,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
+from fsdp_buffers import MixedPrecisionPolicy
 from fsdp_hooks import fully_shard
 from fsdp_mesh import build_device_mesh
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import mean_over_ranks, run_distributed
 
 WORLD = 4
 
@@ -143,3 +144,89 @@ def test_tp_with_hybrid_sharding_matches_one_process(kind, outer, strategy, worl
     fsdp_dim = "dp_outer_dp_shard" if outer == "optim" else "dp_shard"
     assert meshes["blocks.0.up.weight"][0] == (fsdp_dim, "tp"), meshes
     assert meshes["inp.weight"][0] == (fsdp_dim, "tp"), meshes
+
+
+# ---- meta-device initialization with fully-sharded HSDP ----------------------------------
+
+hybrid = _load("test_hybrid.py")
+
+
+def _hybrid_gpt(meta: bool, dtype: torch.dtype):
+    """``test_hybrid``'s model: GPT plus a real 0-d parameter (kept as it is), built in
+    ``dtype`` (the random numbers are drawn in it, as meta initialization draws them)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta" if meta else "cpu"):
+            module = hybrid.GPT(hybrid.CFG)
+        module.scale = torch.nn.Parameter(torch.tensor(1.0))
+    finally:
+        torch.set_default_dtype(previous)
+    return module
+
+
+def wrap_hybrid(meta: bool, outer: str = "optim", dtype: torch.dtype = torch.float32):
+    """``test_hybrid``'s model on (dp_outer 2, dp_shard 2), built on the meta device and
+    materialized by fsdp, or built eagerly; the same seed either way."""
+    torch.manual_seed(0)
+    module = _hybrid_gpt(meta, dtype)
+    extra = {"mixed_precision_policy": MixedPrecisionPolicy()} if dtype != torch.float32 else {}
+    return fully_shard(
+        module,
+        hybrid._optimizer(module.parameters()),
+        device_mesh=build_device_mesh(dp_outer=2, dp_shard=2).device_mesh,
+        dp_shard_dim="dp_shard",
+        dp_outer_dim="dp_outer",
+        fsdp_unit_modules=[hybrid.Block],
+        outer_dp_sharding_strategy=outer,
+        init_model_with_meta_device=meta,
+        **extra,
+    )
+
+
+def train_hybrid(model, opt, start, stop):
+    """Rank r trains on its quarter of ``test_hybrid``'s global batch; mean losses."""
+    rank, per = dist.get_rank(), hybrid.K * hybrid.M
+    losses = []
+    for step in range(start, stop):
+        x, y = hybrid._global_batch(step)
+        xb, yb = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        loss = F.cross_entropy(model(xb).flatten(0, 1), yb.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), hybrid.MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        losses.append(mean_over_ranks(loss.detach()))
+    return losses
+
+
+def _local_state(model) -> dict[str, torch.Tensor]:
+    """This rank's compute-weight shards and main-weight pieces, bucket by bucket."""
+    out = {}
+    for b in model.buffer.buckets:
+        out[f"model.{b.gid}"] = b.model.data.clone()
+        out[f"main.{b.gid}"] = b.main_weights.data.clone()
+    return out
+
+
+def _meta_fully_sharded_job(dtype):
+    eager, _ = wrap_hybrid(meta=False, dtype=dtype)
+    model, opt = wrap_hybrid(meta=True, dtype=dtype)
+    assert sum(b.outer_sharded for b in model.buffer.buckets) > 0
+    want, got = _local_state(eager), _local_state(model)
+    differ = [k for k in want if want[k].dtype != got[k].dtype or not torch.equal(want[k], got[k])]
+    losses = train_hybrid(model, opt, 0, hybrid.STEPS) if dtype == torch.float32 else None
+    return {"differ": differ, "losses": losses}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_meta_init_with_fully_sharded_hsdp(dtype):
+    """Every compute shard and main-weight piece is bit-for-bit what wrapping the
+    eagerly built model gives (bf16: fp32 main weights, a buffer of their own), and
+    fp32 training then matches one process."""
+    results = run_distributed(_meta_fully_sharded_job, WORLD, args=(dtype,), timeout=180)
+    for rank, out in enumerate(results):
+        assert out["differ"] == [], (rank, out["differ"])
+    if dtype == torch.float32:
+        ref_losses, _norms, _params = hybrid._reference()
+        torch.testing.assert_close(results[0]["losses"], ref_losses, rtol=1e-5, atol=0)

@@ -136,6 +136,13 @@ def _tp_hybrid(path: str, kind: str, outer: str) -> None:
     _round_trip(model, opt, path)
 
 
+def _meta_fully_sharded(path: str) -> None:
+    combos = _load("test_mesh_combinations.py")
+    model, opt = combos.wrap_hybrid(meta=True, outer="optim")
+    combos.train_hybrid(model, opt, 0, 1)
+    _round_trip(model, opt, path)
+
+
 @pytest.mark.parametrize("scenario", ["hsdp_z1_sync_each", "hsdp_sync_each", "full_sync_each"])
 def test_hsdp_round_trip(tmp_path, scenario):
     run_distributed(_hybrid, 4, args=(str(tmp_path / "ckpt"), scenario))
@@ -158,6 +165,11 @@ def test_tensor_parallel_hybrid_round_trip(tmp_path, kind, outer, world):
     """Tensor parallelism with HSDP (outer replicate) on (dp_outer 2, dp_shard 1, tp 2)
     and fully-sharded HSDP on (dp_outer 2, dp_shard 2, tp 2)."""
     run_distributed(_tp_hybrid, world, args=(str(tmp_path / "ckpt"), kind, outer), timeout=240)
+
+
+def test_meta_init_fully_sharded_hsdp_round_trip(tmp_path):
+    """A model materialized from the meta device under fully-sharded HSDP (2 x 2)."""
+    run_distributed(_meta_fully_sharded, 4, args=(str(tmp_path / "ckpt"),))
 
 
 def test_expert_optimizer_state_refuses_plain_dcp(tmp_path):

@@ -366,6 +366,12 @@ class _Materializer:
             main = group.main_weight_buffer
             if main is not None:
                 main.load_from_unsharded(og.flat)
+            # Fully-sharded HSDP: the fine main weights hold this rank's piece of the
+            # shard x outer layout (a view of the compute shard when the dtypes agree).
+            outer = self.buffer.buckets[gid].outer
+            fine = outer.fine_main if outer is not None else None
+            if fine is not None and fine.data.data_ptr() != outer.fine_slice(buf.data).data_ptr():
+                fine.load_from_unsharded(og.flat)
         for p, bucket_view in og.bucket_views.items():
             p.data = bucket_view
         if buf.is_data_distributed:

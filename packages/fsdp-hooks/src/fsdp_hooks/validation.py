@@ -110,12 +110,6 @@ def check_hybrid_index(dist_index, strategy, outer, init_model_with_meta_device:
             f"{dist_index.hsdp_outer_dp_shard}; build the index with hsdp_outer_dp_shard="
             f"{wants} (True exactly when the outer strategy is 'optim')."
         )
-    if wants and init_model_with_meta_device:
-        raise NotImplementedError(
-            "meta-device initialization with fully-sharded hybrid sharding "
-            "(outer_dp_sharding_strategy='optim') is not implemented yet; materialize the "
-            "model first or use outer_dp_sharding_strategy='no_shard'."
-        )
     tp = dist_index.tp_size > 1 or dist_index.expt_tp_size > 1
     if tp and dist_index.has_expert_mesh:
         raise NotImplementedError(
