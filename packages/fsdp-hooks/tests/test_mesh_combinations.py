@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn import functional as F
 
 from fsdp_buffers import MixedPrecisionPolicy
@@ -230,3 +231,61 @@ def test_meta_init_with_fully_sharded_hsdp(dtype):
     if dtype == torch.float32:
         ref_losses, _norms, _params = hybrid._reference()
         torch.testing.assert_close(results[0]["losses"], ref_losses, rtol=1e-5, atol=0)
+
+
+# ---- meta-device initialization with tensor parallelism -------------------------------------
+
+
+def wrap_tp_meta(meta: bool, outer: str | None):
+    """The tp test's model parallelized with ``parallelize_module``, built on the meta
+    device (and materialized by fsdp) or eagerly, on (dp_shard 2, tp 2) or, with an
+    ``outer`` strategy, (dp_outer 2, dp_shard 1, tp 2)."""
+    hybrid_dims = {"dp_outer_dim": "dp_outer", "outer_dp_sharding_strategy": outer}
+    if outer is None:
+        mesh = build_device_mesh(dp_shard=2, tp=2).device_mesh
+        hybrid_dims = {}
+    else:
+        mesh = build_device_mesh(dp_outer=2, dp_shard=1, tp=2).device_mesh
+    torch.manual_seed(0)
+    with torch.device("meta" if meta else "cpu"):
+        net = tp.Net()
+    plan = {}
+    for i in range(len(net.blocks)):
+        plan[f"blocks.{i}.up"] = ColwiseParallel()
+        plan[f"blocks.{i}.down"] = RowwiseParallel()
+    parallelize_module(net, mesh["tp"], plan)
+    torch.manual_seed(0)
+    return fully_shard(
+        net,
+        tp._optimizer(net.parameters()),
+        device_mesh=mesh,
+        dp_shard_dim="dp_shard",
+        tp_dim="tp",
+        fsdp_unit_modules=[tp.Block],
+        init_model_with_meta_device=meta,
+        **hybrid_dims,
+    )
+
+
+def _tp_meta_job(outer):
+    eager, _ = wrap_tp_meta(meta=False, outer=outer)
+    model, opt = wrap_tp_meta(meta=True, outer=outer)
+    want, got = _local_state(eager), _local_state(model)
+    differ = [k for k in want if not torch.equal(want[k], got[k])]
+    kinds = {n: model.buffer.tp.spec(p).kind.name for n, _g, _i, p in model.buffer.named_params()}
+    losses, norms = train_tp(model, opt, 0, tp.STEPS)
+    return {"differ": differ, "kinds": kinds, "losses": losses, "norms": norms}
+
+
+@pytest.mark.parametrize("outer", [None, "no_shard"])
+def test_meta_init_with_tensor_parallelism(outer):
+    """A model built on the meta device and parallelized there: each rank's tp piece is
+    the piece of the eagerly built model's tensor (bit for bit), and training then
+    matches one process."""
+    results = run_distributed(_tp_meta_job, WORLD, args=(outer,), timeout=180)
+    ref_losses, ref_norms, _params = tp._reference()
+    for rank, out in enumerate(results):
+        assert out["differ"] == [], (rank, out["differ"])
+        assert out["kinds"]["blocks.0.up.weight"] == "DTENSOR"
+        torch.testing.assert_close(out["losses"], ref_losses[: tp.STEPS], rtol=1e-5, atol=0)
+        torch.testing.assert_close(out["norms"], ref_norms[: tp.STEPS], rtol=1e-5, atol=0)

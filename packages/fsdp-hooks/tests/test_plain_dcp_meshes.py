@@ -172,6 +172,18 @@ def test_meta_init_fully_sharded_hsdp_round_trip(tmp_path):
     run_distributed(_meta_fully_sharded, 4, args=(str(tmp_path / "ckpt"),))
 
 
+def _meta_tensor_parallel(path: str) -> None:
+    combos = _load("test_mesh_combinations.py")
+    model, opt = combos.wrap_tp_meta(meta=True, outer=None)
+    combos.train_tp(model, opt, 0, 1)
+    _round_trip(model, opt, path)
+
+
+def test_meta_init_tensor_parallel_round_trip(tmp_path):
+    """A ``parallelize_module`` model materialized from the meta device, (dp_shard, tp)."""
+    run_distributed(_meta_tensor_parallel, 4, args=(str(tmp_path / "ckpt"),))
+
+
 def test_expert_optimizer_state_refuses_plain_dcp(tmp_path):
     """Position k of ``optimizer.state_dict()`` is a different expert on each
     expert-parallel rank: plain DCP would mix them, so it raises (on every rank)."""

@@ -117,11 +117,6 @@ def check_hybrid_index(dist_index, strategy, outer, init_model_with_meta_device:
             "ranks) together with an expert-parallel mesh (expt_device_mesh) is not "
             "implemented yet in fsdp; use one or the other."
         )
-    if tp and init_model_with_meta_device:
-        raise NotImplementedError(
-            "meta-device initialization with tensor parallelism is not implemented yet; "
-            "materialize (and parallelize) the model first."
-        )
     if dist_index.has_expert_mesh and dist_index.use_hybrid_fsdp:
         raise NotImplementedError(
             "expert-parallel meshes (expt_device_mesh) together with hybrid sharding "
@@ -305,7 +300,9 @@ def check_tensor_parallel_replicas(module: nn.Module, dist_index) -> None:
     if specs is None or dist_index.tp_size <= 1:
         return
     names = {p: n for n, p in module.named_parameters()}
-    replicated = [p for p, s in specs.items() if s.kind is TPKind.REPLICATED]
+    # Meta parameters have no values yet: meta-device initialization draws them alike
+    # on every tp rank (it checks the random generators).
+    replicated = [p for p, s in specs.items() if s.kind is TPKind.REPLICATED and not p.is_meta]
     if not replicated:
         return
     with torch.no_grad():
