@@ -289,3 +289,89 @@ def test_meta_init_with_tensor_parallelism(outer):
         assert out["kinds"]["blocks.0.up.weight"] == "DTENSOR"
         torch.testing.assert_close(out["losses"], ref_losses[: tp.STEPS], rtol=1e-5, atol=0)
         torch.testing.assert_close(out["norms"], ref_norms[: tp.STEPS], rtol=1e-5, atol=0)
+
+
+# ---- expert parallelism with hybrid sharding ------------------------------------------------
+
+toy = _load("test_expert.py")
+
+
+def wrap_expert_hybrid(outer: str, strategy: int = 3):
+    """``test_expert``'s MoE with its experts split over 2 expert-parallel ranks, on
+    (dp_outer 2, dp_shard world/2) and the expert mesh (dp_outer 2, dp_shard world/4,
+    ep 2). Returns (model, optimizer, this rank's expert ids)."""
+    world = dist.get_world_size()
+    meshes = build_device_mesh(dp_outer=2, dp_shard=world // 2, expert_parallel=toy.EP)
+    ep_mesh = meshes.expt_device_mesh["ep"]
+    torch.manual_seed(0)
+    net = toy.Net()
+    local = toy.N_EXPERTS // toy.EP
+    ids = list(range(ep_mesh.get_local_rank() * local, (ep_mesh.get_local_rank() + 1) * local))
+    net.moe.experts = torch.nn.ModuleList(net.moe.experts[i] for i in ids)
+    net.moe.expert_ids = ids
+    net.moe.group = ep_mesh.get_group()
+    model, opt = fully_shard(
+        net,
+        torch.optim.SGD(net.parameters(), lr=toy.LR, momentum=0.9),
+        **meshes.fsdp_kwargs(),
+        fsdp_unit_modules=[toy.MoE],
+        zero_dp_strategy=strategy,
+        outer_dp_sharding_strategy=outer,
+    )
+    return model, opt, ids
+
+
+def train_expert(model, opt, start, stop):
+    """Rank r trains on its 1/world of ``test_expert``'s batch; (mean losses, norms)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = toy.WORLD * toy.TOKENS // world
+    losses, norms = [], []
+    for step in range(start, stop):
+        x, y = toy._batch(step)
+        loss = F.mse_loss(model(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per])
+        loss.backward()
+        norms.append(model.clip_grad_norm_(float("inf"), norm_type=float("inf")).item())
+        norms.append(model.clip_grad_norm_(toy.MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(mean_over_ranks(loss.detach()))
+    return losses, norms
+
+
+def _expert_hybrid_job(outer, strategy):
+    model, opt, ids = wrap_expert_hybrid(outer, strategy)
+    buf = model.buffer
+    experts = [b for b in buf.buckets if b.group.is_expert_param]
+    assert experts and all(b.outer is not None for b in experts)
+    losses, norms = train_expert(model, opt, 0, toy.STEPS)
+    params = {toy._global_name(n, ids): t for n, t in buf.views.full_parameters().items()}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": params,
+        "outer_sharded_experts": sum(b.outer_sharded for b in experts),
+        "bad_chunks": _chunk_check(model),
+    }
+
+
+@pytest.mark.parametrize(
+    "outer, strategy, world",
+    [("no_shard", 3, WORLD), ("no_shard", 1, WORLD), ("optim", 3, WORLD), ("optim", 3, 8)],
+)
+def test_expert_parallel_with_hybrid_sharding_matches_one_process(outer, strategy, world):
+    """Experts on (dp_outer 2, dp_shard world/4, ep 2): the outer reduction runs over
+    the expert mesh's outer dim; fully sharded at world 8, the experts' main weights
+    are sharded over its hybrid dim too. Losses, norms (inf and 2, with clipping) and
+    every expert match one process holding all of them."""
+    ref_losses, ref_norms, ref_params = toy._reference(clip=True)
+    results = run_distributed(_expert_hybrid_job, world, args=(outer, strategy), timeout=240)
+    merged = {}
+    for rank, out in enumerate(results):
+        torch.testing.assert_close(out["losses"], ref_losses, rtol=1e-5, atol=0)
+        torch.testing.assert_close(out["norms"], ref_norms, rtol=1e-5, atol=0)
+        assert out["bad_chunks"] == [], (rank, out["bad_chunks"])
+        merged.update(out["params"])
+    assert set(merged) == set(ref_params)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(merged[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+    assert (results[0]["outer_sharded_experts"] > 0) == (outer == "optim" and world == 8)

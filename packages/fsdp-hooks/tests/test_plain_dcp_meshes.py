@@ -184,6 +184,19 @@ def test_meta_init_tensor_parallel_round_trip(tmp_path):
     run_distributed(_meta_tensor_parallel, 4, args=(str(tmp_path / "ckpt"),))
 
 
+def _expert_hybrid(path: str, outer: str) -> None:
+    combos = _load("test_mesh_combinations.py")
+    model, opt, _ids = combos.wrap_expert_hybrid(outer)
+    combos.train_expert(model, opt, 0, 1)
+    _round_trip(model, None, path)  # model state only, as for _expert
+
+
+@pytest.mark.parametrize("outer, world", [("no_shard", 4), ("optim", 8)])
+def test_expert_mesh_hybrid_round_trip(tmp_path, outer, world):
+    """Expert parallelism with HSDP (2 x 2, ep 2) and fully-sharded HSDP (2 x 4, ep 2)."""
+    run_distributed(_expert_hybrid, world, args=(str(tmp_path / "ckpt"), outer), timeout=240)
+
+
 def test_expert_optimizer_state_refuses_plain_dcp(tmp_path):
     """Position k of ``optimizer.state_dict()`` is a different expert on each
     expert-parallel rank: plain DCP would mix them, so it raises (on every rank)."""

@@ -30,7 +30,7 @@ for it runs unchanged. Differences a user may notice:
   gradients scaled by 1/(dense data-parallel size) as in Megatron-Core. State dicts
   name experts by their global index (``fsdp_hooks.expert_names``). Clip with
   ``model.clip_grad_norm_`` (``torch.nn.utils.clip_grad_norm_`` cannot mix the dense
-  and expert meshes). Not yet: with hybrid sharding.
+  and expert meshes). With hybrid sharding too (over the expert mesh's outer dim).
 - Tensor parallelism: ``tp_dim`` names the tensor-parallel dim of ``device_mesh``.
   Parameters already split across it (DTensors from ``parallelize_module``, or
   Megatron-Core tensor-parallel parameters) are sharded across the data-parallel dims

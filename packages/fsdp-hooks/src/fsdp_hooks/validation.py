@@ -117,11 +117,6 @@ def check_hybrid_index(dist_index, strategy, outer, init_model_with_meta_device:
             "ranks) together with an expert-parallel mesh (expt_device_mesh) is not "
             "implemented yet in fsdp; use one or the other."
         )
-    if dist_index.has_expert_mesh and dist_index.use_hybrid_fsdp:
-        raise NotImplementedError(
-            "expert-parallel meshes (expt_device_mesh) together with hybrid sharding "
-            "(dp_outer_dim) are not implemented yet in fsdp; use one or the other."
-        )
 
 
 def check_not_wrapped(module: nn.Module) -> None:
