@@ -241,7 +241,7 @@ def wrap_tp_meta(meta: bool, outer: str | None):
     device (and materialized by fsdp) or eagerly, on (dp_shard 2, tp 2) or, with an
     ``outer`` strategy, (dp_outer 2, dp_shard 1, tp 2)."""
     hybrid_dims = {"dp_outer_dim": "dp_outer", "outer_dp_sharding_strategy": outer}
-    if outer is None:
+    if outer in (None, "megatron"):
         mesh = build_device_mesh(dp_shard=2, tp=2).device_mesh
         hybrid_dims = {}
     else:
@@ -267,9 +267,65 @@ def wrap_tp_meta(meta: bool, outer: str | None):
     )
 
 
+class _WholeInit:
+    """Megatron-Core's CPU initialization, in ``reset_parameters``: draw the whole
+    ``nn.Linear`` (weight, then bias), keep this tp rank's piece."""
+
+    def reset_parameters(self):
+        n, k = dist.get_world_size(self.group), dist.get_rank(self.group)
+        whole = torch.nn.Linear(*self.features)
+        self.weight.copy_(whole.weight.chunk(n, self.weight.partition_dim)[k])
+        bias_dim = getattr(self.bias, "partition_dim", None)
+        self.bias.copy_(whole.bias if bias_dim is None else whole.bias.chunk(n, 0)[k])
+
+
+class MetaColumn(_WholeInit, tp.ColumnParallelLinear):
+    def __init__(self, fin, fout, group):
+        torch.nn.Module.__init__(self)
+        n = dist.get_world_size(group)
+        self.group, self.features = group, (fin, fout)
+        self.weight = tp._mark(torch.nn.Parameter(torch.empty(fout // n, fin)), 0)
+        self.bias = tp._mark(torch.nn.Parameter(torch.empty(fout // n)), 0)
+
+
+class MetaRow(_WholeInit, tp.RowParallelLinear):
+    def __init__(self, fin, fout, group):
+        torch.nn.Module.__init__(self)
+        n = dist.get_world_size(group)
+        self.group, self.features = group, (fin, fout)
+        self.weight = tp._mark(torch.nn.Parameter(torch.empty(fout, fin // n)), 1)
+        self.bias = torch.nn.Parameter(torch.empty(fout))
+        self.bias.tensor_model_parallel = False
+
+
+def wrap_megatron_meta():
+    """The tp test's model with Megatron-Core style tp layers built on the meta device
+    in place of its linears (in the same order, so the same random draws)."""
+    mesh = build_device_mesh(dp_shard=2, tp=2).device_mesh
+    group = mesh["tp"].get_group()
+    with torch.device("meta"):
+        net = tp.Net()
+        for block in net.blocks:
+            block.up = MetaColumn(tp.DIM, tp.HIDDEN, group)
+            block.down = MetaRow(tp.HIDDEN, tp.DIM, group)
+    torch.manual_seed(0)
+    return fully_shard(
+        net,
+        tp._optimizer(net.parameters()),
+        device_mesh=mesh,
+        dp_shard_dim="dp_shard",
+        tp_dim="tp",
+        fsdp_unit_modules=[tp.Block],
+        init_model_with_meta_device=True,
+    )
+
+
 def _tp_meta_job(outer):
     eager, _ = wrap_tp_meta(meta=False, outer=outer)
-    model, opt = wrap_tp_meta(meta=True, outer=outer)
+    if outer == "megatron":
+        model, opt = wrap_megatron_meta()
+    else:
+        model, opt = wrap_tp_meta(meta=True, outer=outer)
     want, got = _local_state(eager), _local_state(model)
     differ = [k for k in want if not torch.equal(want[k], got[k])]
     kinds = {n: model.buffer.tp.spec(p).kind.name for n, _g, _i, p in model.buffer.named_params()}
@@ -277,16 +333,18 @@ def _tp_meta_job(outer):
     return {"differ": differ, "kinds": kinds, "losses": losses, "norms": norms}
 
 
-@pytest.mark.parametrize("outer", [None, "no_shard"])
+@pytest.mark.parametrize("outer", [None, "no_shard", "megatron"])
 def test_meta_init_with_tensor_parallelism(outer):
-    """A model built on the meta device and parallelized there: each rank's tp piece is
-    the piece of the eagerly built model's tensor (bit for bit), and training then
-    matches one process."""
+    """A model built on the meta device and parallelized there (``parallelize_module``;
+    "megatron": Megatron-Core style layers whose ``reset_parameters`` keeps its piece of
+    a whole draw): each rank's tp piece is the piece of the eagerly built model's
+    tensor (bit for bit), and training then matches one process."""
     results = run_distributed(_tp_meta_job, WORLD, args=(outer,), timeout=180)
     ref_losses, ref_norms, _params = tp._reference()
+    kind = "MCORE" if outer == "megatron" else "DTENSOR"
     for rank, out in enumerate(results):
         assert out["differ"] == [], (rank, out["differ"])
-        assert out["kinds"]["blocks.0.up.weight"] == "DTENSOR"
+        assert out["kinds"]["blocks.0.up.weight"] == kind
         torch.testing.assert_close(out["losses"], ref_losses[: tp.STEPS], rtol=1e-5, atol=0)
         torch.testing.assert_close(out["norms"], ref_norms[: tp.STEPS], rtol=1e-5, atol=0)
 
