@@ -1,12 +1,21 @@
-"""Mesh combinations Megatron-FSDP's own tests exercise, CPU/gloo, world size 4.
+"""Mesh combinations Megatron-FSDP's own tests exercise, CPU/gloo, world size 4 (8
+where a dim of 2 more is needed for anything to be sharded over it).
 
 * Tensor parallelism with hybrid sharding: a mesh (dp_outer 2, dp_shard 1, tp 2), the
   model of ``test_tensor_parallel.py`` parallelized with torch's ``parallelize_module``
-  or Megatron-Core style, outer strategy ``no_shard`` (HSDP) and ``optim``
-  (fully-sharded HSDP), trains like one process on the whole global batch (losses,
-  gradient norms, final parameters; fp32, 1e-5 relative), and its state dict holds
-  DTensors on fsdp's dim x tp whose local tensors are the ``torch.chunk`` pieces their
-  placements say.
+  or Megatron-Core style, outer strategy ``no_shard`` (HSDP), and ``optim``
+  (fully-sharded HSDP) on (2, 2, 2), trains like one process on the whole global batch
+  (losses, gradient norms, final parameters; fp32, 1e-5 relative), and its state dict
+  holds DTensors on fsdp's dim x tp whose local tensors are the ``torch.chunk`` pieces
+  their placements say. What it cannot do is refused on every rank.
+* Meta-device initialization with fully-sharded HSDP (fp32, and bf16 with fp32 main
+  weights) and with tensor parallelism (``parallelize_module`` on the meta device, with
+  and without HSDP; Megatron-Core style layers): every rank's shards are bit for bit
+  those of the eagerly built model, and training matches one process.
+* Expert parallelism with hybrid sharding (outer ``no_shard`` and ``optim``): losses,
+  gradient norms (``model.clip_grad_norm_``) and every expert match one process.
+
+Plain ``dcp.save``/``dcp.load`` round trips of these: ``test_plain_dcp_meshes.py``.
 """
 
 from __future__ import annotations
@@ -23,8 +32,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn import functional as F
 
 from fsdp_buffers import MixedPrecisionPolicy
-from fsdp_hooks import fully_shard
-from fsdp_mesh import build_device_mesh
+from fsdp_hooks import DistributedDataParallelConfig, MegatronFSDP, fully_shard
+from fsdp_mesh import FSDPDistributedIndex, build_device_mesh
 from fsdp_mesh.testing import mean_over_ranks, run_distributed
 
 WORLD = 4
@@ -145,6 +154,53 @@ def test_tp_with_hybrid_sharding_matches_one_process(kind, outer, strategy, worl
     fsdp_dim = "dp_outer_dp_shard" if outer == "optim" else "dp_shard"
     assert meshes["blocks.0.up.weight"][0] == (fsdp_dim, "tp"), meshes
     assert meshes["inp.weight"][0] == (fsdp_dim, "tp"), meshes
+
+
+def _tp_hybrid_bad_inputs():
+    """What tensor parallelism with hybrid sharding cannot do: the same error on every
+    rank, before anything is sharded."""
+    mesh = build_device_mesh(dp_outer=2, dp_shard=1, tp=2).device_mesh
+    flat = mesh["dp_outer", "dp_shard"]._flatten("given_hybrid").get_group()
+    out = {}
+
+    def given_group_fully_sharded():
+        # A hybrid group given by hand has no mesh dim for the views' (hybrid, tp) mesh.
+        index = FSDPDistributedIndex(
+            mesh, "dp_shard", "dp_outer", "tp", hybrid_fsdp_group=flat, hsdp_outer_dp_shard=True
+        )
+        MegatronFSDP(
+            tp._net("dtensor", mesh),
+            index,
+            DistributedDataParallelConfig(
+                data_parallel_sharding_strategy="optim_grads_params",
+                outer_dp_sharding_strategy="optim",
+            ),
+            fsdp_unit_modules=[tp.Block],
+        )
+
+    def outer_after_tp():
+        odd = torch.distributed.device_mesh.init_device_mesh(
+            "cpu", (1, 2, 2), mesh_dim_names=("dp_shard", "tp", "dp_outer")
+        )
+        group = odd["dp_outer"].get_group()  # with dp_shard of 1, the hybrid group
+        index = FSDPDistributedIndex(odd, "dp_shard", "dp_outer", "tp", hybrid_fsdp_group=group)
+        MegatronFSDP(tp._net("dtensor", odd), index, fsdp_unit_modules=[tp.Block])
+
+    for name, fn in (("given_group", given_group_fully_sharded), ("order", outer_after_tp)):
+        try:
+            fn()
+            out[name] = None
+        except (ValueError, NotImplementedError) as err:
+            out[name] = (type(err).__name__, str(err))
+    return out
+
+
+def test_tp_with_hybrid_sharding_bad_input():
+    for rank, out in enumerate(run_distributed(_tp_hybrid_bad_inputs, WORLD, timeout=120)):
+        assert out["given_group"] is not None and out["given_group"][0] == "NotImplementedError"
+        assert "do not pass hybrid_fsdp_group" in out["given_group"][1], (rank, out)
+        assert out["order"] is not None and out["order"][0] == "ValueError", (rank, out)
+        assert "comes before dp_outer_dim='dp_outer'" in out["order"][1], (rank, out)
 
 
 # ---- meta-device initialization with fully-sharded HSDP ----------------------------------
