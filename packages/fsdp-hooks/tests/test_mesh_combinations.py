@@ -9,8 +9,8 @@ where a dim of 2 more is needed for anything to be sharded over it).
   holds DTensors on fsdp's dim x tp whose local tensors are the ``torch.chunk`` pieces
   their placements say. What it cannot do is refused on every rank.
 * Meta-device initialization with fully-sharded HSDP (fp32, and bf16 with fp32 main
-  weights) and with tensor parallelism (``parallelize_module`` on the meta device, with
-  and without HSDP; Megatron-Core style layers): every rank's shards are bit for bit
+  weights) and with tensor parallelism (``parallelize_module`` on the meta device, also
+  with HSDP and fully-sharded HSDP; Megatron-Core style layers): every rank's shards are bit for bit
   those of the eagerly built model, and training matches one process.
 * Expert parallelism with hybrid sharding (outer ``no_shard`` and ``optim``): losses,
   gradient norms (``model.clip_grad_norm_``) and every expert match one process.
@@ -295,13 +295,14 @@ def test_meta_init_with_fully_sharded_hsdp(dtype):
 def wrap_tp_meta(meta: bool, outer: str | None):
     """The tp test's model parallelized with ``parallelize_module``, built on the meta
     device (and materialized by fsdp) or eagerly, on (dp_shard 2, tp 2) or, with an
-    ``outer`` strategy, (dp_outer 2, dp_shard 1, tp 2)."""
+    ``outer`` strategy, (dp_outer 2, dp_shard world/4, tp 2)."""
     hybrid_dims = {"dp_outer_dim": "dp_outer", "outer_dp_sharding_strategy": outer}
     if outer in (None, "megatron"):
         mesh = build_device_mesh(dp_shard=2, tp=2).device_mesh
         hybrid_dims = {}
     else:
-        mesh = build_device_mesh(dp_outer=2, dp_shard=1, tp=2).device_mesh
+        dp_shard = dist.get_world_size() // 4
+        mesh = build_device_mesh(dp_outer=2, dp_shard=dp_shard, tp=2).device_mesh
     torch.manual_seed(0)
     with torch.device("meta" if meta else "cpu"):
         net = tp.Net()
@@ -389,13 +390,15 @@ def _tp_meta_job(outer):
     return {"differ": differ, "kinds": kinds, "losses": losses, "norms": norms}
 
 
-@pytest.mark.parametrize("outer", [None, "no_shard", "megatron"])
-def test_meta_init_with_tensor_parallelism(outer):
+@pytest.mark.parametrize(
+    "outer, world", [(None, WORLD), ("no_shard", WORLD), ("megatron", WORLD), ("optim", 8)]
+)
+def test_meta_init_with_tensor_parallelism(outer, world):
     """A model built on the meta device and parallelized there (``parallelize_module``;
     "megatron": Megatron-Core style layers whose ``reset_parameters`` keeps its piece of
     a whole draw): each rank's tp piece is the piece of the eagerly built model's
     tensor (bit for bit), and training then matches one process."""
-    results = run_distributed(_tp_meta_job, WORLD, args=(outer,), timeout=180)
+    results = run_distributed(_tp_meta_job, world, args=(outer,), timeout=240)
     ref_losses, ref_norms, _params = tp._reference()
     kind = "MCORE" if outer == "megatron" else "DTENSOR"
     for rank, out in enumerate(results):
