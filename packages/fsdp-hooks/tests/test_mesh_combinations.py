@@ -110,10 +110,12 @@ def _chunk_check(model) -> list[str]:
     return bad
 
 
-def _tp_hybrid_job(kind, outer, strategy):
+def _tp_hybrid_job(kind, outer, strategy, ckpt_dir):
+    from fsdp_ckpt import load_checkpoint, save_checkpoint
+
     model, opt = wrap_tp_hybrid(kind, outer, strategy)
     losses, norms = train_tp(model, opt, 0, tp.STEPS)
-    return {
+    out = {
         "losses": losses,
         "norms": norms,
         "params": model.buffer.views.full_parameters(),
@@ -123,6 +125,15 @@ def _tp_hybrid_job(kind, outer, strategy):
         },
         "bad_chunks": _chunk_check(model),
     }
+    # fsdp's checkpoint: saved here, loaded into a fresh wrap of another seed.
+    save_checkpoint(ckpt_dir, model, opt, extra={"step": tp.STEPS})
+    model, opt = wrap_tp_hybrid(kind, outer, strategy)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(7.0)
+    assert load_checkpoint(ckpt_dir, model, opt) == {"step": tp.STEPS}
+    out["resumed"] = train_tp(model, opt, tp.STEPS, tp.STEPS + tp.MORE)[0]
+    return out
 
 
 def _assert_parity(results):
@@ -135,6 +146,8 @@ def _assert_parity(results):
         for name, ref in ref_params.items():
             tp._close(out["params"][name], ref, f"rank {rank} {name}")
         assert out["bad_chunks"] == [], (rank, out["bad_chunks"])
+        if "resumed" in out:
+            torch.testing.assert_close(out["resumed"], ref_losses[tp.STEPS :], rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -146,8 +159,13 @@ def _assert_parity(results):
         ("dtensor", "optim", 3, 8),
     ],
 )
-def test_tp_with_hybrid_sharding_matches_one_process(kind, outer, strategy, world):
-    results = run_distributed(_tp_hybrid_job, world, args=(kind, outer, strategy), timeout=240)
+def test_tp_with_hybrid_sharding_matches_one_process(tmp_path, kind, outer, strategy, world):
+    """Parity with one process (see the module note); then a checkpoint of fsdp's own
+    (``save_checkpoint``), loaded into a fresh wrap, resumes with its losses."""
+    ckpt = str(tmp_path / "ckpt")
+    results = run_distributed(
+        _tp_hybrid_job, world, args=(kind, outer, strategy, ckpt), timeout=240
+    )
     _assert_parity(results)
     meshes = results[0]["meshes"]
     # fsdp's dim x tp: the shard dim (outer replicate) or the flattened hybrid dim.
@@ -487,6 +505,8 @@ def test_expert_parallel_with_hybrid_sharding_matches_one_process(outer, strateg
         torch.testing.assert_close(out["losses"], ref_losses, rtol=1e-5, atol=0)
         torch.testing.assert_close(out["norms"], ref_norms, rtol=1e-5, atol=0)
         assert out["bad_chunks"] == [], (rank, out["bad_chunks"])
+        if "resumed" in out:
+            torch.testing.assert_close(out["resumed"], ref_losses[tp.STEPS :], rtol=1e-5, atol=0)
         merged.update(out["params"])
     assert set(merged) == set(ref_params)
     for name, ref in ref_params.items():
