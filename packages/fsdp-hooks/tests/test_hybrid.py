@@ -416,14 +416,7 @@ def _bad_inputs():
             ddp_config=DistributedDataParallelConfig(data_parallel_sharding_strategy=3),
         )
     )
-    # Tensor parallelism with hybrid sharding is not implemented yet.
-    tp_mesh = build_device_mesh(dp_outer=2, dp_shard=1, tp=2).device_mesh
-    out["tp"] = _error_of(
-        lambda: wrap(
-            device_mesh=tp_mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer", tp_dim="tp"
-        )
-    )
-    # A size-1 tp dim (what build_device_mesh always has) is fine.
+    # Tensor parallelism with hybrid sharding: test_mesh_combinations.py. A size-1 tp dim (what build_device_mesh always has) is fine.
     wrap(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer", tp_dim="tp")
     return out
 
@@ -437,7 +430,6 @@ def test_bad_input_errors_on_every_rank(world4):
         "outer_needs_z3": ("ValueError", "requires data_parallel_sharding_strategy"),
         "outer_bad": ("ValueError", "is not supported"),
         "index_mismatch": ("ValueError", "hsdp_outer_dp_shard"),
-        "tp": ("NotImplementedError", "tensor parallelism"),
     }
     for rank, out in enumerate(results):
         for key, (kind, text) in expected.items():

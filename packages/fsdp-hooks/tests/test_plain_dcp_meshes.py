@@ -1,7 +1,7 @@
 """Plain ``dcp.save``/``dcp.load`` of ``model.state_dict()`` and ``optimizer.state_dict()``
 restores every value on the other meshes too: HSDP (outer replicate and fully-sharded),
 an expert-parallel mesh and a tensor-parallel mesh (torch's ``parallelize_module`` and
-Megatron-Core style), at 4 ranks. Their DTensors keep DTensor's contract (issue
+Megatron-Core style), also with HSDP, at 4 ranks. Their DTensors keep DTensor's contract (issue
 "torch-native state"), so no fsdp checkpoint function is needed. The models are those of
 ``test_hybrid.py``, ``test_expert.py`` and ``test_tensor_parallel.py``."""
 
@@ -129,6 +129,20 @@ def _tensor_parallel(path: str, kind: str, strategy: int) -> None:
     _round_trip(model, opt, path)
 
 
+def _tp_hybrid(path: str, kind: str, outer: str) -> None:
+    combos = _load("test_mesh_combinations.py")
+    model, opt = combos.wrap_tp_hybrid(kind, outer)
+    combos.train_tp(model, opt, 0, 1)
+    _round_trip(model, opt, path)
+
+
+def _meta_fully_sharded(path: str) -> None:
+    combos = _load("test_mesh_combinations.py")
+    model, opt = combos.wrap_hybrid(meta=True, outer="optim")
+    combos.train_hybrid(model, opt, 0, 1)
+    _round_trip(model, opt, path)
+
+
 @pytest.mark.parametrize("scenario", ["hsdp_z1_sync_each", "hsdp_sync_each", "full_sync_each"])
 def test_hsdp_round_trip(tmp_path, scenario):
     run_distributed(_hybrid, 4, args=(str(tmp_path / "ckpt"), scenario))
@@ -142,6 +156,45 @@ def test_expert_mesh_round_trip(tmp_path, strategy):
 @pytest.mark.parametrize("kind, strategy", [("dtensor", 3), ("dtensor", 1), ("megatron", 2)])
 def test_tensor_parallel_round_trip(tmp_path, kind, strategy):
     run_distributed(_tensor_parallel, 4, args=(str(tmp_path / "ckpt"), kind, strategy))
+
+
+@pytest.mark.parametrize(
+    "kind, outer, world", [("dtensor", "no_shard", 4), ("megatron", "optim", 8)]
+)
+def test_tensor_parallel_hybrid_round_trip(tmp_path, kind, outer, world):
+    """Tensor parallelism with HSDP (outer replicate) on (dp_outer 2, dp_shard 1, tp 2)
+    and fully-sharded HSDP on (dp_outer 2, dp_shard 2, tp 2)."""
+    run_distributed(_tp_hybrid, world, args=(str(tmp_path / "ckpt"), kind, outer), timeout=240)
+
+
+def test_meta_init_fully_sharded_hsdp_round_trip(tmp_path):
+    """A model materialized from the meta device under fully-sharded HSDP (2 x 2)."""
+    run_distributed(_meta_fully_sharded, 4, args=(str(tmp_path / "ckpt"),))
+
+
+def _meta_tensor_parallel(path: str) -> None:
+    combos = _load("test_mesh_combinations.py")
+    model, opt = combos.wrap_tp_meta(meta=True, outer=None)
+    combos.train_tp(model, opt, 0, 1)
+    _round_trip(model, opt, path)
+
+
+def test_meta_init_tensor_parallel_round_trip(tmp_path):
+    """A ``parallelize_module`` model materialized from the meta device, (dp_shard, tp)."""
+    run_distributed(_meta_tensor_parallel, 4, args=(str(tmp_path / "ckpt"),))
+
+
+def _expert_hybrid(path: str, outer: str) -> None:
+    combos = _load("test_mesh_combinations.py")
+    model, opt, _ids = combos.wrap_expert_hybrid(outer)
+    combos.train_expert(model, opt, 0, 1)
+    _round_trip(model, None, path)  # model state only, as for _expert
+
+
+@pytest.mark.parametrize("outer, world", [("no_shard", 4), ("optim", 8)])
+def test_expert_mesh_hybrid_round_trip(tmp_path, outer, world):
+    """Expert parallelism with HSDP (2 x 2, ep 2) and fully-sharded HSDP (2 x 4, ep 2)."""
+    run_distributed(_expert_hybrid, world, args=(str(tmp_path / "ckpt"), outer), timeout=240)
 
 
 def test_expert_optimizer_state_refuses_plain_dcp(tmp_path):

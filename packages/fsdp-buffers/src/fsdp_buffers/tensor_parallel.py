@@ -19,8 +19,7 @@ Refused with an error (on every rank: the rule reads local, rank-independent fac
 DTensor on any other mesh, or with a ``Partial``/strided placement or pieces that are
 not chunk-sized, DTensors without a ``tp_dim``, Megatron ``partition_stride`` > 1 and
 ``sequence_parallel``/``average_gradients_across_tp_domain`` parameters (their
-gradients need a tp reduction fsdp does not do), and tp with hybrid sharding or an
-expert mesh. A tp dim of several ranks over a model none of whose parameters is
+gradients need a tp reduction fsdp does not do), and tp with an expert mesh. A tp dim of several ranks over a model none of whose parameters is
 tensor-parallel is accepted (all replicated over tp), as in Megatron-FSDP.
 
 fsdp then works on the tp-local tensors as on any parameter: layouts, buffers and
@@ -36,7 +35,13 @@ coordinate, so its ranks agree on them. Three places translate:
    tp), then its local tensor is accumulated.
 3. DTensor views (optimizer, state dicts): on the 2-D mesh ``(dp_shard, tp)`` with
    placements (fsdp's ``Shard(0)`` or ``Replicate()``, the tp placement) and the global
-   shape; when both split dim 0, fsdp's is ``_StridedShard(0, split_factor=tp)`` (fsdp
+   shape. Hybrid sharding changes only fsdp's dim, as without tp (Note [hybrid
+   sharding]): replicated over the outer dim, the views stay on ``(dp_shard, tp)``
+   (each outer replica is one consistent DTensor world); fully sharded, the main
+   weights' views are on ``(dp_outer_dp_shard, tp)``, the flattened hybrid dim by tp.
+   The outer and hybrid groups hold one tp coordinate (the tp dim comes after the
+   data-parallel dims), so the outer collectives, too, see tp-local shapes. When both
+   split dim 0, fsdp's is ``_StridedShard(0, split_factor=tp)`` (fsdp
    splits each tp chunk, FSDP2's convention). ``_fsdp_row_partition`` are rows of the
    tp-local tensor and ``_fsdp_tp_partition`` (tp mesh dim, tensor dim, range per tp
    coordinate) says where that tensor sits in the global one: a checkpoint puts a piece
@@ -50,6 +55,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -166,16 +172,23 @@ def tensor_parallel_specs(module: nn.Module, dist_index) -> dict[nn.Parameter, T
             "tp_dim naming the dim of device_mesh they are split over (their mesh must be "
             "device_mesh[tp_dim])"
         )
-    if idx.use_hybrid_fsdp or idx.has_expert_mesh:
+    if idx.has_expert_mesh:
         raise NotImplementedError(
-            "tensor parallelism together with hybrid sharding (dp_outer_dim) or an "
-            "expert-parallel mesh (expt_device_mesh) is not implemented yet in fsdp"
+            "tensor parallelism together with an expert-parallel mesh (expt_device_mesh) "
+            "is not implemented yet in fsdp"
         )
     names = list(idx.device_mesh.mesh_dim_names or ())
-    if idx.dp_shard_dim in names and names.index(idx.dp_shard_dim) > names.index(idx.tp_dim):
-        raise ValueError(
-            f"tp_dim={idx.tp_dim!r} comes before dp_shard_dim={idx.dp_shard_dim!r} in "
-            f"device_mesh {names}; put the tensor-parallel dim after the shard dim"
+    for arg, dim in (("dp_shard_dim", idx.dp_shard_dim), ("dp_outer_dim", idx.dp_outer_dim)):
+        if dim in names and names.index(dim) > names.index(idx.tp_dim):
+            raise ValueError(
+                f"tp_dim={idx.tp_dim!r} comes before {arg}={dim!r} in device_mesh "
+                f"{names}; put the tensor-parallel dim after the data-parallel dims"
+            )
+    if idx.hsdp_outer_dp_shard and idx.hybrid_fsdp_mesh is None:
+        raise NotImplementedError(
+            "tensor parallelism with fully-sharded hybrid sharding needs the hybrid mesh "
+            "fsdp flattens from device_mesh[dp_outer_dim, dp_shard_dim] (its DTensors live "
+            "on that flattened dim x tp); do not pass hybrid_fsdp_group"
         )
     specs = {
         p: _dtensor_spec(n, p, idx.tp_mesh, idx.tp_dim)
@@ -196,9 +209,15 @@ class TensorParallel:
     def __init__(self, module: nn.Module, dist_index) -> None:
         self.dist_index = dist_index
         self.specs = tensor_parallel_specs(module, dist_index)
-        self._mesh_2d = None
+        # fsdp's 1-D mesh (its dim name) -> that dim x tp: the shard mesh, and under
+        # fully-sharded hybrid sharding the flattened (outer, shard) mesh too.
+        self._meshes_2d: dict[str, DeviceMesh] = {}
         if self.specs is not None:
-            self._mesh_2d = dist_index.get_submesh((dist_index.dp_shard_dim, dist_index.tp_dim))
+            dims = [dist_index.dp_shard_dim]
+            if dist_index.hsdp_outer_dp_shard:
+                dims += list(dist_index.hybrid_fsdp_mesh.mesh_dim_names)
+            for dim in dims:
+                self._meshes_2d[dim] = dist_index.get_submesh((dim, dist_index.tp_dim))
 
     def spec(self, p: nn.Parameter) -> TPSpec | None:
         return None if self.specs is None else self.specs[p]
@@ -247,7 +266,8 @@ class TensorParallel:
         if spec is None:
             shape, placements = p.shape, [placement]
         else:
-            mesh, shape = self._mesh_2d, spec.global_shape
+            (dim,) = mesh.mesh_dim_names
+            mesh, shape = self._meshes_2d[dim], spec.global_shape
             if spec.tensor_dim == 0 and placement == Shard(0):
                 placement = _StridedShard(0, split_factor=self.dist_index.tp_size)
             placements = [placement, spec.placement]

@@ -30,12 +30,13 @@ for it runs unchanged. Differences a user may notice:
   gradients scaled by 1/(dense data-parallel size) as in Megatron-Core. State dicts
   name experts by their global index (``fsdp_hooks.expert_names``). Clip with
   ``model.clip_grad_norm_`` (``torch.nn.utils.clip_grad_norm_`` cannot mix the dense
-  and expert meshes). Not yet: with hybrid sharding.
+  and expert meshes). With hybrid sharding too (over the expert mesh's outer dim).
 - Tensor parallelism: ``tp_dim`` names the tensor-parallel dim of ``device_mesh``.
   Parameters already split across it (DTensors from ``parallelize_module``, or
   Megatron-Core tensor-parallel parameters) are sharded across the data-parallel dims
   on top of their tensor-parallel piece; see Note [tensor parallelism] in
-  ``fsdp_buffers.tensor_parallel`` (not yet with hybrid sharding or an expert mesh).
+  ``fsdp_buffers.tensor_parallel`` (also with hybrid sharding; not yet with an expert
+  mesh).
 """
 
 from __future__ import annotations

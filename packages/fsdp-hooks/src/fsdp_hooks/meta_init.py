@@ -45,6 +45,14 @@ other way round, ``tok.weight = head.weight``, keeps the *later* module's values
 eager construction: not reproduced, the first module's initialization is kept.) Real
 parameters are swapped for scratch tensors too during the reset of their module.
 
+Tensor parallelism: a DTensor parameter (a model parallelized on the meta device with
+``parallelize_module``) is swapped, during its module's reset, for a plain tensor of its
+global shape, as the eager model had it before it was parallelized (same random draws,
+same fan-in); this rank keeps its tp piece (``torch.chunk``'s, as DTensor makes them).
+Every tp rank must then draw the same numbers too (checked with the data-parallel
+ranks). A Megatron-Core style plain tp-local parameter is reset as it is, on its local
+piece (as Megatron-FSDP does): its module's reset decides which piece it draws.
+
 Resets are assumed to touch only their module's subtree. A reset that spans several
 FSDP units (a root ``reset_parameters`` that re-initializes every layer) is run
 correctly, with all those units materialized at once, and warned about.
@@ -70,6 +78,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_buffers import ParamAndGradBuffer, annotate
 from fsdp_buffers.no_shard import copy_param_attributes
@@ -102,10 +111,10 @@ def prepare_meta_init(module: nn.Module, device: torch.device) -> None:
                 continue
             seen.add(id(p))
             if not p.is_meta:
-                setattr(p, _VALUE_ATTR, p.detach())
+                setattr(p, _VALUE_ATTR, _local(p).detach())
                 continue
             # One element, expanded: the buffers replace .data with a view right away.
-            placeholder = torch.empty((), dtype=p.dtype, device=device).expand(p.shape)
+            placeholder = _placeholder(p, device)
             new = nn.Parameter(placeholder, requires_grad=p.requires_grad)
             if type(p) is not nn.Parameter:
                 new.__class__ = type(p)
@@ -120,6 +129,31 @@ def prepare_meta_init(module: nn.Module, device: torch.device) -> None:
                     f"autograd graphs) to the model's parameters while wrapping it."
                 ) from e
             setattr(p, META_INIT_PENDING_ATTR, True)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """What fsdp stores of ``p``: its local tensor (this rank's tp piece) for a DTensor."""
+    return p._local_tensor if isinstance(p, DTensor) else p.data
+
+
+def _set_local(p: nn.Parameter, t: torch.Tensor) -> None:
+    """Point ``p`` at ``t`` (a DTensor's local tensor: the object, its mesh and
+    placements stay, as the buffers do it)."""
+    if isinstance(p, DTensor):
+        p._local_tensor = t
+    else:
+        p.data = t
+
+
+def _placeholder(p: nn.Parameter, device: torch.device) -> torch.Tensor:
+    """A storage-less stand-in for meta ``p`` on ``device``; a DTensor (tensor
+    parallelism) keeps its mesh, placements and global shape over a local stand-in."""
+    if not isinstance(p, DTensor):
+        return torch.empty((), dtype=p.dtype, device=device).expand(p.shape)
+    local = torch.empty((), dtype=p.dtype, device=device).expand(p.to_local().shape)
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
 
 
 # ---- the plan -----------------------------------------------------------------------------
@@ -325,9 +359,9 @@ class _Materializer:
             flat = torch.zeros(buf.layout.total_numel, dtype=buf.dtype, device=buf.device)
             self._track(flat.numel() * buf.element_size)
             for i, p in enumerate(group.params):
-                bucket_views[p] = p.data
+                bucket_views[p] = _local(p)
                 views[p] = buf.param_view(flat, i)
-                p.data = views[p]
+                _set_local(p, views[p])
         else:
             flat = buf.data
             for i, p in enumerate(group.params):
@@ -367,8 +401,14 @@ class _Materializer:
             main = group.main_weight_buffer
             if main is not None:
                 main.load_from_unsharded(og.flat)
+            # Fully-sharded HSDP: the fine main weights hold this rank's piece of the
+            # shard x outer layout (a view of the compute shard when the dtypes agree).
+            outer = self.buffer.buckets[gid].outer
+            fine = outer.fine_main if outer is not None else None
+            if fine is not None and fine.data.data_ptr() != outer.fine_slice(buf.data).data_ptr():
+                fine.load_from_unsharded(og.flat)
         for p, bucket_view in og.bucket_views.items():
-            p.data = bucket_view
+            _set_local(p, bucket_view)
         if buf.is_data_distributed:
             self._track(-og.flat.numel() * buf.element_size)
 
@@ -380,9 +420,13 @@ class _Materializer:
             for attr, p in originals.items()
             if p is not None and attr not in reset.scratch
         }
+        # A DTensor (tensor-parallel) parameter is reset as the whole plain tensor the
+        # eager model had before it was parallelized (the same random draws, fan-in and
+        # so on); this rank then keeps its tp piece.
+        whole = [attr for attr in expected if isinstance(originals[attr], DTensor)]
         scratch_bytes = 0
         try:
-            for attr in reset.scratch:
+            for attr in [*reset.scratch, *whole]:
                 p = originals[attr]
                 assert p is not None
                 tensor = torch.empty(p.shape, dtype=p.dtype, device=self.buffer.device)
@@ -404,7 +448,11 @@ class _Materializer:
                 p = originals[attr]
                 assert p is not None
                 now = mod._parameters.get(attr)
-                if now is not p and now is not None:
+                if attr in whole:
+                    assert now is not None
+                    with torch.no_grad():
+                        view.copy_(self._tp_piece(p, now.detach()))
+                elif now is not p and now is not None:
                     with torch.no_grad():
                         view.copy_(now.detach())
                 elif p.data.data_ptr() != view.data_ptr() or p.shape != view.shape:
@@ -415,6 +463,16 @@ class _Materializer:
             for attr, p in originals.items():
                 mod._parameters[attr] = p
             self._track(-scratch_bytes)
+
+    def _tp_piece(self, p: nn.Parameter, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's tensor-parallel piece of DTensor ``p``'s whole value."""
+        spec = self.buffer.tp.spec(p)
+        assert spec is not None and isinstance(p, DTensor)
+        if spec.ranges is None:
+            return whole
+        assert spec.tensor_dim is not None
+        start, end = spec.ranges[p.device_mesh.get_local_rank()]
+        return whole.narrow(spec.tensor_dim, start, end - start)
 
     def _view_of(self, p: nn.Parameter) -> torch.Tensor:
         for og in self.open.values():
@@ -554,19 +612,24 @@ def _check_same_rng_state(wrapper: MegatronFSDP) -> None:
     come from different models."""
     if not dist.is_initialized():
         return
-    group = wrapper.dist_index.get_dp_group()
-    if dist.get_world_size(group) == 1:
-        return
     state = _rng_state(wrapper.buffer.device)
     if state is None:
         return
+    # Under tensor parallelism the tp ranks too: each keeps its piece of one draw.
+    idx = wrapper.dist_index
+    for group, which in ((idx.get_dp_group(), "data-parallel"), (idx.tp_group, "tensor-parallel")):
+        if group is not None and dist.get_world_size(group) > 1:
+            _check_same_rng_in(wrapper, state, group, which)
+
+
+def _check_same_rng_in(wrapper: MegatronFSDP, state: torch.Tensor, group, which: str) -> None:
     mine = digest(bytes(state.cpu().tolist()))
     values = [row[0] for row in gather_ints([mine], group, wrapper.dist_index.device_type)]
     if len(set(values)) > 1:
         differ = [r for r, v in enumerate(values) if v != values[0]]
         raise ValueError(
             f"meta-device initialization: the {wrapper.buffer.device.type} random generator "
-            f"differs across data-parallel ranks (group ranks {differ} differ from group "
+            f"differs across {which} ranks (group ranks {differ} differ from group "
             f"rank 0), so their shards would come from different models. Seed every rank "
             f"the same (torch.manual_seed(seed)) before wrapping; seed per rank afterwards "
             f"if you want different dropout streams."

@@ -129,28 +129,12 @@ def check_hybrid_index(dist_index, strategy, outer, init_model_with_meta_device:
             f"{dist_index.hsdp_outer_dp_shard}; build the index with hsdp_outer_dp_shard="
             f"{wants} (True exactly when the outer strategy is 'optim')."
         )
-    if wants and init_model_with_meta_device:
-        raise NotImplementedError(
-            "meta-device initialization with fully-sharded hybrid sharding "
-            "(outer_dp_sharding_strategy='optim') is not implemented yet; materialize the "
-            "model first or use outer_dp_sharding_strategy='no_shard'."
-        )
     tp = dist_index.tp_size > 1 or dist_index.expt_tp_size > 1
-    if tp and (dist_index.use_hybrid_fsdp or dist_index.has_expert_mesh):
+    if tp and dist_index.has_expert_mesh:
         raise NotImplementedError(
             f"tensor parallelism (tp_dim={dist_index.tp_dim!r} of {dist_index.tp_size} "
-            "ranks) together with hybrid sharding (dp_outer_dim) or an expert-parallel mesh "
-            "(expt_device_mesh) is not implemented yet in fsdp; use one or the other."
-        )
-    if tp and init_model_with_meta_device:
-        raise NotImplementedError(
-            "meta-device initialization with tensor parallelism is not implemented yet; "
-            "materialize (and parallelize) the model first."
-        )
-    if dist_index.has_expert_mesh and dist_index.use_hybrid_fsdp:
-        raise NotImplementedError(
-            "expert-parallel meshes (expt_device_mesh) together with hybrid sharding "
-            "(dp_outer_dim) are not implemented yet in fsdp; use one or the other."
+            "ranks) together with an expert-parallel mesh (expt_device_mesh) is not "
+            "implemented yet in fsdp; use one or the other."
         )
 
 
@@ -337,7 +321,9 @@ def check_tensor_parallel_replicas(module: nn.Module, dist_index) -> TensorParal
     if specs is None or dist_index.tp_size <= 1:
         return tp
     names = {p: n for n, p in module.named_parameters()}
-    replicated = [p for p, s in specs.items() if s.kind is TPKind.REPLICATED]
+    # Meta parameters have no values yet: meta-device initialization draws them alike
+    # on every tp rank (it checks the random generators).
+    replicated = [p for p, s in specs.items() if s.kind is TPKind.REPLICATED and not p.is_meta]
     if not replicated:
         return tp
     with torch.no_grad():
