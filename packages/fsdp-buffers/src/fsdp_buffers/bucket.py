@@ -164,6 +164,9 @@ class Bucket:
         self.grad_state = GradState.EMPTY
         self._gather: PendingCollective | None = None
         self._grad_views: list[torch.Tensor] = []
+        # The optimizer's gradients cast to the main weights' dtype, when the main
+        # grads are in another (made on first use; see ``grads_for_optimizer``).
+        self._grads_cast: DataParallelBuffer | None = None
         self._build_buffers(allocator, slot_keys, load)
         if self.outer is not None:
             self.outer.build_fine_buffers(self, load)
@@ -274,6 +277,33 @@ class Bucket:
         weights are sharded over shard x outer."""
         return self.group.hsdp_gbuf or self.main_grads
 
+    def grads_for_optimizer(self) -> DataParallelBuffer:
+        """The gradients the optimizer's parameters hold, refreshed now: the
+        ``optimizer_grads`` themselves, or, when the main grads are in another dtype
+        than the main weights (e.g. ``main_grads_dtype=torch.bfloat16`` with fp32 main
+        weights), a copy cast to the main weights' dtype, as Megatron-FSDP makes:
+        torch's optimizers need a gradient in its parameter's dtype. The copy has the
+        same layout, so the same views; it is kept, and refilled by each call."""
+        gbuf = self.optimizer_grads
+        dtype = self.main_weights.dtype
+        if gbuf.dtype == dtype:
+            return gbuf
+        cast = self._grads_cast
+        if cast is None or cast.data.shape != gbuf.data.shape:
+            cast = self._grads_cast = DataParallelBuffer(
+                gbuf.layout,
+                dtype=dtype,
+                device=gbuf.device,
+                is_data_distributed=gbuf.is_data_distributed,
+                shard_rank=gbuf.shard_rank,
+                allocator=self.ctx.scratch,
+                name=f"group{self.gid}.optimizer_grad",
+                coarse=gbuf.coarse,
+            )
+        with torch.no_grad():
+            cast.data.copy_(gbuf.data)
+        return cast
+
     @property
     def outer_sharded(self) -> bool:
         return self.outer is not None and self.outer.sharded
@@ -295,7 +325,12 @@ class Bucket:
     def persistent_bytes(self) -> int:
         """Bytes held by this bucket's persistent buffers (not fetched buckets)."""
         group = self.group
-        bufs = (group.model_weight_buffer, group.main_weight_buffer, group.main_grad_buffer)
+        bufs = (
+            group.model_weight_buffer,
+            group.main_weight_buffer,
+            group.main_grad_buffer,
+            self._grads_cast,
+        )
         total = sum(b.nbytes for b in bufs if b is not None)
         if self.outer is not None:
             total += self.outer.own_bytes(self)
@@ -477,6 +512,14 @@ class Bucket:
         assert self.outer is not None
         return self.outer.start_grad_reduce(self)
 
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the main grads, and the optimizer's cast copy of them, by ``factor``."""
+        gbuf = self.group.main_grad_buffer
+        if gbuf is not None:
+            gbuf.data.mul_(factor)
+        if self._grads_cast is not None:
+            self._grads_cast.data.mul_(factor)
+
     def zero_grads(self) -> None:
         """-> EMPTY, with zeroed storage and no ``param.grad``."""
         gbuf = self.group.main_grad_buffer
@@ -485,6 +528,8 @@ class Bucket:
             if gbuf.is_data_distributed:
                 gbuf.free_bucket()
                 self._detach_main_grads()
+        if self._grads_cast is not None:
+            self._grads_cast.data.zero_()
         self.forget_grads()
 
     def forget_grads(self) -> None:

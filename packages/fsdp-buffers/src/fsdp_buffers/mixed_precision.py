@@ -47,6 +47,12 @@ class MixedPrecisionPolicy:
     Main weights are never narrower than the parameter: with the default
     ``main_params_dtype=torch.float32`` an fp64 parameter keeps fp64 main weights.
 
+    The three dtypes combine freely. Where the main grads' dtype differs from the main
+    weights' (fp32 weights with bf16 grads, as Megatron-Core's ``--grad-reduce-in-bf16``;
+    ``main_params_dtype=None`` on a bf16 model; fp64 weights with fp32 grads), the
+    optimizer's ``.grad`` is the reduced main gradient cast to the main weights' dtype
+    (as Megatron-FSDP's ``update_main_grads``): one extra copy of the gradient shard.
+
     **PyTorch FSDP2's spelling** (``torch.distributed.fsdp.MixedPrecisionPolicy``) is
     accepted beside these fields, by keyword:
 

@@ -1,0 +1,253 @@
+"""Every ``MixedPrecisionPolicy`` combination Megatron-FSDP 0.6.1 accepts trains, with
+parity against one process that rounds at the same points, under ZeRO-0/1/2/3 and HSDP.
+
+Megatron-FSDP's fields are independent: ``main_params_dtype`` (the optimizer's weights;
+``None``: the model's own), ``main_grads_dtype`` (where gradients accumulate) and
+``grad_comm_dtype`` (what the reduction sends). Before the fix any main-grad dtype other
+than the main weights' crashed at the first gradient attachment ("attempting to assign
+a gradient with dtype ... to a tensor with grad_dtype ..."): fp32 weights with bf16
+gradients (Megatron-Core's ``--grad-reduce-in-bf16``), ``main_params_dtype=None`` on a
+bf16 model (fp32 gradients by our rule), fp64 weights with fp32 gradients. Now, as in
+Megatron-FSDP (``update_main_grads``), the optimizer's gradient is the main gradient
+cast to the main weights' dtype.
+
+The reference (one process, same data) emulates each rounding of the pipeline: rank r's
+local gradient g_r (autograd, in the model's dtype) is accumulated into the main-grad
+dtype G, cast to the communication dtype C and scaled there by 1/N, summed in C (over
+the shard group, then, HSDP, landed in G and summed in C over the outer group), landed
+in G, and cast to the main-weight dtype M for AdamW, which steps the M main weights;
+the model's weights are those rounded to the model's dtype. Each sum here has two terms,
+so one rounding whatever the order. What remains between fsdp and the reference is
+the order of fp32 operations (none measured: the ranks run the same kernels on the same
+slices), so the tolerance is the fp32 one, 1e-5 relative, for every combination; a
+wrong rounding point (e.g. summing in G instead of C, or not rounding into G) moves
+results by a unit of bf16 (2^-8 relative in a gradient, ~1e-4 in a weight after
+AdamW) and fails it, which ``test_an_ignored_grads_dtype_fails_the_tolerance`` checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_buffers import MixedPrecisionPolicy
+from fsdp_hooks import fully_shard
+from fsdp_mesh import build_device_mesh
+from fsdp_mesh.testing import run_distributed
+
+bf16, fp16, fp32, fp64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+STEPS = 4
+ROWS = 4  # per rank
+DIM = 12
+LR = 1e-2
+RTOL = 1e-5
+
+# name -> (model dtype, policy)
+CASES: dict[str, tuple[torch.dtype, MixedPrecisionPolicy]] = {
+    "fp32_main_bf16_grads": (fp32, MixedPrecisionPolicy(fp32, bf16)),
+    "fp32_main_bf16_grads_fp32_comm": (fp32, MixedPrecisionPolicy(fp32, bf16, fp32)),
+    "fp32_main_fp32_grads_bf16_comm": (fp32, MixedPrecisionPolicy(fp32, fp32, bf16)),
+    "fp32_main_fp16_grads": (fp32, MixedPrecisionPolicy(fp32, fp16)),
+    "bf16_model_main_none": (bf16, MixedPrecisionPolicy(None)),
+    "bf16_model_main_none_bf16_grads": (bf16, MixedPrecisionPolicy(None, bf16)),
+    "bf16_model_fp32_main_bf16_grads": (bf16, MixedPrecisionPolicy(fp32, bf16)),
+    "bf16_model_fp32_main_fp32_grads_bf16_comm": (bf16, MixedPrecisionPolicy(fp32, fp32, bf16)),
+    "fp64_model_fp32_grads": (fp64, MixedPrecisionPolicy(fp32, fp32)),
+}
+# (name, world, zero strategy, outer sharding or None)
+LAYOUTS = [(f"zero{s}", 2, s, None) for s in (0, 1, 2, 3)] + [
+    ("hsdp", 4, 3, "no_shard"),
+    ("hsdp_z1", 4, 1, "no_shard"),
+    ("hsdp_full", 4, 3, "optim"),
+]
+
+
+class Layer(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+def build(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(Layer(DIM), Layer(DIM), nn.Linear(DIM, 3)).to(dtype)
+
+
+def batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(world * ROWS, DIM, generator=g), torch.randn(world * ROWS, 3, generator=g)
+
+
+def loss_of(model: nn.Module, dtype: torch.dtype, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = model(x.to(dtype))
+    return (out.float() - y).pow(2).mean()
+
+
+def resolved(model_dtype: torch.dtype, policy: MixedPrecisionPolicy) -> tuple[torch.dtype, ...]:
+    return (
+        policy.main_params_dtype_for(model_dtype),
+        policy.main_grads_dtype_for(model_dtype),
+        policy.grad_comm_dtype_for(model_dtype),
+    )
+
+
+# ---- the reference ----------------------------------------------------------------------
+
+
+def reduce_like_fsdp(
+    local: list[torch.Tensor], g: torch.dtype, c: torch.dtype, shard: int
+) -> torch.Tensor:
+    """The reduced main gradient (in G) from the ranks' local gradients, rounded where
+    fsdp rounds. Ranks are row-major over (outer, shard): shard groups are consecutive."""
+    n = len(local)
+    sends = [(t.to(g).to(c)).mul_(1.0 / n) for t in local]
+    inner = [sum(sends[i + 1 : i + shard], sends[i]).to(g) for i in range(0, n, shard)]
+    if len(inner) == 1:
+        return inner[0]
+    outer = [t.to(c) for t in inner]
+    return sum(outer[1:], outer[0]).to(g)
+
+
+def reference(case: str, world: int, shard: int, grads_in_main: bool = False) -> dict[str, Any]:
+    """One process: the ranks' slices one after another, their gradients reduced by
+    ``reduce_like_fsdp``, AdamW on main weights in M. ``grads_in_main`` (to check that
+    the test can fail) ignores G and C: everything in M."""
+    model_dtype, policy = CASES[case]
+    m, g, c = resolved(model_dtype, policy)
+    if grads_in_main:
+        g = c = m
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as on the ranks: CPU kernels' reduction order depends on it
+    try:
+        model = build(model_dtype)
+        params = list(model.parameters())
+        main = [p.detach().to(m).clone().requires_grad_() for p in params]
+        opt = torch.optim.AdamW(main, lr=LR)
+        losses = []
+        for step in range(STEPS):
+            x, y = batch(step, world)
+            per_rank: list[list[torch.Tensor]] = []
+            total = 0.0
+            for r in range(world):
+                rows = slice(r * ROWS, (r + 1) * ROWS)
+                loss = loss_of(model, model_dtype, x[rows], y[rows])
+                grads = torch.autograd.grad(loss, params)
+                per_rank.append(list(grads))
+                total += loss.item()
+            losses.append(total / world)
+            for i, w in enumerate(main):
+                w.grad = reduce_like_fsdp([pr[i] for pr in per_rank], g, c, shard).to(m)
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                for p, w in zip(params, main, strict=True):
+                    p.copy_(w)
+        return {"losses": losses, "params": [w.detach().clone() for w in main]}
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---- on the ranks -----------------------------------------------------------------------
+
+
+def _full_main_weights(model) -> list[torch.Tensor]:
+    out = []
+    for p in model.parameters():
+        local = p.to_local().detach().clone()
+        if p.placements[0].is_replicate():
+            out.append(local)
+            continue
+        parts: list[Any] = [None] * dist.get_world_size(p.device_mesh.get_group())
+        dist.all_gather_object(parts, local, group=p.device_mesh.get_group())
+        out.append(torch.cat(parts))
+    return out
+
+
+def _train(world: int, strategy: int, outer: str | None) -> dict[str, Any]:
+    rank = dist.get_rank()
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    mesh: dict[str, Any] = {}
+    if outer is not None:
+        mesh = {
+            "device_mesh": build_device_mesh(dp_outer=2, dp_shard=2).device_mesh,
+            "dp_shard_dim": "dp_shard",
+            "dp_outer_dim": "dp_outer",
+            "outer_dp_sharding_strategy": outer,
+        }
+    out: dict[str, Any] = {}
+    for case, (model_dtype, policy) in CASES.items():
+        module = build(model_dtype)
+        model, opt = fully_shard(
+            module,
+            torch.optim.AdamW(module.parameters(), lr=LR),
+            fsdp_unit_modules=[Layer],
+            zero_dp_strategy=strategy,
+            mixed_precision_policy=policy,
+            **mesh,
+        )
+        losses = []
+        dtypes = set()
+        for step in range(STEPS):
+            x, y = batch(step, world)
+            loss = loss_of(model, model_dtype, x[rows], y[rows])
+            loss.backward()
+            dtypes |= {(p.dtype, p.grad.dtype) for p in model.parameters() if p.grad is not None}
+            opt.step()
+            opt.zero_grad()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item() / world)
+        out[case] = {
+            "losses": losses,
+            "params": _full_main_weights(model),
+            "dtypes": dtypes,
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained() -> dict[str, tuple[int, int, dict[str, Any]]]:
+    results = {}
+    for name, world, strategy, outer in LAYOUTS:
+        r = run_distributed(_train, world, args=(world, strategy, outer), timeout=180)
+        results[name] = (world, 2 if outer else world, r)
+    return results
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    scale = want.abs().max().clamp_min(1e-6)
+    return bool(((got.to(want.dtype) - want).abs().max() / scale) <= RTOL)
+
+
+@pytest.mark.parametrize("layout", [name for name, *_ in LAYOUTS])
+def test_every_policy_matches_one_process_rounding_the_same_way(trained, layout) -> None:
+    world, shard, per_rank = trained[layout]
+    for case, (model_dtype, policy) in CASES.items():
+        ref = reference(case, world, shard)
+        m = policy.main_params_dtype_for(model_dtype)
+        for rank, result in enumerate(per_rank):
+            got = result[case]
+            # The optimizer steps M weights with M gradients (cast from the main grads).
+            assert got["dtypes"] == {(m, m)}, (layout, case, rank, got["dtypes"])
+            for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
+                assert abs(a - b) <= RTOL * abs(b), (layout, case, rank, step, a, b)
+            for i, (a, b) in enumerate(zip(got["params"], ref["params"], strict=True)):
+                assert a.dtype == m, (layout, case, i, a.dtype)
+                assert _close(a, b), (layout, case, rank, i, (a - b).abs().max().item())
+
+
+def test_an_ignored_grads_dtype_fails_the_tolerance(trained) -> None:
+    """Gradients kept in fp32 where the policy asks for bf16 give other weights than
+    fsdp's beyond the tolerance: the parity test would catch a field that is ignored."""
+    world, shard, per_rank = trained["zero3"]
+    case = "fp32_main_bf16_grads"
+    wrong = reference(case, world, shard, grads_in_main=True)
+    got = per_rank[0][case]["params"]
+    assert not all(_close(a, b) for a, b in zip(got, wrong["params"], strict=True))
