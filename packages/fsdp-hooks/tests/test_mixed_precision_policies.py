@@ -57,6 +57,16 @@ CASES: dict[str, tuple[torch.dtype, MixedPrecisionPolicy]] = {
     "bf16_model_fp32_main_bf16_grads": (bf16, MixedPrecisionPolicy(fp32, bf16)),
     "bf16_model_fp32_main_fp32_grads_bf16_comm": (bf16, MixedPrecisionPolicy(fp32, fp32, bf16)),
     "fp64_model_fp32_grads": (fp64, MixedPrecisionPolicy(fp32, fp32)),
+    # FSDP2's spelling on an fp32 model: the library makes the bf16 compute copy.
+    "fsdp2_bf16_params_fp32_reduce": (
+        fp32,
+        MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32, output_dtype=fp32),
+    ),
+    "fsdp2_bf16_params_bf16_reduce": (
+        fp32,
+        MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16),
+    ),
+    "fsdp2_bf16_params_main_none": (fp32, MixedPrecisionPolicy(None, param_dtype=bf16)),
 }
 # (name, world, zero strategy, outer sharding or None)
 LAYOUTS = [(f"zero{s}", 2, s, None) for s in (0, 1, 2, 3)] + [
@@ -91,10 +101,12 @@ def loss_of(model: nn.Module, dtype: torch.dtype, x: torch.Tensor, y: torch.Tens
 
 
 def resolved(model_dtype: torch.dtype, policy: MixedPrecisionPolicy) -> tuple[torch.dtype, ...]:
+    """(main weights, main grads, communication, compute) dtypes."""
     return (
         policy.main_params_dtype_for(model_dtype),
         policy.main_grads_dtype_for(model_dtype),
         policy.grad_comm_dtype_for(model_dtype),
+        policy.compute_dtype_for(model_dtype),
     )
 
 
@@ -120,15 +132,18 @@ def reference(case: str, world: int, shard: int, grads_in_main: bool = False) ->
     ``reduce_like_fsdp``, AdamW on main weights in M. ``grads_in_main`` (to check that
     the test can fail) ignores G and C: everything in M."""
     model_dtype, policy = CASES[case]
-    m, g, c = resolved(model_dtype, policy)
+    m, g, c, compute = resolved(model_dtype, policy)
     if grads_in_main:
         g = c = m
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as on the ranks: CPU kernels' reduction order depends on it
     try:
+        # Main weights from the model's own values; the compute model is their rounding
+        # to the compute dtype, made anew from the main weights after every step.
         model = build(model_dtype)
+        main = [p.detach().to(m).clone().requires_grad_() for p in model.parameters()]
+        model = model.to(compute)
         params = list(model.parameters())
-        main = [p.detach().to(m).clone().requires_grad_() for p in params]
         opt = torch.optim.AdamW(main, lr=LR)
         losses = []
         for step in range(STEPS):
@@ -137,7 +152,7 @@ def reference(case: str, world: int, shard: int, grads_in_main: bool = False) ->
             total = 0.0
             for r in range(world):
                 rows = slice(r * ROWS, (r + 1) * ROWS)
-                loss = loss_of(model, model_dtype, x[rows], y[rows])
+                loss = loss_of(model, compute, x[rows], y[rows])
                 grads = torch.autograd.grad(loss, params)
                 per_rank.append(list(grads))
                 total += loss.item()
@@ -184,6 +199,7 @@ def _train(world: int, strategy: int, outer: str | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for case, (model_dtype, policy) in CASES.items():
         module = build(model_dtype)
+        original = [p.detach().clone() for p in module.parameters()]
         model, opt = fully_shard(
             module,
             torch.optim.AdamW(module.parameters(), lr=LR),
@@ -192,10 +208,12 @@ def _train(world: int, strategy: int, outer: str | None) -> dict[str, Any]:
             mixed_precision_policy=policy,
             **mesh,
         )
+        initial = _full_main_weights(model)
         losses = []
         dtypes = set()
         for step in range(STEPS):
             x, y = batch(step, world)
+            # In the model's dtype: under param_dtype the wrapper casts the inputs.
             loss = loss_of(model, model_dtype, x[rows], y[rows])
             loss.backward()
             dtypes |= {(p.dtype, p.grad.dtype) for p in model.parameters() if p.grad is not None}
@@ -208,6 +226,11 @@ def _train(world: int, strategy: int, outer: str | None) -> dict[str, Any]:
             "losses": losses,
             "params": _full_main_weights(model),
             "dtypes": dtypes,
+            "initial_exact": all(
+                torch.equal(a, b.to(a.dtype)) for a, b in zip(initial, original, strict=True)
+            ),
+            "state_dict": {k: v.full_tensor() for k, v in model.state_dict().items()},
+            "names": [n for n, _ in module.named_parameters()],
         }
     return out
 
@@ -236,6 +259,12 @@ def test_every_policy_matches_one_process_rounding_the_same_way(trained, layout)
             got = result[case]
             # The optimizer steps M weights with M gradients (cast from the main grads).
             assert got["dtypes"] == {(m, m)}, (layout, case, rank, got["dtypes"])
+            # Main weights start as the model's own values (not a compute-dtype rounding)
+            # and the state dict holds them.
+            assert got["initial_exact"], (layout, case, rank)
+            sd = got["state_dict"]
+            for name, a in zip(got["names"], got["params"], strict=True):
+                assert sd[name].dtype == m and torch.equal(sd[name], a), (layout, case, name)
             for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
                 assert abs(a - b) <= RTOL * abs(b), (layout, case, rank, step, a, b)
             for i, (a, b) in enumerate(zip(got["params"], ref["params"], strict=True)):

@@ -207,15 +207,24 @@ class Bucket:
                 allocator.register(buf, key)
             return buf
 
-        group.model_weight_buffer = make("model_weight", group.dtype, sharding.model_weights)
+        policy = self.ctx.policy
+        # The compute copy (FSDP2's param_dtype) may differ from the parameters' dtype;
+        # the main weights are then loaded from the original values, not its rounding.
+        compute_dtype = policy.compute_dtype_for(group.dtype) if group.is_float else group.dtype
+        group.model_weight_buffer = make("model_weight", compute_dtype, sharding.model_weights)
         if load:
             group.model_weight_buffer.load_params(sources)
         if not group.requires_grad:
+            if compute_dtype != group.dtype:
+                raise ValueError(
+                    f"param_dtype={compute_dtype}: frozen parameters {group.names[:3]} are "
+                    f"{group.dtype} and have no main weights to keep that precision in; "
+                    f"cast them to {compute_dtype} before wrapping"
+                )
             return
-        policy = self.ctx.policy
         main_dtype = policy.main_params_dtype_for(group.dtype)
         fine = self.outer is not None and self.outer.sharded
-        if main_dtype != group.dtype and not fine:
+        if main_dtype != compute_dtype and not fine:
             group.main_weight_buffer = make("main_weight", main_dtype, sharding.main_weights)
             if load:
                 group.main_weight_buffer.load_params(sources)
@@ -589,6 +598,22 @@ class Bucket:
         pg = self.shard.group
         src = dist.get_global_rank(pg, src_group_rank)
         group = self.group
+        main = group.main_weight_buffer
+        if (
+            main is not None
+            and main.is_data_distributed
+            and not self.model.is_data_distributed
+            and self.model.dtype != group.dtype
+        ):
+            # Sharded main weights are re-derived from the broadcast compute weights: a
+            # compute copy narrower than the parameters (param_dtype) would round them.
+            raise NotImplementedError(
+                f"broadcast_params with param_dtype={self.model.dtype} over {group.dtype} "
+                f"parameters ({group.names[:3]}) under a strategy that shards main weights "
+                f"but not compute weights (1 or 2): the {group.dtype} main weights would "
+                f"become their {self.model.dtype} rounding. Use zero_dp_strategy 0 or 3, "
+                f"or make the ranks' initial weights equal before wrapping."
+            )
         for buf in (group.model_weight_buffer, group.main_weight_buffer):
             if buf is not None and not buf.is_data_distributed:
                 self.ctx.stats.record(
