@@ -280,3 +280,67 @@ def test_an_ignored_grads_dtype_fails_the_tolerance(trained) -> None:
     wrong = reference(case, world, shard, grads_in_main=True)
     got = per_rank[0][case]["params"]
     assert not all(_close(a, b) for a, b in zip(got, wrong["params"], strict=True))
+
+
+# ---- checkpoints under FSDP2's param_dtype ---------------------------------------------------
+
+
+def _ckpt_job(directory: str) -> dict[str, Any]:
+    """fp32 model, bf16 compute copy: 2 steps, save, load into a model built from another
+    seed, 2 more steps; and 4 uninterrupted steps."""
+    from fsdp_ckpt import load_checkpoint, save_checkpoint
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    policy = MixedPrecisionPolicy(param_dtype=bf16)
+
+    def wrap(seed: int):
+        torch.manual_seed(seed)
+        module = nn.Sequential(Layer(DIM), Layer(DIM), nn.Linear(DIM, 3))
+        return fully_shard(
+            module,
+            torch.optim.AdamW(module.parameters(), lr=LR),
+            fsdp_unit_modules=[Layer],
+            mixed_precision_policy=policy,
+        )
+
+    def train(model, opt, start: int, stop: int) -> list[float]:
+        losses = []
+        for step in range(start, stop):
+            x, y = batch(step, world)
+            loss = loss_of(model, fp32, x[rows], y[rows])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    model, opt = wrap(0)
+    straight = train(model, opt, 0, 4)
+    model, opt = wrap(0)
+    first = train(model, opt, 0, 2)
+    saved = _full_main_weights(model)
+    save_checkpoint(directory, model, opt)
+    model, opt = wrap(1)
+    load_checkpoint(directory, model, opt)
+    loaded = _full_main_weights(model)
+    resumed = first + train(model, opt, 2, 4)
+    return {
+        "straight": straight,
+        "resumed": resumed,
+        "loaded_exact": all(torch.equal(a, b) for a, b in zip(saved, loaded, strict=True)),
+        "dtypes": {t.dtype for t in loaded},
+        "not_bf16": any(not torch.equal(t, t.to(bf16).to(fp32)) for t in loaded),
+    }
+
+
+def test_checkpoint_under_param_dtype_keeps_fp32_main_weights(tmp_path) -> None:
+    """A checkpoint of an fp32 model trained with a bf16 compute copy holds the fp32
+    main weights: loaded into a model built from another seed they are equal bit for
+    bit (not their bf16 rounding), and training resumes with the losses of an
+    uninterrupted run (the compute copy is remade from them)."""
+    for rank, r in enumerate(run_distributed(_ckpt_job, 2, args=(str(tmp_path),), timeout=120)):
+        assert r["dtypes"] == {fp32}, (rank, r["dtypes"])
+        assert r["not_bf16"], rank
+        assert r["loaded_exact"], rank
+        assert r["resumed"] == r["straight"], (rank, r["resumed"], r["straight"])
