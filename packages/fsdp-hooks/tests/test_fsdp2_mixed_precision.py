@@ -68,6 +68,12 @@ def _body() -> dict[str, object]:
     y = wrapped(torch.ones(2, 4))
     out["input_cast"] = str(wrapped.module.seen)
     out["output"] = str(y.dtype)
+    # Megatron-FSDP's reset takes the new communication dtype; the compute dtype stays
+    # (the compute buffers are in it), so inputs are still cast to it.
+    wrapped.reset_mixed_precision_policy(MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16))
+    wrapped.module.seen = None
+    wrapped(torch.ones(2, 4)).sum().backward()
+    out["after_reset"] = (str(wrapped.mp_policy.param_dtype), str(wrapped.module.seen))
     no_cast = fully_shard_model(
         _FloatIn().to(torch.bfloat16),
         mixed_precision_policy=MixedPrecisionPolicy(
@@ -90,3 +96,4 @@ def test_fsdp2_mixed_precision_fields_on_the_wrapper() -> None:
         assert r["input_cast"] == "torch.bfloat16", (rank, r)
         assert r["output"] == "torch.float32", (rank, r)
         assert r["no_cast"] == "dtype error", (rank, r)
+        assert r["after_reset"] == ("torch.bfloat16", "torch.bfloat16"), (rank, r)

@@ -27,6 +27,7 @@ AdamW) and fails it, which ``test_an_ignored_grads_dtype_fails_the_tolerance`` c
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -127,6 +128,7 @@ def reduce_like_fsdp(
     return sum(outer[1:], outer[0]).to(g)
 
 
+@functools.cache  # shared by the layouts with the same world and shard sizes
 def reference(case: str, world: int, shard: int, grads_in_main: bool = False) -> dict[str, Any]:
     """One process: the ranks' slices one after another, their gradients reduced by
     ``reduce_like_fsdp``, AdamW on main weights in M. ``grads_in_main`` (to check that
@@ -185,6 +187,10 @@ def _full_main_weights(model) -> list[torch.Tensor]:
     return out
 
 
+def _train_layouts(layouts: list[tuple[str, int, int, str | None]]) -> dict[str, Any]:
+    return {name: _train(world, strategy, outer) for name, world, strategy, outer in layouts}
+
+
 def _train(world: int, strategy: int, outer: str | None) -> dict[str, Any]:
     rank = dist.get_rank()
     rows = slice(rank * ROWS, (rank + 1) * ROWS)
@@ -238,9 +244,11 @@ def _train(world: int, strategy: int, outer: str | None) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def trained() -> dict[str, tuple[int, int, dict[str, Any]]]:
     results = {}
-    for name, world, strategy, outer in LAYOUTS:
-        r = run_distributed(_train, world, args=(world, strategy, outer), timeout=180)
-        results[name] = (world, 2 if outer else world, r)
+    for world in sorted({w for _n, w, _s, _o in LAYOUTS}):
+        layouts = [layout for layout in LAYOUTS if layout[1] == world]
+        per_rank = run_distributed(_train_layouts, world, args=(layouts,), timeout=240)
+        for name, _w, _s, outer in layouts:
+            results[name] = (world, 2 if outer else world, [r[name] for r in per_rank])
     return results
 
 
