@@ -352,3 +352,60 @@ def test_checkpoint_under_param_dtype_keeps_fp32_main_weights(tmp_path) -> None:
         assert r["not_bf16"], rank
         assert r["loaded_exact"], rank
         assert r["resumed"] == r["straight"], (rank, r["resumed"], r["straight"])
+
+
+# ---- what param_dtype refuses ----------------------------------------------------------------
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except (NotImplementedError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _refusals() -> dict[str, str]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    policy = MixedPrecisionPolicy(param_dtype=bf16)
+    out = {}
+    mesh = build_device_mesh(dp_shard=2, tp=2).device_mesh
+    module = build(fp32)
+    parallelize_module(module, mesh["tp"], {"0.lin": ColwiseParallel()})
+    out["tp"] = _error_of(
+        lambda: fully_shard(
+            module,
+            torch.optim.AdamW(module.parameters(), lr=LR),
+            device_mesh=mesh,
+            dp_shard_dim="dp_shard",
+            tp_dim="tp",
+            fsdp_unit_modules=[Layer],
+            mixed_precision_policy=policy,
+        )
+    )
+    # ZeRO-1 over the 4 ranks: sharded fp32 main weights would be re-derived from the
+    # bf16 compute copy.
+    plain = build(fp32)
+    model, _opt = fully_shard(
+        plain,
+        torch.optim.AdamW(plain.parameters(), lr=LR),
+        fsdp_unit_modules=[Layer],
+        zero_dp_strategy=1,
+        mixed_precision_policy=policy,
+    )
+    out["broadcast"] = _error_of(lambda: model.buffer.broadcast_params())
+    return out
+
+
+def test_param_dtype_refusals_on_every_rank() -> None:
+    """Not silently wrong: tensor-parallel (DTensor) parameters under a compute copy in
+    another dtype, and ``broadcast_params`` where it would round the fp32 main weights
+    through the bf16 copy (ZeRO-1), raise on every rank."""
+    for rank, r in enumerate(run_distributed(_refusals, 4, timeout=120)):
+        assert r["tp"].startswith("NotImplementedError") and "over tensor-parallel" in r["tp"], (
+            rank,
+            r,
+        )
+        assert r["broadcast"].startswith("NotImplementedError"), (rank, r)
+        assert "broadcast_params" in r["broadcast"], (rank, r)

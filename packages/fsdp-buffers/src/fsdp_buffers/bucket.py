@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from fsdp_buffers import collectives
 from fsdp_buffers.collectives import CommStats, PendingCollective
@@ -211,6 +212,14 @@ class Bucket:
         # The compute copy (FSDP2's param_dtype) may differ from the parameters' dtype;
         # the main weights are then loaded from the original values, not its rounding.
         compute_dtype = policy.compute_dtype_for(group.dtype) if group.is_float else group.dtype
+        if compute_dtype != group.dtype and any(isinstance(p, DTensor) for p in group.params):
+            # A DTensor parameter's spec carries its dtype: a local tensor of another
+            # dtype under it would make DTensor's propagation wrong.
+            raise NotImplementedError(
+                f"param_dtype={compute_dtype} over tensor-parallel (DTensor) {group.dtype} "
+                f"parameters ({group.names[:3]}) is not supported yet; cast the model to "
+                f"{compute_dtype} before wrapping (main weights stay in main_params_dtype)"
+            )
         group.model_weight_buffer = make("model_weight", compute_dtype, sharding.model_weights)
         if load:
             group.model_weight_buffer.load_params(sources)
