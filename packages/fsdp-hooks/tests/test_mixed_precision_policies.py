@@ -395,13 +395,26 @@ def _refusals() -> dict[str, str]:
         mixed_precision_policy=policy,
     )
     out["broadcast"] = _error_of(lambda: model.buffer.broadcast_params())
+    # Fully-sharded HSDP: the fine fp32 main weights would come from the compute shard.
+    plain = build(fp32)
+    model, _opt = fully_shard(
+        plain,
+        torch.optim.AdamW(plain.parameters(), lr=LR),
+        device_mesh=build_device_mesh(dp_outer=2, dp_shard=2).device_mesh,
+        dp_shard_dim="dp_shard",
+        dp_outer_dim="dp_outer",
+        outer_dp_sharding_strategy="optim",
+        fsdp_unit_modules=[Layer],
+        mixed_precision_policy=policy,
+    )
+    out["broadcast_hsdp_full"] = _error_of(lambda: model.buffer.broadcast_params())
     return out
 
 
 def test_param_dtype_refusals_on_every_rank() -> None:
     """Not silently wrong: tensor-parallel (DTensor) parameters under a compute copy in
     another dtype, and ``broadcast_params`` where it would round the fp32 main weights
-    through the bf16 copy (ZeRO-1), raise on every rank."""
+    through the bf16 copy (ZeRO-1, fully-sharded HSDP), raise on every rank."""
     for rank, r in enumerate(run_distributed(_refusals, 4, timeout=120)):
         assert r["tp"].startswith("NotImplementedError") and "over tensor-parallel" in r["tp"], (
             rank,
@@ -409,3 +422,4 @@ def test_param_dtype_refusals_on_every_rank() -> None:
         )
         assert r["broadcast"].startswith("NotImplementedError"), (rank, r)
         assert "broadcast_params" in r["broadcast"], (rank, r)
+        assert r["broadcast_hsdp_full"].startswith("NotImplementedError"), (rank, r)

@@ -608,20 +608,19 @@ class Bucket:
         src = dist.get_global_rank(pg, src_group_rank)
         group = self.group
         main = group.main_weight_buffer
-        if (
-            main is not None
-            and main.is_data_distributed
-            and not self.model.is_data_distributed
-            and self.model.dtype != group.dtype
-        ):
+        rederived = (main is not None and main.is_data_distributed) and not self.is_distributed
+        if self.outer is not None and self.outer.fine_main is not None:
+            rederived = True  # fully-sharded HSDP: from the outer-broadcast compute shard
+        if rederived and self.model.dtype != group.dtype:
             # Sharded main weights are re-derived from the broadcast compute weights: a
-            # compute copy narrower than the parameters (param_dtype) would round them.
+            # compute copy in another dtype than the parameters' (param_dtype) would
+            # round them.
             raise NotImplementedError(
                 f"broadcast_params with param_dtype={self.model.dtype} over {group.dtype} "
-                f"parameters ({group.names[:3]}) under a strategy that shards main weights "
-                f"but not compute weights (1 or 2): the {group.dtype} main weights would "
-                f"become their {self.model.dtype} rounding. Use zero_dp_strategy 0 or 3, "
-                f"or make the ranks' initial weights equal before wrapping."
+                f"parameters ({group.names[:3]}) under ZeRO-1/2 or fully-sharded HSDP: the "
+                f"{group.dtype} main weights would be re-derived from their "
+                f"{self.model.dtype} rounding. Make the ranks' initial weights equal before "
+                f"wrapping (or use zero_dp_strategy 0 or 3 without outer sharding)."
             )
         for buf in (group.model_weight_buffer, group.main_weight_buffer):
             if buf is not None and not buf.is_data_distributed:
