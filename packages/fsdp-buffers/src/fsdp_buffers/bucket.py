@@ -323,6 +323,16 @@ class Bucket:
         return cast
 
     @property
+    def needs_grad_copy(self) -> bool:
+        """Whether the optimizer's gradients are a cast copy (``grads_for_optimizer``)."""
+        return self.group.requires_grad and self.optimizer_grads.dtype != self.main_weights.dtype
+
+    @property
+    def optimizer_grad_copy(self) -> DataParallelBuffer | None:
+        """The cast copy of the optimizer's gradients, once a step made it."""
+        return self._grads_cast
+
+    @property
     def outer_sharded(self) -> bool:
         return self.outer is not None and self.outer.sharded
 

@@ -51,6 +51,10 @@ def model_state_bytes(buffer: ParamAndGradBuffer) -> dict[str, int]:
         if fine is not None and (model is None or fine.dtype != model.dtype):
             out["main_weights"] += _nbytes(fine)
         out["main_grads"] += _nbytes(group.main_grad_buffer)
+        bucket = buffer.buckets[gid]
+        if bucket.needs_grad_copy:  # the optimizer's gradients cast to the main weights'
+            grads = bucket.optimizer_grads
+            out["main_grads"] += grads.data.numel() * bucket.main_weights.element_size
     return out
 
 
