@@ -194,6 +194,48 @@ def _bf16_fp32_accumulation() -> dict[str, Any]:
     }
 
 
+def _bf16_grads_distributed_optimizer() -> dict[str, Any]:
+    module = build_gpt(torch.bfloat16)
+    model = _ddp(
+        module,
+        accumulate_allreduce_grads_in_fp32=False,
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=True,
+    )
+    params = model.distributed_optimizer_params()
+    loss_fn(model, *rank_batch(0, 0, dist.get_rank())).backward()
+    finalize_model_grads([model])
+    grads = [p.grad.to_local() for p in params]
+    # Each rank's main_grad holds the reduced rows of its shard and zeros elsewhere.
+    main = sum(p.main_grad.float().abs().sum() for p in module.parameters())
+    mine = sum(g.abs().sum() for g in grads)
+    totals = torch.stack([main, mine])
+    dist.all_reduce(totals)
+    return {
+        "main_grad_dtypes": {str(p.main_grad.dtype) for p in module.parameters()},
+        "grad_dtypes": {str(g.dtype) for g in grads},
+        "exactly_bf16": all(torch.equal(g, g.to(torch.bfloat16).float()) for g in grads),
+        "totals": totals.tolist(),
+    }
+
+
+def test_bf16_grads_reach_the_distributed_optimizer_cast_to_fp32():
+    """``grad_reduce_in_fp32`` off with the distributed optimizer (Megatron-Core's
+    bf16 gradient reduction): gradients accumulate and are reduced in bf16, and the
+    optimizer's fp32 main weights get them cast to fp32 (as Megatron-Core does); before,
+    attaching a bf16 gradient to an fp32 parameter failed. The cast is exact, so the
+    optimizer's gradients are the reduced bf16 main grads: their absolute sums over all
+    ranks agree to fp32 summation order (rtol 1e-5)."""
+    for rank, r in enumerate(
+        run_distributed(_bf16_grads_distributed_optimizer, WORLD, timeout=120, device_type="cpu")
+    ):
+        assert r["main_grad_dtypes"] == {"torch.bfloat16"}, (rank, r)
+        assert r["grad_dtypes"] == {"torch.float32"}, (rank, r)
+        assert r["exactly_bf16"], rank
+        main, mine = r["totals"]
+        assert main > 0 and abs(main - mine) <= 1e-5 * main, (rank, r)
+
+
 def test_bf16_module_accumulates_and_reduces_grads_in_fp32():
     """Tolerances. Gradients: the adapter and the reference add the same bf16 terms in
     fp32 in the same order (2 ranks: a + b is commutative), so they agree to fp32

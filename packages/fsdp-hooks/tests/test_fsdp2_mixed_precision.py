@@ -1,11 +1,13 @@
 """FSDP2's mixed-precision spelling on the wrapper: ``param_dtype``, ``reduce_dtype``,
 ``output_dtype``, ``cast_forward_inputs``.
 
-The compute copy in ``param_dtype`` is not made by the library yet, so a model in
-another dtype is refused with the instruction (never run in the wrong dtype); a model
-already in ``param_dtype`` computes in it, its floating inputs are cast to it and its
-outputs to ``output_dtype``. Logits equal the unwrapped bf16 model's exactly: the
-gathered compute weights are the same bf16 values and the kernels the same.
+The library makes the compute copy in ``param_dtype``: an fp32 model wrapped with
+``param_dtype=torch.bfloat16`` computes in bf16 (logits equal the unwrapped model cast
+to bf16 exactly: the gathered compute weights are the same bf16 roundings and the
+kernels the same), as does a model already in bf16; floating inputs are cast to
+``param_dtype`` and outputs to ``output_dtype``. A frozen fp32 parameter (no main
+weights to keep its precision in) is refused with the instruction. Training parity
+and the fp32 main weights are in ``test_mixed_precision_policies``.
 """
 
 from __future__ import annotations
@@ -40,29 +42,38 @@ def _body() -> dict[str, object]:
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
     )
     torch.manual_seed(0)
+    frozen = GPT(CFG)
+    frozen.tok.weight.requires_grad_(False)
     try:
-        fully_shard_model(GPT(CFG), fsdp_unit_modules=[Block], mixed_precision_policy=policy)
+        fully_shard_model(frozen, fsdp_unit_modules=[Block], mixed_precision_policy=policy)
     except ValueError as e:
-        out["fp32_model"] = str(e)
+        out["frozen_fp32"] = str(e)
 
     torch.manual_seed(0)
     ref = GPT(CFG).to(torch.bfloat16)
-    torch.manual_seed(0)
-    model = fully_shard_model(
-        GPT(CFG).to(torch.bfloat16), fsdp_unit_modules=[Block], mixed_precision_policy=policy
-    )
     x, _ = token_batch(0, 2, CFG.max_seq_len, CFG.vocab_size)
     with torch.no_grad():
-        got = model(x)
         want = ref(x)
-    out["dtype"] = str(got.dtype)
-    out["equal"] = torch.equal(got, want.float())
+    for name, cast in (("fp32_model", False), ("bf16_model", True)):
+        torch.manual_seed(0)
+        module = GPT(CFG).to(torch.bfloat16) if cast else GPT(CFG)
+        model = fully_shard_model(module, fsdp_unit_modules=[Block], mixed_precision_policy=policy)
+        with torch.no_grad():
+            got = model(x)
+        out[f"{name}_dtype"] = str(got.dtype)
+        out[f"{name}_equal"] = torch.equal(got, want.float())
 
-    mod = _FloatIn().to(torch.bfloat16)
+    mod = _FloatIn()
     wrapped = fully_shard_model(mod, mixed_precision_policy=policy)
     y = wrapped(torch.ones(2, 4))
     out["input_cast"] = str(wrapped.module.seen)
     out["output"] = str(y.dtype)
+    # Megatron-FSDP's reset takes the new communication dtype; the compute dtype stays
+    # (the compute buffers are in it), so inputs are still cast to it.
+    wrapped.reset_mixed_precision_policy(MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16))
+    wrapped.module.seen = None
+    wrapped(torch.ones(2, 4)).sum().backward()
+    out["after_reset"] = (str(wrapped.mp_policy.param_dtype), str(wrapped.module.seen))
     no_cast = fully_shard_model(
         _FloatIn().to(torch.bfloat16),
         mixed_precision_policy=MixedPrecisionPolicy(
@@ -78,9 +89,11 @@ def _body() -> dict[str, object]:
 
 def test_fsdp2_mixed_precision_fields_on_the_wrapper() -> None:
     for rank, r in enumerate(run_distributed(_body, 2, timeout=120)):
-        assert "cast the model before wrapping" in str(r.get("fp32_model")), (rank, r)
-        assert r["dtype"] == "torch.float32", (rank, r)
-        assert r["equal"] is True, (rank, r)
+        assert "cast them to torch.bfloat16 before wrapping" in str(r.get("frozen_fp32")), r
+        for name in ("fp32_model", "bf16_model"):
+            assert r[f"{name}_dtype"] == "torch.float32", (rank, r)
+            assert r[f"{name}_equal"] is True, (rank, r)
         assert r["input_cast"] == "torch.bfloat16", (rank, r)
         assert r["output"] == "torch.float32", (rank, r)
         assert r["no_cast"] == "dtype error", (rank, r)
+        assert r["after_reset"] == ("torch.bfloat16", "torch.bfloat16"), (rank, r)

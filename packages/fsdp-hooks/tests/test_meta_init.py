@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from fsdp_buffers import fsdp_no_shard
+from fsdp_buffers import MixedPrecisionPolicy, fsdp_no_shard
 from fsdp_hooks import fully_shard, fully_shard_model
 from fsdp_mesh.testing import run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
@@ -192,6 +192,34 @@ def test_bf16_meta_model():
             assert r["compute"] == [], f"{where}: bf16 compute weights differ: {r['compute']}"
             assert r["main"] == [], f"{where}: fp32 main weights differ: {r['main']}"
             assert r["main_dtype"] == {torch.float32}, where
+
+
+def _fp32_param_dtype_bf16(strategies: tuple[int, ...]) -> dict[int, dict[str, Any]]:
+    eager = _eager_gpt()
+    ref = {n: p.detach() for n, p in eager.named_parameters()}
+    ref_compute = {n: p.to(torch.bfloat16) for n, p in ref.items()}
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    out = {}
+    for strategy in strategies:
+        wrapper = _wrap_meta(_meta_gpt(), Block, strategy, mixed_precision_policy=policy)
+        out[strategy] = {
+            "compute": _compute_weight_mismatches(wrapper, ref_compute),
+            "main": _mismatches(_distributed_params(wrapper), ref),
+        }
+    return out
+
+
+def test_fp32_meta_model_with_bf16_param_dtype():
+    """FSDP2's ``param_dtype=torch.bfloat16`` on an fp32 meta model: initialization runs
+    in fp32, so the fp32 main weights (the DTensor parameters) equal the eager fp32
+    model bit for bit (not their bf16 rounding) and the compute weights are their bf16
+    rounding."""
+    results = run_distributed(_fp32_param_dtype_bf16, 2, args=((3, 1, 0),), timeout=120)
+    for rank, per_strategy in enumerate(results):
+        for strategy, r in per_strategy.items():
+            where = f"rank={rank} strategy={strategy}"
+            assert r["compute"] == [], f"{where}: bf16 compute weights differ: {r['compute']}"
+            assert r["main"] == [], f"{where}: fp32 main weights differ: {r['main']}"
 
 
 # ---- training after meta init ----------------------------------------------------------------

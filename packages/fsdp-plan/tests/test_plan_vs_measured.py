@@ -3,7 +3,10 @@
 collectives per step equal ``model.comm_stats()`` of the second step (calls, elements,
 bytes, ring traffic), within 1%, at world sizes 1, 2 and 4, under every strategy, in
 fp32 and with a bf16 model (fp32 main weights and gradients in separate buffers), with
-AdamW, SGD with momentum and plain SGD.
+AdamW, SGD with momentum and plain SGD; and under two mixed-precision policies whose
+extra buffers the plan must count: bf16 gradients of fp32 weights (the optimizer's
+gradients are a copy cast to fp32) and FSDP2's ``param_dtype=torch.bfloat16`` on an fp32
+model (a bf16 compute copy beside the fp32 main weights).
 
 One ``run_distributed`` call per world size wraps and steps every configuration; the
 plans are made in this process, on a meta-device GPT, over a fake process group.
@@ -15,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fsdp_buffers import MixedPrecisionPolicy
 from fsdp_hooks import fully_shard
 from fsdp_mesh.testing import run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
@@ -27,7 +31,15 @@ CONFIGS = [(s, "fp32", "adamw") for s in STRATEGIES] + [
     (3, "bf16", "adamw"),
     (2, "fp32", "sgd_momentum"),
     (3, "bf16", "sgd"),
+    (3, "fp32", "adamw", "bf16_grads"),
+    (1, "fp32", "adamw", "bf16_grads"),
+    (2, "fp32", "adamw", "bf16_params"),
 ]
+POLICIES = {
+    None: None,
+    "bf16_grads": MixedPrecisionPolicy(torch.float32, torch.bfloat16),
+    "bf16_params": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+}
 OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
     "sgd_momentum": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
@@ -41,12 +53,17 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def _one_step(configs):
     results = []
-    for strategy, dtype, optim in configs:
+    for config in configs:
+        strategy, dtype, optim, policy = (*config, None)[:4]
         torch.manual_seed(0)
         module = GPT(CFG).to(DTYPES[dtype])
         optimizer = OPTIMIZERS[optim](module.parameters())
         model, optimizer = fully_shard(
-            module, optimizer, fsdp_unit_modules=[Block], zero_dp_strategy=strategy
+            module,
+            optimizer,
+            fsdp_unit_modules=[Block],
+            zero_dp_strategy=strategy,
+            mixed_precision_policy=POLICIES[policy],
         )
         # Two steps; the second is counted: the first forward after wrapping also
         # re-installs the weights that optimizer-state initialisation touched.
@@ -59,7 +76,7 @@ def _one_step(configs):
             optimizer.step()
             optimizer.zero_grad()
         comm = model.comm_stats()
-        results.append(((strategy, dtype, optim), model.memory_stats(), comm))
+        results.append((config, model.memory_stats(), comm))
     return results
 
 
@@ -71,17 +88,22 @@ def _close(planned: float, measured: float) -> bool:
 def test_plan_matches_memory_stats_and_comm_stats(world_size):
     measured = run_distributed(_one_step, world_size, args=(CONFIGS,), timeout=120)
     for config in CONFIGS:
-        strategy, dtype, optim = config
+        strategy, dtype, optim, policy = (*config, None)[:4]
         with torch.device("meta"):
             meta = GPT(CFG).to(DTYPES[dtype])
         p = plan(
-            meta, world_size, optimizer=optim, fsdp_unit_modules=[Block], zero_dp_strategy=strategy
+            meta,
+            world_size,
+            optimizer=optim,
+            fsdp_unit_modules=[Block],
+            zero_dp_strategy=strategy,
+            mixed_precision_policy=POLICIES[policy],
         )
         figures = [p.per_rank, *p.ranks.values()]
         for rank, results in enumerate(measured):
             (got,) = [m for c, m, _ in results if c == config]
             (comm,) = [x for c, _, x in results if c == config]
-            where = f"world {world_size}, strategy {strategy}, {dtype}, {optim}, rank {rank}"
+            where = f"world {world_size}, {config}, rank {rank}"
             # This rank's planned figures: the one whose optimizer state matches
             # (ranks differ only there); every rank must match one of them.
             mine = [f for f in figures if _close(f["optimizer_state"], got["optimizer_state"])]

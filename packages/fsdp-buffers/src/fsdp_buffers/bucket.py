@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from fsdp_buffers import collectives
 from fsdp_buffers.collectives import CommStats, PendingCollective
@@ -164,6 +165,9 @@ class Bucket:
         self.grad_state = GradState.EMPTY
         self._gather: PendingCollective | None = None
         self._grad_views: list[torch.Tensor] = []
+        # The optimizer's gradients cast to the main weights' dtype, when the main
+        # grads are in another (made on first use; see ``grads_for_optimizer``).
+        self._grads_cast: DataParallelBuffer | None = None
         self._build_buffers(allocator, slot_keys, load)
         if self.outer is not None:
             self.outer.build_fine_buffers(self, load)
@@ -204,15 +208,32 @@ class Bucket:
                 allocator.register(buf, key)
             return buf
 
-        group.model_weight_buffer = make("model_weight", group.dtype, sharding.model_weights)
+        policy = self.ctx.policy
+        # The compute copy (FSDP2's param_dtype) may differ from the parameters' dtype;
+        # the main weights are then loaded from the original values, not its rounding.
+        compute_dtype = policy.compute_dtype_for(group.dtype) if group.is_float else group.dtype
+        if compute_dtype != group.dtype and any(isinstance(p, DTensor) for p in group.params):
+            # A DTensor parameter's spec carries its dtype: a local tensor of another
+            # dtype under it would make DTensor's propagation wrong.
+            raise NotImplementedError(
+                f"param_dtype={compute_dtype} over tensor-parallel (DTensor) {group.dtype} "
+                f"parameters ({group.names[:3]}) is not supported yet; cast the model to "
+                f"{compute_dtype} before wrapping (main weights stay in main_params_dtype)"
+            )
+        group.model_weight_buffer = make("model_weight", compute_dtype, sharding.model_weights)
         if load:
             group.model_weight_buffer.load_params(sources)
         if not group.requires_grad:
+            if compute_dtype != group.dtype:
+                raise ValueError(
+                    f"param_dtype={compute_dtype}: frozen parameters {group.names[:3]} are "
+                    f"{group.dtype} and have no main weights to keep that precision in; "
+                    f"cast them to {compute_dtype} before wrapping"
+                )
             return
-        policy = self.ctx.policy
         main_dtype = policy.main_params_dtype_for(group.dtype)
         fine = self.outer is not None and self.outer.sharded
-        if main_dtype != group.dtype and not fine:
+        if main_dtype != compute_dtype and not fine:
             group.main_weight_buffer = make("main_weight", main_dtype, sharding.main_weights)
             if load:
                 group.main_weight_buffer.load_params(sources)
@@ -274,6 +295,43 @@ class Bucket:
         weights are sharded over shard x outer."""
         return self.group.hsdp_gbuf or self.main_grads
 
+    def grads_for_optimizer(self) -> DataParallelBuffer:
+        """The gradients the optimizer's parameters hold, refreshed now: the
+        ``optimizer_grads`` themselves, or, when the main grads are in another dtype
+        than the main weights (e.g. ``main_grads_dtype=torch.bfloat16`` with fp32 main
+        weights), a copy cast to the main weights' dtype, as Megatron-FSDP makes:
+        torch's optimizers need a gradient in its parameter's dtype. The copy has the
+        same layout, so the same views; it is kept, and refilled by each call."""
+        gbuf = self.optimizer_grads
+        dtype = self.main_weights.dtype
+        if gbuf.dtype == dtype:
+            return gbuf
+        cast = self._grads_cast
+        if cast is None or cast.data.shape != gbuf.data.shape:
+            cast = self._grads_cast = DataParallelBuffer(
+                gbuf.layout,
+                dtype=dtype,
+                device=gbuf.device,
+                is_data_distributed=gbuf.is_data_distributed,
+                shard_rank=gbuf.shard_rank,
+                allocator=self.ctx.scratch,
+                name=f"group{self.gid}.optimizer_grad",
+                coarse=gbuf.coarse,
+            )
+        with torch.no_grad():
+            cast.data.copy_(gbuf.data)
+        return cast
+
+    @property
+    def needs_grad_copy(self) -> bool:
+        """Whether the optimizer's gradients are a cast copy (``grads_for_optimizer``)."""
+        return self.group.requires_grad and self.optimizer_grads.dtype != self.main_weights.dtype
+
+    @property
+    def optimizer_grad_copy(self) -> DataParallelBuffer | None:
+        """The cast copy of the optimizer's gradients, once a step made it."""
+        return self._grads_cast
+
     @property
     def outer_sharded(self) -> bool:
         return self.outer is not None and self.outer.sharded
@@ -295,7 +353,12 @@ class Bucket:
     def persistent_bytes(self) -> int:
         """Bytes held by this bucket's persistent buffers (not fetched buckets)."""
         group = self.group
-        bufs = (group.model_weight_buffer, group.main_weight_buffer, group.main_grad_buffer)
+        bufs = (
+            group.model_weight_buffer,
+            group.main_weight_buffer,
+            group.main_grad_buffer,
+            self._grads_cast,
+        )
         total = sum(b.nbytes for b in bufs if b is not None)
         if self.outer is not None:
             total += self.outer.own_bytes(self)
@@ -477,6 +540,14 @@ class Bucket:
         assert self.outer is not None
         return self.outer.start_grad_reduce(self)
 
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the main grads, and the optimizer's cast copy of them, by ``factor``."""
+        gbuf = self.group.main_grad_buffer
+        if gbuf is not None:
+            gbuf.data.mul_(factor)
+        if self._grads_cast is not None:
+            self._grads_cast.data.mul_(factor)
+
     def zero_grads(self) -> None:
         """-> EMPTY, with zeroed storage and no ``param.grad``."""
         gbuf = self.group.main_grad_buffer
@@ -485,6 +556,8 @@ class Bucket:
             if gbuf.is_data_distributed:
                 gbuf.free_bucket()
                 self._detach_main_grads()
+        if self._grads_cast is not None:
+            self._grads_cast.data.zero_()
         self.forget_grads()
 
     def forget_grads(self) -> None:
@@ -544,6 +617,21 @@ class Bucket:
         pg = self.shard.group
         src = dist.get_global_rank(pg, src_group_rank)
         group = self.group
+        main = group.main_weight_buffer
+        rederived = (main is not None and main.is_data_distributed) and not self.is_distributed
+        if self.outer is not None and self.outer.fine_main is not None:
+            rederived = True  # fully-sharded HSDP: from the outer-broadcast compute shard
+        if rederived and self.model.dtype != group.dtype:
+            # Sharded main weights are re-derived from the broadcast compute weights: a
+            # compute copy in another dtype than the parameters' (param_dtype) would
+            # round them.
+            raise NotImplementedError(
+                f"broadcast_params with param_dtype={self.model.dtype} over {group.dtype} "
+                f"parameters ({group.names[:3]}) under ZeRO-1/2 or fully-sharded HSDP: the "
+                f"{group.dtype} main weights would be re-derived from their "
+                f"{self.model.dtype} rounding. Make the ranks' initial weights equal before "
+                f"wrapping (or use zero_dp_strategy 0 or 3 without outer sharding)."
+            )
         for buf in (group.model_weight_buffer, group.main_weight_buffer):
             if buf is not None and not buf.is_data_distributed:
                 self.ctx.stats.record(

@@ -109,12 +109,15 @@ class DTensorViews:
         anew only if that buffer's storage was replaced."""
         buckets = self._buffer.buckets
         cache = self._grad_cache
+        refreshed: dict[int, DataParallelBuffer] = {}  # once per bucket per call
         for _name, dparam in self._optimizer_params or ():
             gid, i = dparam._fsdp_group_index  # type: ignore[attr-defined]
             b = buckets[gid]
             if only_with_grads and not b.has_grads:
                 continue
-            gbuf = b.optimizer_grads
+            gbuf = refreshed.get(gid)
+            if gbuf is None:
+                gbuf = refreshed[gid] = b.grads_for_optimizer()
             cached = cache.get((gid, i))
             if cached is None or cached[0] is not gbuf.data:
                 grad = self._dtensor(b, i, self._optimizer_view(b, i, gbuf))

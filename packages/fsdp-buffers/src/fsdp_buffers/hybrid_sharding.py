@@ -78,7 +78,7 @@ class OuterSharding:
 
         main_dtype = bucket.ctx.policy.main_params_dtype_for(group.dtype)
         self.fine_main = fine(main_dtype, "outer_main_weight")
-        if main_dtype == group.dtype:
+        if main_dtype == bucket.model.dtype:
             self.fine_main.data = self.fine_slice(bucket.model.data)
         elif load:
             self.fine_main.load_params([bucket.tp.local_source(p) for p in group.params])

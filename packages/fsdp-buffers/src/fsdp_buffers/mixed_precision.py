@@ -49,15 +49,29 @@ class MixedPrecisionPolicy:
     Main weights are never narrower than the parameter: with the default
     ``main_params_dtype=torch.float32`` an fp64 parameter keeps fp64 main weights.
 
+    The three dtypes combine freely. Where the main grads' dtype differs from the main
+    weights' (fp32 weights with bf16 grads, as Megatron-Core's ``--grad-reduce-in-bf16``;
+    ``main_params_dtype=None`` on a bf16 model; fp64 weights with fp32 grads), the
+    optimizer's ``.grad`` is the reduced main gradient cast to the main weights' dtype
+    (as Megatron-FSDP's ``update_main_grads``): one extra copy of the gradient shard.
+
     **PyTorch FSDP2's spelling** (``torch.distributed.fsdp.MixedPrecisionPolicy``) is
     accepted beside these fields, by keyword:
 
-    - ``param_dtype``: the dtype the model computes in (the compute weights). The
-      compute copy is not made by the library yet: the wrapper requires the model's
-      floating parameters to be in ``param_dtype`` already (``model.to(torch.bfloat16)``
-      before wrapping; main weights stay ``main_params_dtype``, fp32 by default) and
-      raises otherwise, rather than computing in another dtype than asked.
+    - ``param_dtype``: the dtype the model computes in (the compute weights, the
+      model-weight buffer). The library makes the compute copy: an fp32 model wrapped
+      with ``param_dtype=torch.bfloat16`` computes in bf16 (the parameters the forward
+      sees are bf16 views of the gathered bucket) while the main weights stay in
+      ``main_params_dtype_for`` of the model's own dtype (fp32: loaded from the
+      original fp32 values, not from their bf16 rounding); gradients accumulate in
+      ``main_grads_dtype_for`` of the model's dtype (fp32 by default) and the state
+      dict holds the main weights. Frozen floating parameters in another dtype than
+      ``param_dtype`` are refused at wrap (they have no main weights to keep their
+      own precision in).
     - ``reduce_dtype``: FSDP2's name for ``grad_comm_dtype`` (give one, or both equal).
+      When neither is given gradients are reduced in the main-grad dtype (fp32 by
+      default), where FSDP2 reduces in ``param_dtype``: pass
+      ``reduce_dtype=param_dtype`` for FSDP2's cheaper reduction.
     - ``output_dtype``: floating outputs of the wrapper's forward are cast to it.
     - ``cast_forward_inputs``: floating inputs of the wrapper's forward are cast to
       ``param_dtype`` (when it is set). Default ``True``, as FSDP2.
@@ -113,6 +127,12 @@ class MixedPrecisionPolicy:
                     "updates or accumulate gradients); use torch.float32, torch.bfloat16, "
                     "torch.float16 or None."
                 )
+
+    def compute_dtype_for(self, param_dtype: torch.dtype) -> torch.dtype:
+        """dtype of the compute weights (the model-weight buffer) of a ``param_dtype``
+        parameter: ``param_dtype`` (the field) when set, else the parameter's own."""
+        _check_param_dtype(param_dtype)
+        return self.param_dtype if self.param_dtype is not None else param_dtype
 
     def main_params_dtype_for(self, param_dtype: torch.dtype) -> torch.dtype:
         """dtype of the main weights for a parameter of ``param_dtype``."""

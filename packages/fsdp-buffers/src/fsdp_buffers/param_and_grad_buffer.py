@@ -289,9 +289,8 @@ class ParamAndGradBuffer:
 
     def scale_gradients(self, scaling_factor: float) -> None:
         with torch.no_grad():
-            for group in self.groups:
-                if group.main_grad_buffer is not None:
-                    group.main_grad_buffer.data.mul_(scaling_factor)
+            for bucket in self.buckets:
+                bucket.scale_grads(scaling_factor)
 
     def zero_grad_buffer(self) -> None:
         with torch.no_grad(), annotate("fsdp.zero_grad_buffer"):

@@ -68,7 +68,9 @@ def default_ddp_config(
 
 def reset_policy(current: MixedPrecisionPolicy, new: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
     """Megatron-FSDP's rule: the main weight and main gradient dtypes stay (the buffers
-    were allocated in them); the gradient communication dtype is the new policy's."""
+    were allocated in them); the gradient communication dtype is the new policy's
+    (``grad_comm_dtype`` or FSDP2's ``reduce_dtype``). FSDP2's ``param_dtype`` stays
+    too (the compute buffers are in it); its forward casts are the new policy's."""
     if not isinstance(new, MixedPrecisionPolicy):
         raise TypeError(
             f"reset_mixed_precision_policy: expected a MixedPrecisionPolicy; got "
@@ -77,7 +79,12 @@ def reset_policy(current: MixedPrecisionPolicy, new: MixedPrecisionPolicy) -> Mi
     return MixedPrecisionPolicy(
         main_params_dtype=current.main_params_dtype,
         main_grads_dtype=current.main_grads_dtype,
-        grad_comm_dtype=new.grad_comm_dtype,
+        grad_comm_dtype=new.grad_comm_dtype
+        if new.grad_comm_dtype is not None
+        else new.reduce_dtype,
+        param_dtype=current.param_dtype,
+        output_dtype=new.output_dtype,
+        cast_forward_inputs=new.cast_forward_inputs,
     )
 
 

@@ -9,11 +9,13 @@ compares the two key by key.
 Keys, in bytes: ``parameters`` (model-weight buffers held between steps: the shard under
 ZeRO-3, the whole parameter-major buffer below it; gathered buckets are not counted),
 ``main_weights`` (separate main-weight buffers: 0 when they are the model weights),
-``main_grads``, ``optimizer_state`` (only when an optimizer is given or was attached by
-``fully_shard_optimizer``), ``activations`` (the last forward run under
-``model.measure_activations()``: saved tensors on CPU, the allocator's growth on CUDA;
-``fsdp_hooks.activations``), ``total`` (their sum) and, on CUDA after a measured
-forward, ``peak`` (``max_memory_allocated`` since that forward began).
+``main_grads`` (with the optimizer's copy cast to the main weights' dtype, made at the
+first step, when the main grads are in another dtype), ``optimizer_state`` (only when an
+optimizer is given or was attached by ``fully_shard_optimizer``), ``activations`` (the
+last forward run under ``model.measure_activations()``: saved tensors on CPU, the
+allocator's growth on CUDA; ``fsdp_hooks.activations``), ``total`` (their sum) and, on
+CUDA after a measured forward, ``peak`` (``max_memory_allocated`` since that forward
+began).
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ def measure_memory_stats(
     for group in buffer.groups:
         grad = group.main_grad_buffer
         stats["main_grads"] += count(grad.data if grad is not None else None)
+    for bucket in buffer.buckets:  # the optimizer's cast copy (main grads in another dtype)
+        copy = bucket.optimizer_grad_copy
+        stats["main_grads"] += count(copy.data if copy is not None else None)
     if optimizer is not None:
         total = 0
         for state in optimizer.state.values():

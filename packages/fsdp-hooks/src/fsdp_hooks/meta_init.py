@@ -355,9 +355,11 @@ class _Materializer:
         assert buf is not None
         views: dict[nn.Parameter, torch.Tensor] = {}
         bucket_views: dict[nn.Parameter, torch.Tensor] = {}
-        if buf.is_data_distributed:
-            flat = torch.zeros(buf.layout.total_numel, dtype=buf.dtype, device=buf.device)
-            self._track(flat.numel() * buf.element_size)
+        # A compute copy in another dtype (param_dtype): initialize in the parameters'
+        # own dtype, so the main weights get the full-precision values.
+        if buf.is_data_distributed or buf.dtype != group.dtype:
+            flat = torch.zeros(buf.layout.total_numel, dtype=group.dtype, device=buf.device)
+            self._track(flat.numel() * flat.element_size())
             for i, p in enumerate(group.params):
                 bucket_views[p] = _local(p)
                 views[p] = buf.param_view(flat, i)
@@ -366,7 +368,7 @@ class _Materializer:
             flat = buf.data
             for i, p in enumerate(group.params):
                 views[p] = buf.param_view(flat, i)
-        if buf.dtype.is_floating_point or buf.dtype.is_complex:
+        if flat.dtype.is_floating_point or flat.dtype.is_complex:
             for p in group.params:
                 if getattr(p, META_INIT_PENDING_ATTR, False):
                     views[p].fill_(float("nan"))  # "not initialized", checked on close
@@ -382,7 +384,7 @@ class _Materializer:
                 value = getattr(p, _VALUE_ATTR, None)
                 if value is not None:
                     og.views[p].copy_(value)
-            if buf.dtype.is_floating_point or buf.dtype.is_complex:
+            if og.flat.dtype.is_floating_point or og.flat.dtype.is_complex:
                 bad = [
                     self.plan.param_names.get(p, "?")
                     for p in group.params
@@ -396,7 +398,7 @@ class _Materializer:
                         f"them initialize every parameter it owns, or build that module "
                         f"on a real device before wrapping."
                     )
-            if buf.is_data_distributed:
+            if og.flat is not buf.data:
                 buf.load_from_unsharded(og.flat)
             main = group.main_weight_buffer
             if main is not None:
@@ -409,8 +411,8 @@ class _Materializer:
                 fine.load_from_unsharded(og.flat)
         for p, bucket_view in og.bucket_views.items():
             _set_local(p, bucket_view)
-        if buf.is_data_distributed:
-            self._track(-og.flat.numel() * buf.element_size)
+        if og.flat is not buf.data:
+            self._track(-og.flat.numel() * og.flat.element_size())
 
     def run_reset(self, reset: _Reset) -> None:
         mod = reset.module

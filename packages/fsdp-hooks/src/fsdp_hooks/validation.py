@@ -371,20 +371,23 @@ def broadcast_from_dp_rank0(module: nn.Module, names: list[str], dist_index) -> 
 
 
 def check_param_dtype(module: nn.Module, policy: MixedPrecisionPolicy) -> None:
-    """FSDP2's ``param_dtype``: the compute copy in another dtype than the parameters' is
-    not made by the buffers yet, so a model in another dtype is refused, never run in
-    a dtype other than the one asked for."""
+    """FSDP2's ``param_dtype``: the buffers make the compute copy of every trainable
+    parameter, whose main weights keep its own precision. A frozen floating parameter
+    has no main weights, so in another dtype it is refused rather than kept only as
+    its ``param_dtype`` rounding (which the state dict would then give)."""
     want = policy.param_dtype
     if want is None:
         return
-    other = sorted(
-        {str(p.dtype) for p in module.parameters() if p.is_floating_point() and p.dtype != want}
-    )
-    if other:
+    frozen = [
+        name
+        for name, p in module.named_parameters()
+        if p.is_floating_point() and not p.requires_grad and p.dtype != want
+    ]
+    if frozen:
         raise ValueError(
-            f"MixedPrecisionPolicy(param_dtype={want}): the model has {other} parameters. "
-            f"fsdp does not make the {want} compute copy itself yet: cast the model "
-            f"before wrapping (model.to({want})); the main weights stay in "
-            f"main_params_dtype={policy.main_params_dtype} (fp32 by default), so the "
-            f"optimizer still steps fp32 weights"
+            f"MixedPrecisionPolicy(param_dtype={want}): frozen (requires_grad=False) "
+            f"parameters {frozen[:5]} are {module.get_parameter(frozen[0]).dtype}. fsdp "
+            f"keeps full-precision main weights only for trainable parameters, so it "
+            f"would hold frozen ones only as their {want} rounding: cast them to {want} "
+            f"before wrapping (or leave param_dtype unset)"
         )

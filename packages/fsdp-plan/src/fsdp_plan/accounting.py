@@ -46,9 +46,14 @@ def model_state_bytes(buffer: ParamAndGradBuffer) -> dict[str, int]:
         out["main_weights"] += _nbytes(group.main_weight_buffer)
         outer = buffer.buckets[gid].outer
         fine = outer.fine_main if outer is not None else None  # a view when same dtype
-        if fine is not None and fine.dtype != group.dtype:
+        model = group.model_weight_buffer
+        if fine is not None and (model is None or fine.dtype != model.dtype):
             out["main_weights"] += _nbytes(fine)
         out["main_grads"] += _nbytes(group.main_grad_buffer)
+        bucket = buffer.buckets[gid]
+        if bucket.needs_grad_copy:  # the optimizer's gradients cast to the main weights'
+            grads = bucket.optimizer_grads
+            out["main_grads"] += grads.data.numel() * bucket.main_weights.element_size
     return out
 
 

@@ -287,15 +287,9 @@ class DistributedDataParallel(InnerModuleAttributes):
                 "with all-reduce, step the module's parameters after "
                 "copy_main_grads_to_grads() (or read param.main_grad)"
             )
-        params = [p for _name, p in self.buffer.views.optimizer_named_parameters()]
-        for p in params:
-            if p.grad is not None and p.grad.dtype != p.dtype:
-                raise ValueError(
-                    f"{WHO}: the main weights are {p.dtype} but gradients accumulate in "
-                    f"{p.grad.dtype}; a torch optimizer needs both in one dtype: pass "
-                    "accumulate_allreduce_grads_in_fp32=True (ddp_config.grad_reduce_in_fp32)"
-                )
-        return params
+        # Gradients in another dtype than the fp32 main weights (grad_reduce_in_fp32
+        # off) reach the optimizer cast to fp32, as in Megatron-Core.
+        return [p for _name, p in self.buffer.views.optimizer_named_parameters()]
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False) -> None:
         """Distributed optimizer: copy this rank's stepped shard into the parameters and
