@@ -224,6 +224,10 @@ class FSDPHooks:
             for _m, _a, compute, _d in unit.locations
         }
         self.regather_saved_weights = os.environ.get(REGATHER_ENV, "0") not in ("", "0")
+        # The wrapper's forward calls these: a compiled wrapper then breaks its graph at
+        # these calls only, not at each Python step inside them.
+        self.root_pre_forward = _eager(self.root_pre_forward)  # type: ignore[method-assign]
+        self.root_post_forward = _eager(self.root_post_forward)  # type: ignore[method-assign]
 
     @property
     def wrapper(self) -> MegatronFSDP:
