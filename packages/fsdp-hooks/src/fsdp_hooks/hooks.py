@@ -98,6 +98,17 @@ __all__ = ["REGATHER_ENV", "FSDPHooks", "FSDPUnit"]
 REGATHER_ENV = "FSDP_REGATHER_SAVED_WEIGHTS"
 
 
+def _eager(hook: Any) -> Any:
+    """``hook`` with its frame, and every frame it calls, skipped by TorchDynamo, as
+    FSDP2 does for its hooks (``_dynamo_disable``). ``unit.compile()`` compiles the
+    unit's ``_call_impl``; dynamo leaves that torch frame to Python and compiles the
+    frames it calls instead: each module hook as one and ``forward`` as another. Our
+    hooks gather, release and hook autograd: Python bookkeeping that dynamo cannot
+    trace (it broke each unit's hooks into several graphs). Skipped, they run eagerly
+    around the unit's one compiled ``forward`` graph and break nothing."""
+    return torch.compiler.disable(hook, recursive=True, reason="fsdp's hooks run eagerly")
+
+
 @dataclass(frozen=True, eq=False)
 class _SavedWeight:
     """A unit's compute weight saved for backward, and its bucket."""
@@ -168,11 +179,15 @@ class FSDPHooks:
                     self._markers.setdefault(gid, []).append(unit)
             unit.handles.append(
                 unit_module.register_forward_pre_hook(
-                    functools.partial(self._unit_pre_forward, unit), prepend=True, with_kwargs=True
+                    _eager(functools.partial(self._unit_pre_forward, unit)),
+                    prepend=True,
+                    with_kwargs=True,
                 )
             )
             unit.handles.append(
-                unit_module.register_forward_hook(functools.partial(self._unit_post_forward, unit))
+                unit_module.register_forward_hook(
+                    _eager(functools.partial(self._unit_post_forward, unit))
+                )
             )
 
         self._grad_handles = [
@@ -214,6 +229,10 @@ class FSDPHooks:
             for _m, _a, compute, _d in unit.locations
         }
         self.regather_saved_weights = os.environ.get(REGATHER_ENV, "0") not in ("", "0")
+        # The wrapper's forward calls these: a compiled wrapper then breaks its graph at
+        # these calls only, not at each Python step inside them.
+        self.root_pre_forward = _eager(self.root_pre_forward)  # type: ignore[method-assign]
+        self.root_post_forward = _eager(self.root_post_forward)  # type: ignore[method-assign]
 
     @property
     def wrapper(self) -> MegatronFSDP:
@@ -405,9 +424,11 @@ class FSDPHooks:
             return output
 
         unit.handles.append(
-            unit.module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
+            unit.module.register_forward_pre_hook(
+                _eager(pre_forward), prepend=True, with_kwargs=True
+            )
         )
-        unit.handles.append(unit.module.register_forward_hook(post_forward))
+        unit.handles.append(unit.module.register_forward_hook(_eager(post_forward)))
 
     def _unit_pre_forward(self, unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict):
         with annotate("fsdp.pre_forward"):
