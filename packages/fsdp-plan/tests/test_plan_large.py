@@ -110,10 +110,11 @@ def test_bad_input_is_refused():
         plan(module, 0)
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
         plan(module, 8, batch_size=0, seq_len=16)
-    # What the wrapper refuses, plan() refuses: fully-sharded HSDP below ZeRO-3, a
-    # compute dtype the model is not in.
+    # What the wrapper refuses, plan() refuses: fully-sharded HSDP below ZeRO-3, frozen
+    # parameters in another dtype than param_dtype (no main weights to keep them in).
     with pytest.raises(ValueError, match="requires"):
         plan(module, 8, dp_outer=2, zero_dp_strategy=2, outer_dp_sharding_strategy="optim")
+    module.tok.weight.requires_grad_(False)
     with pytest.raises(ValueError, match="param_dtype"):
         plan(
             module,
