@@ -10,9 +10,10 @@ tensor. Refused at wrap, with the reason:
   gradients before fsdp's ``step`` could reduce them, and it works on one flat vector
   of every parameter.
 - ``SparseAdam``: it needs sparse gradients; fsdp's gradients are dense buffers.
-- ``Adafactor`` and ``Muon`` under a sharding strategy (1-3), for matrices: they need
-  whole rows and columns (Adafactor's factored second moment) or whole matrices
-  (Muon's orthogonalization), which a row piece does not hold locally (their exact
+- ``Adafactor`` and ``Muon`` under a sharding strategy (1-3): they need whole rows and
+  columns and each tensor's RMS (Adafactor's factored second moment and relative step,
+  1-D tensors included) or whole matrices (Muon's orthogonalization), which a row piece
+  does not hold locally (their exact
   support under sharding is issue "whole-matrix optimizers"). Under ``no_shard`` (0)
   every rank holds the whole matrix and they work.
 """
@@ -63,8 +64,14 @@ def check_optimizer_supported(
         )
     whole_matrix = tuple(c for c in (_class("Adafactor"), _class("Muon")) if c is not None)
     if sharded and whole_matrix and isinstance(optimizer, whole_matrix):
+        # Adafactor also scales every update by its tensor's RMS (1-D ones too), which a
+        # row piece does not have: any sharded tensor is refused, not only matrices.
+        min_ndim = 1 if type(optimizer).__name__ == "Adafactor" else 2
         matrices = [
-            tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if p.ndim >= 2
+            tuple(p.shape)
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if p.ndim >= min_ndim
         ]
         if matrices:
             raise TypeError(
