@@ -171,6 +171,9 @@ class Bucket:
         self._build_buffers(allocator, slot_keys, load)
         if self.outer is not None:
             self.outer.build_fine_buffers(self, load)
+        # Whether the compute weights are sharded (so gathered before use); fixed at
+        # construction, and read on every prefetch walk.
+        self.is_distributed: bool = self.model.is_data_distributed
         if self.is_distributed:
             self.status = BucketStatus.EMPTY
 
@@ -335,11 +338,6 @@ class Bucket:
     @property
     def outer_sharded(self) -> bool:
         return self.outer is not None and self.outer.sharded
-
-    @property
-    def is_distributed(self) -> bool:
-        """Whether the compute weights are sharded (so gathered before use)."""
-        return self.model.is_data_distributed
 
     @property
     def unsharded_bytes(self) -> int:
