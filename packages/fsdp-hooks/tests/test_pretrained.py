@@ -114,6 +114,32 @@ def _logits_match(cases: list[tuple[str, str]]) -> dict[str, float]:
     return out
 
 
+def _bf16_compute(directory: str) -> dict[str, Any]:
+    """fp32 checkpoint, FSDP2's ``param_dtype=bf16``: the main weights are the checkpoint's
+    fp32 values (not their bf16 rounding), and the logits are those of transformers'
+    model loaded in bf16 (the same rounding of the same weights)."""
+    import fsdp
+
+    cls, _ = _make("llama")
+    policy = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    model = fsdp.from_pretrained(cls, directory, zero_dp_strategy=3, mixed_precision_policy=policy)
+    ref32 = cls.from_pretrained(directory, dtype=torch.float32)
+    ref16 = cls.from_pretrained(directory, dtype=torch.bfloat16)
+    full = model.buffer.views.full_parameters()
+    want = dict(ref32.named_parameters())
+    with torch.no_grad():
+        got = model(**_inputs("llama")).logits
+        expect = ref16(**_inputs("llama")).logits
+    return {
+        "main_fp32_exact": all(
+            full[n].dtype == torch.float32 and torch.equal(full[n], want[n]) for n in full
+        ),
+        "covered": set(full) == set(want),
+        "logits_dtype": str(got.dtype),
+        "logits_diff": (got.float() - expect.float()).abs().max().item(),
+    }
+
+
 def _generate(directory: str) -> dict[str, Any]:
     import fsdp
 
@@ -285,6 +311,14 @@ def test_logits_equal_transformers(tmp_path: Path) -> None:
         assert diffs and all(d == 0.0 for d in diffs.values()), (rank, diffs)
 
 
+def test_from_pretrained_with_bf16_compute(tmp_path: Path) -> None:
+    directory = str(_save("llama", tmp_path / "llama"))
+    for rank, r in enumerate(run_distributed(_bf16_compute, WORLD, args=(directory,))):
+        assert r["main_fp32_exact"] and r["covered"], (rank, r)
+        assert r["logits_dtype"] == "torch.bfloat16", (rank, r)
+        assert r["logits_diff"] == 0.0, (rank, r)
+
+
 def test_generate_under_zero3(tmp_path: Path) -> None:
     """Before: ``model.module.generate`` failed ("mixed torch.Tensor and DTensor"). Now
     ``model.generate`` gathers as forward does and gives transformers' tokens."""
@@ -328,15 +362,15 @@ def test_consolidate_hf(tmp_path: Path) -> None:
 
 def test_load_peak_memory(tmp_path: Path) -> None:
     """Loading holds this rank's shards plus about one tensor: peak RSS grows by at most
-    half the full model while loading (the largest tensor is under a quarter of it; the
-    shards exist before). RSS, not the torch allocator: safetensors maps the file, and
+    1.5x the largest tensor while loading (measured: 0.97x on rank 0, 0.53x on rank 1;
+    the whole model is 4.3x the largest tensor; the shards exist before). RSS, not the torch allocator: safetensors maps the file, and
     the profiler counts that file-backed mapping as an allocation of the whole file."""
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux /proc to reset the peak RSS")
     directory = str(_save("llama_big", tmp_path / "big"))
     for rank, r in enumerate(run_distributed(_load_memory, WORLD, args=(directory,))):
         assert r["full"] > 4 * r["largest"], r  # the bound is about one tensor, not all
-        assert r["growth"] <= 0.5 * r["full"], (rank, r)
+        assert r["growth"] <= 1.5 * r["largest"], (rank, r)
 
 
 def test_bad_checkpoints_name_the_entry(tmp_path: Path) -> None:
