@@ -34,8 +34,6 @@ double-counts. The outer reduction of hybrid sharding is rebased the same way (N
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,16 +43,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_buffers import collectives
-from fsdp_buffers.collectives import CommStats, PendingCollective
+from fsdp_buffers.bucket_state import (
+    BucketContext,
+    BucketStatus,
+    CommGroup,
+    GradState,
+    GroupSharding,
+)
+from fsdp_buffers.collectives import PendingCollective
 from fsdp_buffers.data_parallel_buffer import (
     BucketAllocator,
     DataParallelBuffer,
     DoubleBufferAllocator,
-    TemporaryBucketAllocator,
 )
 from fsdp_buffers.hybrid_sharding import OuterSharding
 from fsdp_buffers.layout import FlatLayout, compute_layout
-from fsdp_buffers.mixed_precision import MixedPrecisionPolicy
 from fsdp_buffers.param_group import ParameterGroup
 from fsdp_buffers.profiling import annotate
 from fsdp_buffers.strategy import ShardingStrategy
@@ -63,53 +66,6 @@ if TYPE_CHECKING:
     from fsdp_buffers.tensor_parallel import TensorParallel
 
 __all__ = ["Bucket", "BucketContext", "BucketStatus", "CommGroup", "GradState", "GroupSharding"]
-
-
-class BucketStatus(enum.Enum):
-    """Where a bucket's compute weights are (Note [bucket states])."""
-
-    EMPTY = enum.auto()  # sharded: only this rank's shard exists
-    GATHER_IN_PROGRESS = enum.auto()  # an all-gather into the unsharded bucket is in flight
-    READY_TO_USE = enum.auto()  # unsharded (gathered, or replicated for good)
-
-
-class GradState(enum.Enum):
-    """What a bucket's main-grad storage holds (Note [bucket states])."""
-
-    EMPTY = enum.auto()  # zeros
-    ACCUMULATING = enum.auto()  # local, unreduced gradients (in the staging bucket if sharded)
-    SHARD_REDUCED = enum.auto()  # reduced in the shard group; the outer reduction is to come
-    REDUCED = enum.auto()  # reduced across every data-parallel rank: ready for the optimizer
-
-
-@dataclass(frozen=True)
-class GroupSharding:
-    """Which of a bucket's buffers are sharded."""
-
-    model_weights: bool
-    main_weights: bool
-    grads: bool
-
-
-@dataclass(frozen=True)
-class CommGroup:
-    """A process group resolved once: the group, its size, this rank's position."""
-
-    group: dist.ProcessGroup | None
-    size: int
-    rank: int
-
-
-@dataclass
-class BucketContext:
-    """What every bucket of one ``ParamAndGradBuffer`` shares. Mutable on purpose:
-    ``reset_mixed_precision_policy`` replaces the policy of a wrapped model."""
-
-    policy: MixedPrecisionPolicy
-    stats: CommStats
-    device: torch.device
-    average_in_collective: bool
-    scratch: TemporaryBucketAllocator
 
 
 class Bucket:

@@ -1,0 +1,64 @@
+"""The states and small records of a ``Bucket`` (Note [bucket states] in ``bucket``):
+``BucketStatus`` for its compute weights, ``GradState`` for its gradients, which of its
+buffers are sharded, its process groups and what all buckets of a buffer share."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fsdp_buffers.collectives import CommStats
+from fsdp_buffers.data_parallel_buffer import TemporaryBucketAllocator
+from fsdp_buffers.mixed_precision import MixedPrecisionPolicy
+
+__all__ = ["BucketContext", "BucketStatus", "CommGroup", "GradState", "GroupSharding"]
+
+
+class BucketStatus(enum.Enum):
+    """Where a bucket's compute weights are (Note [bucket states])."""
+
+    EMPTY = enum.auto()  # sharded: only this rank's shard exists
+    GATHER_IN_PROGRESS = enum.auto()  # an all-gather into the unsharded bucket is in flight
+    READY_TO_USE = enum.auto()  # unsharded (gathered, or replicated for good)
+
+
+class GradState(enum.Enum):
+    """What a bucket's main-grad storage holds (Note [bucket states])."""
+
+    EMPTY = enum.auto()  # zeros
+    ACCUMULATING = enum.auto()  # local, unreduced gradients (in the staging bucket if sharded)
+    SHARD_REDUCED = enum.auto()  # reduced in the shard group; the outer reduction is to come
+    REDUCED = enum.auto()  # reduced across every data-parallel rank: ready for the optimizer
+
+
+@dataclass(frozen=True)
+class GroupSharding:
+    """Which of a bucket's buffers are sharded."""
+
+    model_weights: bool
+    main_weights: bool
+    grads: bool
+
+
+@dataclass(frozen=True)
+class CommGroup:
+    """A process group resolved once: the group, its size, this rank's position."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+
+
+@dataclass
+class BucketContext:
+    """What every bucket of one ``ParamAndGradBuffer`` shares. Mutable on purpose:
+    ``reset_mixed_precision_policy`` replaces the policy of a wrapped model."""
+
+    policy: MixedPrecisionPolicy
+    stats: CommStats
+    device: torch.device
+    average_in_collective: bool
+    scratch: TemporaryBucketAllocator
