@@ -88,7 +88,7 @@ class AllGatherPipeline:
                 f"forward_order must be a permutation of the {n} bucket ids; got {order}"
             )
         self.forward_order = order
-        skip = no_backward or set()
+        skip = self._skip = no_backward or set()
         self._sequence = {
             PrefetchOrder.FORWARD_PASS_ORDER: order,
             PrefetchOrder.BACKWARD_PASS_ORDER: [g for g in order[::-1] if g not in skip],
@@ -134,7 +134,8 @@ class AllGatherPipeline:
             return
         seen = set(observed)
         order = observed + [g for g in self.forward_order if g not in seen]
-        self._set_forward_order(order, skip)
+        if order != self.forward_order or skip != self._skip:  # else nothing to rebuild
+            self._set_forward_order(order, skip)
 
     def async_bucket_gather(self, gid: int) -> None:
         bucket = self.buckets[gid]
