@@ -56,7 +56,6 @@ class GradReducePipeline:
                 f"reduce_order must list each trainable bucket once ({trainable}); got {order}"
             )
         self.reduce_order = order
-        self._trainable = set(trainable)
         self._expected = {
             g: {i for i, p in enumerate(self.buckets[g].group.params) if p.requires_grad}
             for g in trainable
@@ -79,7 +78,7 @@ class GradReducePipeline:
         """Make bucket ``gid``'s gradient storage exist now, so that ``param.main_grad``
         views are valid before any gradient arrives (frameworks that accumulate into
         ``main_grad`` themselves, e.g. Transformer Engine's fused wgrad)."""
-        if gid in self._trainable and gid not in self._launched:
+        if gid in self._expected and gid not in self._launched:
             self.buckets[gid].begin_accumulating()
 
     def accumulate(self, param: nn.Parameter) -> None:
@@ -133,7 +132,7 @@ class GradReducePipeline:
         """End of backward: launch every bucket not launched yet (zeros stand in for
         gradients that never came), wait for all reductions, and start afresh."""
         with annotate("fsdp.finish_grad_sync"):
-            self._ready.update(self._trainable)
+            self._ready.update(self._expected)
             self._launch_in_order()
             self.wait_all()
             if self.sync_grads:
