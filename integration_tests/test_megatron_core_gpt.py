@@ -3,10 +3,14 @@ with Megatron-Core's own ``finalize_model_grads`` and its own optimizer
 (``get_megatron_optimizer``: Adam; its gradient norm compared too), once under Megatron-Core's own
 ``DistributedDataParallel`` (the reference) and once under each of fsdp's adapters:
 ``fsdp.DistributedDataParallel`` (all-reduce; Megatron-Core's ``FP32Optimizer`` reads
-``main_grad``) and ``fsdp.FullyShardedDataParallel`` (``optim_grads_params``,
-Megatron-Core's ``TransformerLayer`` as the FSDP unit; Megatron-Core's
-``DistributedOptimizer`` on its Megatron-FSDP path reads ``param_and_grad_buffer``).
-The losses of every step and the final weights must equal the reference's (fp32, 1e-5).
+``main_grad``), the same with ``use_distributed_optimizer=True`` stepped by Megatron-Core's
+``DistributedOptimizer`` (it reads ``model.buffers``: buckets, ``grad_data``,
+``param_data``, ``param_index_map``, and gathers through ``model.bucket_groups``), and
+``fsdp.FullyShardedDataParallel`` (``optim_grads_params``, Megatron-Core's
+``TransformerLayer`` as the FSDP unit; Megatron-Core's ``DistributedOptimizer`` on its
+Megatron-FSDP path reads ``param_and_grad_buffer``). Megatron-Core's own DDP with its
+``DistributedOptimizer`` runs too. The losses and gradient norms of every step and the
+final weights must equal the reference's (fp32, 1e-5).
 
 megatron-core 0.19's wheel declares Python >= 3.12, and its sources are pure Python
 that imports on 3.11, so the wheel is fetched by package name with pip (cached under
@@ -16,16 +20,20 @@ cache). Megatron-Core assumes CUDA in a few places; those are patched here, in t
 test, never in fsdp: the current device is the CPU, the current stream is a no-op
 object, the CUDA RNG tracker's fork is a no-op (dropout is 0), and the causal mask is
 passed explicitly (its default is built on "cuda"), and the optimizer modules'
-small tensors made on ``device="cuda"`` are made on the CPU.
+small tensors made on ``device="cuda"`` are made on the CPU; while its
+``DistributedOptimizer`` is built, ``tensor.type()`` names CPU tensors as CUDA ones (it
+sorts parameters by ``torch.cuda.FloatTensor`` and the like).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +48,9 @@ ROWS = 2  # per rank
 SEQ = 8
 VOCAB = 64
 LR = 1e-2
+# Megatron-Core's DDP (the reference), then with its DistributedOptimizer, fsdp's DDP
+# adapter with Megatron-Core's FP32Optimizer and with its DistributedOptimizer, fsdp's FSDP.
+KINDS = ("megatron", "megatron_distopt", "fsdp_ddp", "fsdp_ddp_distopt", "fsdp")
 
 
 def _cache_dir() -> Path:
@@ -129,6 +140,25 @@ def _patch_cuda_isms() -> None:
         module.torch = _CpuFactories(torch)
 
 
+@contextlib.contextmanager
+def _cuda_type_names(torch) -> Iterator[None]:
+    """While Megatron-Core's ``DistributedOptimizer`` is built: ``tensor.type()`` of a CPU
+    tensor says ``torch.cuda.FloatTensor`` (it sorts parameters by those names)."""
+    original = torch.Tensor.type
+
+    def type_name(self, *args: Any, **kwargs: Any) -> Any:
+        name = original(self, *args, **kwargs)
+        if args or kwargs or self.device.type != "cpu":
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = type_name
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
 def _build(torch, parallel_state: Any) -> tuple[Any, Any]:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -177,13 +207,22 @@ def _train(kind: str) -> tuple[list[float], dict[str, Any]]:
     import fsdp
 
     config, module = _build(torch, parallel_state)
-    if kind == "megatron":
-        model = MegatronDDP(config, MegatronDDPConfig(overlap_grad_reduce=False), module)
-    elif kind == "fsdp_ddp":
-        model = fsdp.DistributedDataParallel(
-            config, MegatronDDPConfig(overlap_grad_reduce=True, bucket_size=4000), module
+    distopt = kind.endswith("_distopt")  # Megatron-Core's DistributedOptimizer over a DDP
+    if kind in ("megatron", "megatron_distopt"):
+        model = MegatronDDP(
+            config,
+            MegatronDDPConfig(overlap_grad_reduce=False, use_distributed_optimizer=distopt),
+            module,
         )
-        assert isinstance(model.buffers, list) and model.buffers[0] is model.buffer
+    elif kind in ("fsdp_ddp", "fsdp_ddp_distopt"):
+        model = fsdp.DistributedDataParallel(
+            config,
+            MegatronDDPConfig(
+                overlap_grad_reduce=True, bucket_size=4000, use_distributed_optimizer=distopt
+            ),
+            module,
+        )
+        assert isinstance(model.buffers, list) and model.buffers[0].params
     else:
         ddp_config = MegatronDDPConfig(
             use_megatron_fsdp=True,
@@ -192,16 +231,21 @@ def _train(kind: str) -> tuple[list[float], dict[str, Any]]:
         )
         model = fsdp.FullyShardedDataParallel(config, ddp_config, module)
         assert len(model.module.hooks.units) == config.num_layers  # TransformerLayer units
-    sharded = kind == "fsdp"
-    # Megatron-Core's optimizer: FP32Optimizer over main_grad for the DDPs, its
-    # DistributedOptimizer (Megatron-FSDP path) for FSDP; Adam, clipping at 1.0.
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam", lr=LR, weight_decay=0.0, clip_grad=0.0,
-            use_distributed_optimizer=sharded,
-        ),
-        [model],
-    )  # fmt: skip
+    sharded = kind == "fsdp" or distopt
+    # Megatron-Core's optimizer: FP32Optimizer over main_grad for the all-reduce DDPs, its
+    # DistributedOptimizer for the others (its Megatron-FSDP path for FSDP); Adam.
+    with _cuda_type_names(torch) if distopt else contextlib.nullcontext():
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=LR, weight_decay=0.0, clip_grad=0.0,
+                use_distributed_optimizer=sharded,
+            ),
+            [model],
+        )  # fmt: skip
+    if kind == "fsdp_ddp_distopt":  # it reads fsdp's buffers through Megatron-Core's view
+        inner = getattr(optimizer, "chained_optimizers", [optimizer])
+        assert [type(o).__name__ for o in inner] == ["DistributedOptimizer"], inner
+        assert len(inner[0].gbuf_ranges) == len(model.buffers)
     losses, norms = [], []
     for step in range(STEPS):
         model.zero_grad_buffer()  # as Megatron-LM's train_step does, then
@@ -213,6 +257,8 @@ def _train(kind: str) -> tuple[list[float], dict[str, Any]]:
         # Its clipping asserts CUDA tensors (so clip_grad=0); the gradient norm it would
         # clip by is compared: FP32Optimizer reports it from step() (it reads main_grad
         # there), DistributedOptimizer reports 0 without clipping, so ask it before.
+        if distopt:  # its shards' .grad are set from main_grad by prepare_grads()
+            optimizer.prepare_grads()
         before = optimizer.get_grad_norm() if sharded else None
         updated, grad_norm, _ = optimizer.step()
         grad_norm = before if sharded else grad_norm
@@ -221,7 +267,7 @@ def _train(kind: str) -> tuple[list[float], dict[str, Any]]:
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / WORLD)
-    if sharded:
+    if kind == "fsdp":
         weights = model.module.buffer.views.full_parameters()
     else:
         weights = {n: p.detach().clone() for n, p in module.named_parameters()}
@@ -230,7 +276,6 @@ def _train(kind: str) -> tuple[list[float], dict[str, Any]]:
 
 def _rank(path: str) -> dict[str, Any]:
     sys.path.insert(0, path)
-    import contextlib
     import warnings
 
     warnings.filterwarnings("ignore")  # Apex/TE absent, GPTModel deprecation notices
@@ -239,7 +284,7 @@ def _rank(path: str) -> dict[str, Any]:
 
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    return {kind: _train(kind) for kind in ("megatron", "fsdp_ddp", "fsdp")}
+    return {kind: _train(kind) for kind in KINDS}
 
 
 def test_megatron_core_gpt_trains_like_megatron_core_ddp(monkeypatch):
@@ -247,9 +292,9 @@ def test_megatron_core_gpt_trains_like_megatron_core_ddp(monkeypatch):
     monkeypatch.syspath_prepend(path)  # the results unpickle Megatron-Core's types
     import torch
 
-    for out in run_distributed(_rank, WORLD, args=(path,), timeout=240):
+    for out in run_distributed(_rank, WORLD, args=(path,), timeout=300):
         ref_losses, ref_weights = out["megatron"]  # losses, then gradient norms
-        for kind in ("fsdp_ddp", "fsdp"):
+        for kind in KINDS[1:]:
             losses, weights = out[kind]
             torch.testing.assert_close(
                 torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6

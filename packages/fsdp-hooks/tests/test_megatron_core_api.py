@@ -9,7 +9,7 @@ pinned against Megatron-Core's documented behaviour:
   ``pg_collection``'s ``dp_cp`` group is the data-parallel group (a sub-group of the
   world here); ``full_param_layout`` accepted with a warning.
 - ``model.buffers`` is the list of gradient buffers (Megatron-Core's optimizer reads
-  it), ``model.expert_parallel_buffers`` the expert ones, while ``model.buffers()``
+  it; Megatron-Core's view of fsdp's buffer), ``model.expert_parallel_buffers`` the expert ones, while ``model.buffers()``
   still iterates registered buffers.
 - ``enable_forward_pre_hook`` / ``disable_forward_pre_hook(param_sync)`` exist exactly
   with the distributed optimizer and ``overlap_param_gather`` (enabled at construction);
@@ -96,7 +96,9 @@ def _ddp_api() -> dict[str, Any]:
     out["layout_warning"] = any("full_param_layout" in str(w.message) for w in caught)
     out["dp_ranks"] = dist.get_process_group_ranks(model.data_parallel_group)
     out["buffers"] = (
-        list(model.buffers) == [model.buffer],
+        # Megatron-Core's view of fsdp's buffer: every trainable parameter, once.
+        [p for b in model.buffers for p in b.params]
+        == [p for g in model.buffer.groups if g.requires_grad for p in g.params],
         model.expert_parallel_buffers == [],
         [t.shape for t in model.buffers()] == [torch.Size([1])],
     )

@@ -75,6 +75,11 @@ class DistributedDataParallelConfig:
     use_distributed_optimizer: bool = False
     num_distributed_optimizer_instances: int = 1
     use_megatron_fsdp: bool = False
+    fp4_param_gather: bool = False
+    """CUDA-only. Ignored: no FP4 weights (warns when set); Megatron-Core's optimizer reads it."""
+    reduce_scatter_with_fp32_accumulation: bool = False
+    """Ignored: fsdp reduces in the gradient dtype (warns when set); Megatron-Core's
+    buffers read it."""
 
     def __post_init__(self) -> None:
         if self.megatron_fsdp_max_pool_double_buffer:

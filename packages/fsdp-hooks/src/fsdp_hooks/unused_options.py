@@ -35,6 +35,7 @@ CUDA_ONLY = (
     "disable_symmetric_registration",
     "keep_fp8_transpose_cache",
     "fp8_param_gather",
+    "fp4_param_gather",
     "fsdp_manual_registration",
     "megatron_fsdp_cuda_graph_mode",
 )
@@ -45,6 +46,8 @@ CUDA_ONLY = (
 # first gather of start_param_sync; fsdp does none of these.
 IGNORED = (
     "fp8_param_gather",
+    "fp4_param_gather",
+    "reduce_scatter_with_fp32_accumulation",
     "megatron_fsdp_cuda_graph_mode",
     "megatron_fsdp_use_decoupled_grad",
     "megatron_fsdp_enable_fine_grained_param_gather",

@@ -26,6 +26,9 @@ Note on the optimizer contract (Megatron-Core's, made explicit):
     gradient shard: step them with any torch optimizer, then call
     ``model.start_param_sync()``, which copies the shard into the parameters and
     all-gathers the whole model on every rank.
+    Or let Megatron-Core's ``DistributedOptimizer`` step it: ``model.buffers`` is its
+    view of fsdp's buffers (``ddp_megatron_view``), one bucket per parameter, so its
+    arithmetic owns exactly the rows fsdp reduce-scattered to this rank.
 - ``zero_grad_buffer()`` before (or after) every step: gradients accumulate until then,
   across backwards and across ``no_sync``.
 """
@@ -55,6 +58,11 @@ from fsdp_hooks.adapters._common import (
 )
 from fsdp_hooks.adapters.ddp_checks import WHO, effective_ddp_config
 from fsdp_hooks.adapters.ddp_grads import DDPGradHooks
+from fsdp_hooks.adapters.ddp_megatron_view import (
+    MegatronBucketGroupView,
+    WeightsOwner,
+    megatron_buffer_views,
+)
 from fsdp_hooks.inner_module import InnerModuleAttributes
 from fsdp_hooks.unused_options import options_set, warn_unused_options
 from fsdp_hooks.validation import check_no_meta_params, check_not_wrapped, check_same_model
@@ -93,6 +101,14 @@ def _module_device(module: nn.Module, mesh_device_type: str) -> torch.device:
     return device
 
 
+_OWNER_NAMES = {
+    WeightsOwner.FSDP_SHARDS: "a torch optimizer over distributed_optimizer_params()",
+    WeightsOwner.MEGATRON_DISTOPT: (
+        "Megatron-Core's DistributedOptimizer (it read model.buffers' buckets)"
+    ),
+}
+
+
 class DistributedDataParallel(InnerModuleAttributes):
     """Megatron-Core's ``DistributedDataParallel(config, ddp_config, module, ...)``.
 
@@ -109,9 +125,8 @@ class DistributedDataParallel(InnerModuleAttributes):
             ``dp``) is the data-parallel group. Other parallel groups must have one rank.
         full_param_layout: Megatron-Core's precomputed buffer layout (Megatron-LM passes
             one with the distributed optimizer). Accepted and ignored, with a warning:
-            fsdp lays out its own buffers, and the layout only serves Megatron-Core's
-            own ``DistributedOptimizer``, which does not drive this adapter's sharded
-            path (use ``distributed_optimizer_params()``).
+            fsdp lays out its own buffers, and ``model.buffers`` describes that layout
+            to Megatron-Core's ``DistributedOptimizer``.
         data_parallel_group: this rank's group to reduce gradients over (default: the
             world); it may be part of the world, beside tensor or pipeline groups.
             Keyword only (fsdp's; Megatron-Core passes ``pg_collection``).
@@ -120,9 +135,11 @@ class DistributedDataParallel(InnerModuleAttributes):
             fields of the same meaning when given (the older Megatron-Core signature;
             keyword only).
 
-    As in Megatron-Core, ``model.buffers`` is the list of gradient buffers (here one
-    ``ParamAndGradBuffer``) and ``model.expert_parallel_buffers`` the expert ones (none);
-    ``model.buffers()`` still iterates the module's registered buffers.
+    As in Megatron-Core, ``model.buffers`` is the list of gradient buffers (Megatron-Core's
+    view of ``model.buffer``, one per parameter and gradient dtype, what its
+    ``DistributedOptimizer`` reads), ``model.bucket_groups`` their groups, and
+    ``model.expert_parallel_buffers`` the expert ones (none); ``model.buffers()`` still
+    iterates the module's registered buffers.
 
     See the module note for what the optimizer reads and when.
     """
@@ -195,8 +212,18 @@ class DistributedDataParallel(InnerModuleAttributes):
             gradient_scaling_factor=1.0 if per_token else None,
             average_in_collective=cfg.average_in_collective,
         )
-        self.buffers = GradBufferList(self, [self.buffer])
-        self.expert_parallel_buffers: list[ParamAndGradBuffer] = []
+        self._weights_owner = WeightsOwner.UNCLAIMED
+        self.buffers = GradBufferList(
+            self,
+            megatron_buffer_views(
+                self.buffer, cfg, self.data_parallel_group, self._claim_for_megatron_optimizer
+            ),
+        )
+        self.bucket_groups: list[MegatronBucketGroupView] = [
+            group for view in self.buffers for group in view.bucket_groups
+        ]
+        self.expert_parallel_buffers: list[Any] = []
+        self.expert_parallel_bucket_groups: list[MegatronBucketGroupView] = []
         self.pg_collection = pg_collection
         self._forward_pre_hook_enabled = self._uses_forward_pre_hook
         self._grad_buffers_offloaded = False
@@ -287,14 +314,68 @@ class DistributedDataParallel(InnerModuleAttributes):
                 "with all-reduce, step the module's parameters after "
                 "copy_main_grads_to_grads() (or read param.main_grad)"
             )
+        self._claim_weights(WeightsOwner.FSDP_SHARDS)
         # Gradients in another dtype than the fp32 main weights (grad_reduce_in_fp32
         # off) reach the optimizer cast to fp32, as in Megatron-Core.
         return [p for _name, p in self.buffer.views.optimizer_named_parameters()]
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False) -> None:
         """Distributed optimizer: copy this rank's stepped shard into the parameters and
-        all-gather them, so every rank holds the whole updated model. No-op otherwise."""
+        all-gather them, so every rank holds the whole updated model. No-op otherwise.
+        Under Megatron-Core's ``DistributedOptimizer`` the stepped shard is this rank's
+        rows of the parameters (it writes ``param_data``)."""
+        if self._weights_owner is WeightsOwner.MEGATRON_DISTOPT:
+            for group in self.bucket_groups:
+                self._start_bucket_group_param_sync(group, force_sync=force_sync)
+            return
         self.buffer.install_optimized_model_weights()
+
+    def _start_bucket_group_param_sync(
+        self, bucket_group: MegatronBucketGroupView, force_sync: bool = False
+    ) -> None:
+        """Megatron-Core's ``DistributedOptimizer`` calls this after its step, for each
+        of ``bucket_groups``: all-gather this rank's rows of the parameters (which it
+        has just written) into every rank's parameters. Synchronous."""
+        self._claim_weights(WeightsOwner.MEGATRON_DISTOPT)
+        bucket = bucket_group.fsdp_bucket
+        main, model = bucket.group.main_weight_buffer, bucket.group.model_weight_buffer
+        with torch.no_grad():
+            if main is not None and model is not None:
+                main.copy_shard_from(model)  # the same values: the install copies them back
+            pending = bucket.start_install()
+            if pending is not None:
+                pending.wait()
+
+    def _claim_for_megatron_optimizer(self) -> None:
+        """Megatron-Core's ``DistributedOptimizer`` reads the buffer views: check that
+        this adapter can serve it, and hand it the weights."""
+        cfg = self.ddp_config
+        if not cfg.use_distributed_optimizer:
+            raise RuntimeError(
+                f"{WHO}: Megatron-Core's DistributedOptimizer needs the model wrapped with "
+                "use_distributed_optimizer=True (gradients reduce-scattered into the rows "
+                "it steps); with all-reduce use its non-distributed optimizer "
+                "(use_distributed_optimizer=False in OptimizerConfig)"
+            )
+        if cfg.overlap_param_gather:
+            raise RuntimeError(
+                f"{WHO}: Megatron-Core's DistributedOptimizer with overlap_param_gather=True "
+                "leaves the parameter all-gather to forward pre-hooks, which this adapter "
+                "does not register (its gathers are synchronous); set "
+                "overlap_param_gather=False in the DistributedDataParallelConfig"
+            )
+        self._claim_weights(WeightsOwner.MEGATRON_DISTOPT)
+
+    def _claim_weights(self, owner: WeightsOwner) -> None:
+        if self._weights_owner in (WeightsOwner.UNCLAIMED, owner):
+            self._weights_owner = owner
+            return
+        raise RuntimeError(
+            f"{WHO}: the updated weights are already written by "
+            f"{_OWNER_NAMES[self._weights_owner]}; they cannot also come from "
+            f"{_OWNER_NAMES[owner]} (each would overwrite the other's step). Use one "
+            "optimizer per model."
+        )
 
     def broadcast_params(self) -> None:
         """Make every rank's parameters equal to data-parallel rank 0's."""
