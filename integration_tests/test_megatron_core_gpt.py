@@ -126,6 +126,7 @@ def _patch_cuda_isms() -> None:
         wait_event=lambda event: None, wait_stream=lambda other: None, synchronize=lambda: None
     )
     torch.cuda.current_stream = lambda *args, **kwargs: stream
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # dist_checkpointing's writer
     import megatron.core.optimizer.clip_grads
     import megatron.core.optimizer.distrib_optimizer
     import megatron.core.optimizer.optimizer
@@ -159,7 +160,7 @@ def _cuda_type_names(torch) -> Iterator[None]:
         torch.Tensor.type = original
 
 
-def _build(torch, parallel_state: Any) -> tuple[Any, Any]:
+def _build(torch, parallel_state: Any, vocab: int = VOCAB) -> tuple[Any, Any]:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -177,7 +178,7 @@ def _build(torch, parallel_state: Any) -> tuple[Any, Any]:
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         max_sequence_length=SEQ,
     )
     return config, model
@@ -274,7 +275,7 @@ def _train(kind: str) -> tuple[list[float], dict[str, Any]]:
     return losses + norms, weights
 
 
-def _rank(path: str) -> dict[str, Any]:
+def _setup(path: str) -> None:
     sys.path.insert(0, path)
     import warnings
 
@@ -284,7 +285,63 @@ def _rank(path: str) -> dict[str, Any]:
 
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+
+
+def _rank(path: str) -> dict[str, Any]:
+    _setup(path)
     return {kind: _train(kind) for kind in KINDS}
+
+
+def _checkpoint_rank(path: str, directory: str) -> dict[str, Any]:
+    """Save the FSDP-wrapped model with Megatron-Core's dist_checkpointing (torch_dist),
+    perturb it, load it back; then load the same checkpoint into an unwrapped GPTModel."""
+    _setup(path)
+    import torch
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig as MegatronDDPConfig
+
+    import fsdp
+
+    vocab = 65  # odd rows: the embedding's and output layer's torch.chunk pieces are uneven
+    config, module = _build(torch, parallel_state, vocab)
+    ddp_config = MegatronDDPConfig(
+        use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params"
+    )
+    model = fsdp.FullyShardedDataParallel(config, ddp_config, module)
+    saved = model.module.buffer.views.full_parameters()
+    pieces = {k: v.to_local().shape for k, v in model.state_dict().items() if k in saved}
+    # Its writer collects results through a multiprocessing Manager (a child process),
+    # which a daemonic rank process may not start: this rank is not daemonic for it.
+    import multiprocessing
+
+    multiprocessing.current_process().daemon = False
+    # It logs its memory use through psutil, a dependency of the wheel not installed here.
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._process_memory = lambda: 0
+    Path(directory).mkdir(parents=True, exist_ok=True)  # Megatron-Core saves into it
+    dist_checkpointing.save(model.sharded_state_dict(), directory)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().add_(1.0)
+    perturbed = model.module.buffer.views.full_parameters()
+    loaded = dist_checkpointing.load(model.sharded_state_dict(), directory)
+    model.load_state_dict(loaded)
+    restored = model.module.buffer.views.full_parameters()
+    # Megatron-Core's own model reads the same checkpoint.
+    _, plain = _build(torch, parallel_state, vocab)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.zero_()
+    plain.load_state_dict(dist_checkpointing.load(plain.sharded_state_dict(), directory))
+    unwrapped = {n: p.detach().clone() for n, p in plain.named_parameters()}
+    return {
+        "saved": saved,
+        "perturbed": perturbed,
+        "restored": restored,
+        "unwrapped": unwrapped,
+        "pieces": pieces,
+    }
 
 
 def test_megatron_core_gpt_trains_like_megatron_core_ddp(monkeypatch):
@@ -304,3 +361,26 @@ def test_megatron_core_gpt_trains_like_megatron_core_ddp(monkeypatch):
                 torch.testing.assert_close(
                     weights[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
                 )
+
+
+def test_megatron_dist_checkpointing_round_trips_fsdp_weights(monkeypatch, tmp_path):
+    """``FullyShardedDataParallel.sharded_state_dict()`` under Megatron-Core's
+    ``dist_checkpointing.save`` / ``load`` (torch_dist backend, as Megatron-LM's
+    ``--ckpt-format torch_dist``): the weights come back exactly after being perturbed, the
+    pieces saved are uneven ``torch.chunk`` pieces, and the checkpoint is Megatron-Core's
+    layout: an unwrapped ``GPTModel`` loads the same weights from it."""
+    path = _megatron_core_path()
+    monkeypatch.syspath_prepend(path)
+    import torch
+
+    directory = str(tmp_path / "ckpt")
+    outs = run_distributed(_checkpoint_rank, WORLD, args=(path, directory), timeout=240)
+    rows = [out["pieces"]["embedding.word_embeddings.weight"][0] for out in outs]
+    assert rows == [33, 32], rows  # uneven pieces of the 65-row embedding
+    for out in outs:
+        saved = out["saved"]
+        assert saved.keys() == out["unwrapped"].keys()
+        for name, value in saved.items():
+            assert not torch.equal(out["perturbed"][name], value), name
+            torch.testing.assert_close(out["restored"][name], value, rtol=0, atol=0)
+            torch.testing.assert_close(out["unwrapped"][name], value, rtol=0, atol=0)

@@ -39,6 +39,7 @@ from fsdp_hooks.adapters._common import (
     transformer_option,
 )
 from fsdp_hooks.adapters.fsdp_checks import check_fsdp_config
+from fsdp_hooks.adapters.fsdp_sharded_state import dtensor_sharded_state_dict
 from fsdp_hooks.inner_module import InnerModuleAttributes
 from fsdp_hooks.megatron_fsdp import MegatronFSDP
 from fsdp_mesh import FSDPDistributedIndex
@@ -240,11 +241,18 @@ class FullyShardedDataParallel(InnerModuleAttributes):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def sharded_state_dict(self, prefix: str = "", *args: Any, **kwargs: Any) -> Any:
-        """Megatron-Core's distributed checkpointing entry point is not implemented here:
-        its ShardedTensors describe Megatron-FSDP's own buffer layout. Raises; use
-        ``state_dict()`` (DTensors) with ``torch.distributed.checkpoint`` or fsdp_ckpt."""
-        raise NotImplementedError(
-            "FullyShardedDataParallel.sharded_state_dict() (Megatron-Core's dist-checkpointing "
-            "format) is not implemented; save state_dict() (DTensor shards) with "
-            "torch.distributed.checkpoint or fsdp_ckpt instead"
-        )
+        """Megatron-Core's dist-checkpointing state dict (``dist_checkpointing.save`` /
+        ``load``): the wrapped Megatron-Core module's own ``sharded_state_dict`` (its keys,
+        tensor-parallel and layer offsets), with each DTensor parameter described by this
+        rank's ``torch.chunk`` piece; after ``dist_checkpointing.load`` the pieces come
+        back as DTensors, for ``load_state_dict``."""
+        inner_module = self.module.module
+        inner = getattr(inner_module, "sharded_state_dict", None)
+        if not callable(inner):
+            raise AttributeError(
+                "FullyShardedDataParallel: the wrapped "
+                f"{type(inner_module).__name__} has no "
+                "sharded_state_dict(); it is a Megatron-Core MegatronModule method (save "
+                "state_dict(), DTensors, with torch.distributed.checkpoint otherwise)"
+            )
+        return dtensor_sharded_state_dict(inner(prefix, *args, **kwargs))
