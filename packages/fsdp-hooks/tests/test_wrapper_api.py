@@ -428,7 +428,7 @@ CUDA_ONLY_KEYWORDS = (
     "keep_fp8_transpose_cache",
     "cuda_graph_mode",
 )
-IGNORED_KEYWORDS = ("use_decoupled_grad", "enable_fine_grained_param_gather")
+IGNORED_KEYWORDS = ("enable_fine_grained_param_gather",)
 
 
 def _naming(caught, names):

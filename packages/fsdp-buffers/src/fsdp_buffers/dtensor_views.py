@@ -52,6 +52,10 @@ class DTensorViews:
         self._name_index: dict[str, tuple[int, int]] | None = None
         # (bucket, index) -> (the storage the gradient DTensor views, the DTensor)
         self._grad_cache: dict[tuple[int, int], tuple[torch.Tensor, DTensor]] = {}
+        # Where the optimizer's gradients go: ``.grad`` (cast to the main weights' dtype),
+        # or, with Megatron-FSDP's ``use_decoupled_grad``, ``.decoupled_grad`` in the main
+        # grads' own dtype (for precision-aware optimizers) with ``.grad`` left None.
+        self.grad_attr = "grad"
 
     def _view(self, b: Bucket, index: int, local: torch.Tensor, placement, mesh) -> DTensor:
         return self._buffer.tp.view_dtensor(b.group.params[index], local, placement, mesh)
@@ -97,7 +101,7 @@ class DTensorViews:
         return self._optimizer_params
 
     def attach_grads(self, only_with_grads: bool = False) -> None:
-        """(Re)point every optimizer parameter's ``.grad`` at its main-grad rows, e.g.
+        """(Re)point every optimizer parameter's ``.grad`` (``grad_attr``) at its main-grad rows, e.g.
         after ``optimizer.zero_grad(set_to_none=True)`` dropped them. With
         ``only_with_grads``, only in buckets that a backward put gradients into since
         ``zero_grad_buffer``: others keep ``.grad`` as it is, so that a step without
@@ -117,13 +121,25 @@ class DTensorViews:
                 continue
             gbuf = refreshed.get(gid)
             if gbuf is None:
-                gbuf = refreshed[gid] = b.grads_for_optimizer()
+                gbuf = refreshed[gid] = (
+                    b.grads_for_optimizer() if self.grad_attr == "grad" else b.optimizer_grads
+                )
             cached = cache.get((gid, i))
             if cached is None or cached[0] is not gbuf.data:
                 grad = self._dtensor(b, i, self._optimizer_view(b, i, gbuf))
                 cached = cache[(gid, i)] = (gbuf.data, grad)
-            if dparam.grad is not cached[1]:
-                dparam.grad = cached[1]
+            if getattr(dparam, self.grad_attr, None) is not cached[1]:
+                setattr(dparam, self.grad_attr, cached[1])
+
+    def drop_grads(self, params: list[nn.Parameter] | None = None) -> None:
+        """``params`` (default: every optimizer parameter) hold no gradient: ``.grad``
+        None, and ``.decoupled_grad`` None where gradients are decoupled."""
+        if params is None:
+            params = [p for _n, p in self._optimizer_params or ()]
+        for dparam in params:
+            dparam.grad = None
+            if self.grad_attr != "grad":
+                setattr(dparam, self.grad_attr, None)
 
     def distributed_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """A DTensor parameter for every original parameter, under its name: the

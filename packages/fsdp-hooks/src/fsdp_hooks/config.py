@@ -62,8 +62,10 @@ class DistributedDataParallelConfig:
     megatron_fsdp_main_grads_dtype: torch.dtype | None = None
     megatron_fsdp_grad_comm_dtype: torch.dtype | None = None
     megatron_fsdp_use_decoupled_grad: bool = False
-    """Ignored: gradients are always in ``.grad``, never ``.decoupled_grad`` (warns when
-    set: an optimizer that reads ``decoupled_grad`` would see none)."""
+    """Reduced gradients go to the optimizer parameters' ``.decoupled_grad``, in the main
+    grads' dtype (not cast to the main weights'), and ``.grad`` stays None: for
+    precision-aware optimizers (TE's ``FusedAdam(use_decoupled_grad=True)``).
+    ``fully_shard`` refuses an optimizer without ``use_decoupled_grad=True`` then."""
     megatron_fsdp_cuda_graph_mode: bool = False
     """CUDA-only. Ignored: no CUDA-graph-safe mode yet (warns when set)."""
     megatron_fsdp_enable_fine_grained_param_gather: bool = False

@@ -200,8 +200,8 @@ def fully_shard_model(
         fsdp_double_buffer=fsdp_double_buffer,
         fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
         disable_symmetric_registration=disable_symmetric_registration,
-        # Accepted, ignored (MegatronFSDP warns once; see fsdp_hooks.unused_options).
         megatron_fsdp_use_decoupled_grad=use_decoupled_grad,
+        # Accepted, ignored (MegatronFSDP warns once; see fsdp_hooks.unused_options).
         megatron_fsdp_cuda_graph_mode=cuda_graph_mode,
         megatron_fsdp_enable_fine_grained_param_gather=enable_fine_grained_param_gather,
         megatron_fsdp_max_pool_double_buffer=maxpool_double_buffer,
@@ -231,6 +231,21 @@ def fully_shard_model(
         preproc_state_dict_for_dcp_ckpt and strategy is not ShardingStrategy.NO_SHARD
     )
     return model
+
+
+def _check_reads_decoupled_grad(
+    optimizer: torch.optim.Optimizer, decoupled: bool, who: str
+) -> None:
+    """With ``use_decoupled_grad`` the gradients are on ``.decoupled_grad`` only: an
+    optimizer that reads ``.grad`` would silently step nothing."""
+    if decoupled and not getattr(optimizer, "use_decoupled_grad", False):
+        raise ValueError(
+            f"{who}: use_decoupled_grad=True puts gradients on .decoupled_grad, but "
+            f"{type(optimizer).__name__} reads .grad (it has no use_decoupled_grad=True), "
+            "so it would step nothing; use a precision-aware optimizer that reads "
+            ".decoupled_grad (e.g. Transformer Engine's FusedAdam(use_decoupled_grad=True)) "
+            "or use_decoupled_grad=False"
+        )
 
 
 def _model_of(optimizer: torch.optim.Optimizer) -> MegatronFSDP | None:
@@ -269,6 +284,7 @@ def fully_shard_optimizer(
     check_optimizer_supported(
         optimizer, model.strategy is not ShardingStrategy.NO_SHARD, "fully_shard_optimizer"
     )
+    _check_reads_decoupled_grad(optimizer, model.use_decoupled_grad, "fully_shard_optimizer")
     by_compute = model.hooks.distributed_by_compute
     ours = {id(p) for p in by_compute.values()}
     unknown: list[str] = []
@@ -377,6 +393,7 @@ def fully_shard(
     check_argument_types("fully_shard", module, kwargs.get("fsdp_unit_modules"))
     strategy = ShardingStrategy.parse(kwargs.get("zero_dp_strategy", 3))
     check_optimizer_supported(optimizer, strategy is not ShardingStrategy.NO_SHARD)
+    _check_reads_decoupled_grad(optimizer, bool(kwargs.get("use_decoupled_grad")), "fully_shard")
     model = fully_shard_model(module, **kwargs)
     optimizer = fully_shard_optimizer(optimizer, preproc, model=model)
     return model, optimizer

@@ -80,12 +80,14 @@ def total_grad_norm(
     norm_type = float(norm_type)
     dense: list[torch.Tensor] = []
     expert: list[torch.Tensor] = []
+    attr = buffer.views.grad_attr  # .grad, or .decoupled_grad (use_decoupled_grad)
     for _name, param in buffer.views.optimizer_named_parameters():
-        if param.grad is None:
+        grad = getattr(param, attr, None)
+        if grad is None:
             continue
         gid, _ = param._fsdp_group_index  # type: ignore[attr-defined]
         split = expert_replicas is not None and buffer.groups[gid].is_expert_param
-        (expert if split else dense).append(param.grad)
+        (expert if split else dense).append(grad)
     device = buffer.device
     if math.isinf(norm_type):
         # A max needs no care for replicas: the max of the local pieces over each mesh
@@ -124,7 +126,7 @@ def clip_grad_norm_(
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
         for _name, param in buffer.views.optimizer_named_parameters():
-            grad = param.grad
+            grad = getattr(param, buffer.views.grad_attr, None)
             if grad is not None:
                 local = grad.to_local() if isinstance(grad, DTensor) else grad
                 local.mul_(coef.to(device=local.device, dtype=local.dtype))

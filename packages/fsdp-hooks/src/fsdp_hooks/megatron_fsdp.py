@@ -225,6 +225,10 @@ class MegatronFSDP(InnerModuleAttributes):
                 allow_meta=init_model_with_meta_device,
                 tensor_parallel=tensor_parallel,
             )
+            if ddp_config.megatron_fsdp_use_decoupled_grad:
+                # Megatron-FSDP's precision-aware path: the reduced gradient shard goes
+                # to .decoupled_grad in the main grads' dtype, .grad stays None.
+                self.buffer.views.grad_attr = "decoupled_grad"
             self.all_gather_pipeline = AllGatherPipeline(self.buffer, follow_observed_order=True)
             self.grad_reduce_pipeline = GradReducePipeline(self.buffer)
             if init_model_with_meta_device:
@@ -235,8 +239,10 @@ class MegatronFSDP(InnerModuleAttributes):
             self._sync_override: bool | None = None
             self.hooks = FSDPHooks(self)
             self._replace_param_with_distributed_if_needed()
-            for _name, dparam in self.buffer.views.optimizer_named_parameters():
-                dparam.grad = None  # as in a fresh module: none before the first backward
+            optimizer_params = self.buffer.views.optimizer_named_parameters()
+            # As in a fresh module: no gradient before the first backward.
+            self.buffer.views.drop_grads()
+            for _name, dparam in optimizer_params:
                 # Megatron-FSDP's marker: Megatron-Core's optimizers then read the local
                 # shard of .grad for the gradient norm (a DTensor grad otherwise).
                 dparam.__fsdp_param__ = True
@@ -464,6 +470,12 @@ class MegatronFSDP(InnerModuleAttributes):
             foreach=foreach,
         )
 
+    @property
+    def use_decoupled_grad(self) -> bool:
+        """Gradients go to the optimizer parameters' ``.decoupled_grad`` (Megatron-FSDP's
+        ``use_decoupled_grad``), not ``.grad``."""
+        return self.buffer.views.grad_attr == "decoupled_grad"
+
     def attach_grad_to_optimizer_state(self) -> None:
         """Point ``.grad`` of the optimizer's parameters at their main-grad shards, in
         the groups a backward filled since ``zero_grad_buffer`` (a step without
@@ -477,6 +489,8 @@ class MegatronFSDP(InnerModuleAttributes):
         self.hooks.recover_if_backward_aborted()  # reductions in flight land first
         self.buffer.zero_grad_buffer()
         self.hooks.clear_nonfinite_grads()
+        if self.use_decoupled_grad:
+            self.buffer.views.drop_grads()  # Megatron-FSDP drops .decoupled_grad here
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.zero_grad_buffer()

@@ -53,11 +53,16 @@ class InitialState:
     def drop_untouched(self, optimizer: torch.optim.Optimizer) -> None:
         """Before a step: forget the created state of every parameter about to be
         updated (it has a gradient) whose state nobody has loaded or changed."""
-        for p in [p for p in self.created if p.grad is not None]:
+        for p in [p for p in self.created if _has_grad(p)]:
             state, fingerprint = self.created.pop(p)
             current = optimizer.state.get(p)
             if current is state and _fingerprint(current) == fingerprint:
                 del optimizer.state[p]
+
+
+def _has_grad(p: torch.Tensor) -> bool:
+    # A precision-aware optimizer reads .decoupled_grad (Megatron-FSDP's use_decoupled_grad).
+    return p.grad is not None or getattr(p, "decoupled_grad", None) is not None
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -83,12 +88,15 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> InitialState:
     if not todo:
         return InitialState()
     saved_grads = {p: p.grad for p in params}
+    decoupled = {p: p.decoupled_grad for p in params if hasattr(p, "decoupled_grad")}
     saved_hparams = [{k: g[k] for k in _ZEROED if k in g} for g in optimizer.param_groups]
     saved_weights = [p.detach().clone() for p in todo]
     wanted = {id(p) for p in todo}
     try:
         for p in params:
             p.grad = torch.zeros_like(p) if id(p) in wanted else None
+            if p in decoupled:
+                p.decoupled_grad = p.grad
         for group, hparams in zip(optimizer.param_groups, saved_hparams, strict=True):
             for key, value in hparams.items():
                 group[key] = _zero_like(value)
@@ -100,6 +108,8 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> InitialState:
             p.copy_(weight)
         for p, grad in saved_grads.items():
             p.grad = grad
+        for p, grad in decoupled.items():
+            p.decoupled_grad = grad
     record = InitialState()
     for p in todo:
         state = optimizer.state.get(p)

@@ -119,5 +119,4 @@ class ParamState:
         self.drop_unreached_grads()
 
     def drop_unreached_grads(self) -> None:
-        for dparam in self.unreached:
-            dparam.grad = None
+        self._hooks.buffer.views.drop_grads(self.unreached)

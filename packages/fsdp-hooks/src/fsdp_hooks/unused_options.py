@@ -40,16 +40,15 @@ CUDA_ONLY = (
     "megatron_fsdp_cuda_graph_mode",
 )
 
-# Not implemented on any device: Megatron-FSDP keeps compute weights in FP8 and gathers
-# them in FP8, keeps .grad references for CUDA-graph replay, puts gradients in
-# .decoupled_grad, gathers per submodule, sizes its communication units, and skips the
-# first gather of start_param_sync; fsdp does none of these.
+# Not implemented on any device: Megatron-FSDP keeps compute weights in FP8 (or FP4) and
+# gathers them so, keeps .grad references for CUDA-graph replay, gathers per submodule,
+# sizes its communication units, and skips the first gather of start_param_sync;
+# Megatron-Core reduce-scatters bf16 with fp32 accumulation; fsdp does none of these.
 IGNORED = (
     "fp8_param_gather",
     "fp4_param_gather",
     "reduce_scatter_with_fp32_accumulation",
     "megatron_fsdp_cuda_graph_mode",
-    "megatron_fsdp_use_decoupled_grad",
     "megatron_fsdp_enable_fine_grained_param_gather",
     "fsdp_db_use_persist_buf_on_alloc_fail",
     "suggested_communication_unit_size",
