@@ -155,7 +155,8 @@ def _assert_parity(results):
     [
         ("dtensor", "no_shard", 3, WORLD),
         ("megatron", "no_shard", 1, WORLD),
-        # Fully sharded needs a shard dim of 2 to shard anything: 2 x 2 x 2.
+        # Fully sharded: over the outer dim alone (2 x 1 x 2), and over both (2 x 2 x 2).
+        ("dtensor", "optim", 3, WORLD),
         ("dtensor", "optim", 3, 8),
     ],
 )
@@ -308,6 +309,60 @@ def test_meta_init_with_fully_sharded_hsdp(dtype):
 
 
 # ---- meta-device initialization with tensor parallelism -------------------------------------
+
+
+def _outer_only_job():
+    """Fully-sharded HSDP with a shard dim of one: (dp_outer 2, dp_shard 1)."""
+    torch.manual_seed(0)
+    module = hybrid._gpt()
+    model, opt = fully_shard(
+        module,
+        hybrid._optimizer(module.parameters()),
+        device_mesh=build_device_mesh(dp_outer=2, dp_shard=1).device_mesh,
+        dp_shard_dim="dp_shard",
+        dp_outer_dim="dp_outer",
+        fsdp_unit_modules=[hybrid.Block],
+        outer_dp_sharding_strategy="optim",
+    )
+    trainable = [b for b in model.buffer.buckets if b.group.requires_grad]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    rank, per = dist.get_rank(), hybrid.WORLD // 2 * hybrid.K * hybrid.M
+    losses = []
+    for step in range(hybrid.STEPS):
+        x, y = hybrid._global_batch(step)
+        xb, yb = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        loss = F.cross_entropy(model(xb).flatten(0, 1), yb.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), hybrid.MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        losses.append(mean_over_ranks(loss.detach()))
+    state = [v for p in params for v in opt.state[p].values() if isinstance(v, DTensor)]
+    return {
+        "not_outer_sharded": [
+            b.group.names for b in trainable if not b.outer_sharded and not b.group.fsdp_no_shard
+        ],
+        # Each rank holds half of the rows of every matrix: main weights and Adam state.
+        "whole": [
+            tuple(p.shape)
+            for p in params + state
+            if p.dim() == 2 and p.to_local().shape[0] != -(-p.shape[0] // 2)
+        ],
+        "losses": losses,
+        "params": model.buffer.views.full_parameters(),
+    }
+
+
+def test_fully_sharded_hsdp_with_a_shard_dim_of_one_shards_over_the_outer_dim():
+    """Megatron-FSDP's outer ``optim`` shards main weights and optimizer state over the
+    outer dim whatever the shard dim's size; with ``dp_shard`` 1 fsdp shards them over
+    ``dp_outer`` (it kept them whole before), and training matches one process."""
+    ref_losses, _norms, ref_params = hybrid._reference()
+    for out in run_distributed(_outer_only_job, 2, timeout=120):
+        assert out["not_outer_sharded"] == [] and out["whole"] == [], out
+        torch.testing.assert_close(out["losses"], ref_losses, rtol=1e-5, atol=0)
+        for name, ref in ref_params.items():
+            torch.testing.assert_close(out["params"][name], ref, rtol=1e-5, atol=1e-6)
 
 
 def wrap_tp_meta(meta: bool, outer: str | None):

@@ -99,7 +99,12 @@ class Bucket:
         self.tp = tp
         self.grad_scale = grad_scale
         self.is_root = is_root
-        shardable = shard.size > 1 and not group.fsdp_no_shard
+        # A shard group of one shards nothing, unless the main weights are to be sharded
+        # over the outer dim too (fully-sharded hybrid): then the shard x outer layout
+        # applies with one shard rank, and main weights and optimizer state are split
+        # across the outer ranks.
+        over_outer = outer is not None and outer.size > 1 and outer_shards_main_weights
+        shardable = (shard.size > 1 or over_outer) and not group.fsdp_no_shard
         self.sharding = GroupSharding(
             model_weights=shardable and strategy.shards_model_weights,
             main_weights=shardable and strategy.shards_main_weights,

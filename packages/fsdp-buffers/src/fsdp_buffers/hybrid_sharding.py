@@ -11,7 +11,8 @@ the backward syncs every microbatch (``GradReducePipeline.sync_grads``); then it
 the end of every backward, and the next backward first rebases the fully reduced R to
 R/outer (it is the same on every outer rank), so nothing is double-counted.
 
-Fully-sharded hybrid (``hsdp_outer_dp_shard``, inner strategy ``optim_grads_params``):
+Fully-sharded hybrid (``hsdp_outer_dp_shard``, inner strategy ``optim_grads_params``; also
+with a shard group of one rank, where only the outer dim splits the main weights):
 a trainable group's layout has ``shard x outer`` pieces of S' elements (Note [shard
 layout]). Compute weights and main grads are sharded over the shard group in coarse
 shards: shard rank k owns pieces ``k + o * shard`` for every outer rank o, as one shard
