@@ -567,3 +567,46 @@ def test_expert_parallel_with_hybrid_sharding_matches_one_process(outer, strateg
     for name, ref in ref_params.items():
         torch.testing.assert_close(merged[name], ref, rtol=1e-5, atol=1e-6, msg=name)
     assert (results[0]["outer_sharded_experts"] > 0) == (outer == "optim" and world == 8)
+
+
+# ---- tensor parallelism with an expert mesh: refused ---------------------------------------
+
+
+def _tp_with_expert_mesh():
+    meshes = build_device_mesh(dp_shard=2, tp=2, expert_parallel=2)
+    net = tp._net("dtensor", meshes.device_mesh)
+
+    def local(p):
+        return p.to_local() if isinstance(p, DTensor) else p.detach()
+
+    before = {n: (type(p), local(p).clone()) for n, p in net.named_parameters()}
+    try:
+        fully_shard(
+            net,
+            tp._optimizer(net.parameters()),
+            device_mesh=meshes.device_mesh,
+            dp_shard_dim="dp_shard",
+            tp_dim="tp",
+            expt_device_mesh=meshes.expt_device_mesh,
+            fsdp_unit_modules=[tp.Block],
+        )
+    except NotImplementedError as err:
+        message = str(err)
+    else:
+        message = None
+    untouched = all(
+        type(p) is before[n][0] and torch.equal(local(p), before[n][1])
+        for n, p in net.named_parameters()
+    )
+    return {"message": message, "untouched": untouched}
+
+
+def test_tp_with_an_expert_mesh_is_refused():
+    """Megatron-FSDP shards experts over its expert mesh with an expert tp dim; fsdp does
+    not combine expert meshes with tensor-parallel pieces yet, and says so on every rank
+    before the module is touched, naming what works instead."""
+    for out in run_distributed(_tp_with_expert_mesh, WORLD, timeout=120):
+        assert out["message"] is not None, "tp with an expert mesh must be refused"
+        assert "expt_device_mesh" in out["message"], out
+        assert "tensor parallelism without expt_device_mesh" in out["message"], out
+        assert out["untouched"]

@@ -134,7 +134,10 @@ def check_hybrid_index(dist_index, strategy, outer, init_model_with_meta_device:
         raise NotImplementedError(
             f"tensor parallelism (tp_dim={dist_index.tp_dim!r} of {dist_index.tp_size} "
             "ranks) together with an expert-parallel mesh (expt_device_mesh) is not "
-            "implemented yet in fsdp; use one or the other."
+            "implemented in fsdp: expert parameters would need their own (expert dp, "
+            "expert tp) DTensor views and groups. Use expert parallelism without tensor "
+            "parallelism (tp of 1), or tensor parallelism without expt_device_mesh (expert "
+            "parameters are then sharded like dense ones)."
         )
 
 
