@@ -41,15 +41,14 @@ CUDA_ONLY = (
 
 # Not implemented on any device: Megatron-FSDP keeps compute weights in FP8 and gathers
 # them in FP8, keeps .grad references for CUDA-graph replay, puts gradients in
-# .decoupled_grad, gathers per submodule, sizes its communication units, and skips the
-# first gather of start_param_sync; fsdp does none of these.
+# .decoupled_grad, gathers per submodule, and skips the first gather of
+# start_param_sync; fsdp does none of these.
 IGNORED = (
     "fp8_param_gather",
     "megatron_fsdp_cuda_graph_mode",
     "megatron_fsdp_use_decoupled_grad",
     "megatron_fsdp_enable_fine_grained_param_gather",
     "fsdp_db_use_persist_buf_on_alloc_fail",
-    "suggested_communication_unit_size",
     "fsdp_all_gather_in_start_param_sync",
     # MegatronFSDP keywords with no ddp_config field
     "enable_fine_grained_param_gather_hook",
