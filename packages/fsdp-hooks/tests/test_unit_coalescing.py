@@ -55,17 +55,20 @@ class Unit(nn.Module):
 class Stack(nn.Module):
     """An input layer outside every unit (a root bucket), then ``UNITS`` units."""
 
-    def __init__(self, recompute: str = "none", frozen: int | None = None) -> None:
+    def __init__(
+        self, recompute: str = "none", frozen: int | None = None, order: list[int] | None = None
+    ) -> None:
         super().__init__()
         self.inp = nn.Linear(DIM, DIM)
         self.units = nn.ModuleList(Unit() for _ in range(UNITS))
         self.recompute = recompute
+        self.order = list(range(UNITS)) if order is None else order
         if frozen is not None:
             self.units[frozen].requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
-        for unit in self.units:
+        for unit in (self.units[i] for i in self.order):
             if self.recompute == "none":
                 x = unit(x)
             else:
@@ -82,9 +85,9 @@ def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).square().mean()
 
 
-def _reference(recompute: str, frozen: int | None, microbatches: int):
+def _reference(recompute: str, frozen: int | None, microbatches: int, order=None):
     torch.manual_seed(0)
-    model = Stack(recompute, frozen)
+    model = Stack(recompute, frozen, order)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     losses, params = [], []
     for step in range(STEPS):
@@ -104,7 +107,7 @@ def _reference(recompute: str, frozen: int | None, microbatches: int):
 def _train(case: dict):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    module = Stack(case.get("recompute", "none"), case.get("frozen"))
+    module = Stack(case.get("recompute", "none"), case.get("frozen"), case.get("order"))
     opt = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.1)
     kwargs = {}
     if case.get("hsdp"):
@@ -171,7 +174,10 @@ def _train(case: dict):
 
 def _check_parity(case: dict, out: dict) -> None:
     losses, params = _reference(
-        case.get("recompute", "none"), case.get("frozen"), case.get("microbatches", 1)
+        case.get("recompute", "none"),
+        case.get("frozen"),
+        case.get("microbatches", 1),
+        case.get("order"),
     )
     for step in range(STEPS):
         where = f"{case}, step {step}"
@@ -295,3 +301,28 @@ def _bad_depth() -> list[str]:
         else:
             out.append("no error")
     return out
+
+
+SHUFFLED = [3, 0, 5, 1, 6, 4, 2]
+
+
+def test_units_run_out_of_registration_order():
+    """Groups follow registration order; a model that interleaves the units of
+    different groups still trains like one process (each group is gathered once per
+    pass, and held until all its units ran). With double buffering that would need a
+    third slot: a clear error on every rank."""
+    case = dict(size=_size(2), order=SHUFFLED)
+    (out,) = run_distributed(_many, 2, args=([case],), timeout=120)[0]
+    _check_parity(case, out)
+    assert out["gathers"] == [2 * 4 + 1] * STEPS, out["gathers"]
+    assert out["wasted"] == [0] * STEPS, out["wasted"]
+    for message in run_distributed(_double_buffer_error, 2, timeout=60):
+        assert "fsdp_double_buffer: slot" in message and "still held" in message, message
+
+
+def _double_buffer_error() -> str:
+    try:
+        _train(dict(size=_size(2), order=SHUFFLED, double_buffer=True))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
