@@ -6,8 +6,9 @@ at least ``suggested_communication_unit_size`` elements that share their buckets
 2 on gloo (4 for HSDP), against one process on the same data, step by step (losses and
 full parameters after every step, fp32 within 1e-5):
 
-- ZeRO-1/2/3, HSDP, recompute (reentrant and not), a frozen unit, double buffering and
-  microbatches under ``no_sync``: training matches one process;
+- ZeRO-1/2/3, HSDP, recompute (reentrant and not), a frozen unit, double buffering,
+  microbatches under ``no_sync``, meta-device init, units run out of registration
+  order: training matches one process;
 - the collectives per step drop as expected: under ZeRO-3, two all-gathers per
   communication unit (forward, backward) plus one per root bucket, and one
   reduce-scatter per trainable communication unit plus the root's;
@@ -18,6 +19,7 @@ full parameters after every step, fp32 within 1e-5):
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -107,11 +109,12 @@ def _reference(recompute: str, frozen: int | None, microbatches: int, order=None
 def _train(case: dict):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    module = Stack(case.get("recompute", "none"), case.get("frozen"), case.get("order"))
+    with torch.device("meta") if case.get("meta") else contextlib.nullcontext():
+        module = Stack(case.get("recompute", "none"), case.get("frozen"), case.get("order"))
     opt = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.1)
-    kwargs = {}
+    kwargs = {"init_model_with_meta_device": True} if case.get("meta") else {}
     if case.get("hsdp"):
-        kwargs = dict(
+        kwargs.update(
             device_mesh=build_device_mesh(dp_outer=2, dp_shard=2).device_mesh,
             dp_shard_dim="dp_shard",
             dp_outer_dim="dp_outer",
@@ -238,10 +241,11 @@ COMBINED = [
     dict(size=_size(2), double_buffer=True),
     dict(size=_size(3), microbatches=2),
     dict(size=_size(2), zero=2, microbatches=2),
+    dict(size=_size(3), meta=True),
 ]
 
 
-def test_coalescing_with_recompute_frozen_units_double_buffer_and_no_sync():
+def test_coalescing_with_recompute_frozen_units_double_buffer_no_sync_and_meta_init():
     outs = run_distributed(_many, 2, args=(COMBINED,), timeout=120)[0]
     for case, out in zip(COMBINED, outs, strict=True):
         _check_parity(case, out)
