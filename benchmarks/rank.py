@@ -24,7 +24,7 @@ from benchmarks.workloads import build_model, loss_of, make_batch, unit_classes
 __all__ = ["IMPLS", "bench_rank"]
 
 IMPLS = ("fsdp", "fsdp2", "megatron_fsdp")
-# fsdp with options, as a peer of its own: "fsdp@cu=4096,pd=2" is fully_shard with
+# fsdp with options, as a peer of its own: "fsdp@cu=4096:pd=2" is fully_shard with
 # suggested_communication_unit_size=4096 (elements) and prefetch_depth=2.
 _FSDP_OPTIONS = {"cu": "suggested_communication_unit_size", "pd": "prefetch_depth"}
 
@@ -35,10 +35,10 @@ def fsdp_options(impl: str) -> dict[str, int] | None:
     if name != "fsdp":
         return None
     out = {}
-    for item in filter(None, spec.split(",")):
+    for item in filter(None, spec.split(":")):
         key, _, value = item.partition("=")
         if key not in _FSDP_OPTIONS or not value.isdigit():
-            raise ValueError(f"bad fsdp peer option {item!r} in {impl!r}; use cu=N,pd=N")
+            raise ValueError(f"bad fsdp peer option {item!r} in {impl!r}; use cu=N:pd=N")
         out[_FSDP_OPTIONS[key]] = int(value)
     return out
 
