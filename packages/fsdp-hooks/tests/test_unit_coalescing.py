@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -330,3 +331,29 @@ def _double_buffer_error() -> str:
     except RuntimeError as e:
         return str(e)
     return "no error"
+
+
+def _adapter() -> dict:
+    from fsdp_hooks import DistributedDataParallelConfig, FullyShardedDataParallel
+
+    torch.manual_seed(0)
+    cfg = DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim_grads_params",
+        suggested_communication_unit_size=_size(3),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = FullyShardedDataParallel(None, cfg, Stack(), fsdp_unit_modules=[Unit])
+    groups = model.module.buffer.groups
+    return dict(
+        units=sorted({g.fsdp_unit_id for g in groups if g.fsdp_unit_id is not None}),
+        warned=[str(w.message) for w in caught if "suggested_communication" in str(w.message)],
+    )
+
+
+def test_megatron_core_adapter_takes_the_ddp_config_field():
+    """``ddp_config.suggested_communication_unit_size`` coalesces under the Megatron-Core
+    adapter too, without the "no effect" warning it used to give."""
+    for out in run_distributed(_adapter, 2, timeout=60):
+        assert out["units"] == [0, 3, 6], out
+        assert out["warned"] == [], out
