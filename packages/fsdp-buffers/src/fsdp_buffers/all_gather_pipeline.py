@@ -10,8 +10,8 @@ are EMPTY, while the unsharded bytes it has started stay within
 ``set_modules_to_forward_prefetch`` analogue, 0 turns prefetch off) times the largest
 communication unit's unsharded bytes (an FSDP unit, or the units coalesced into one,
 ``ParameterGroup.coalesced_unit_ids``), so with units of equal size ``prefetch_depth``
-units are gathered ahead of the one in use. Every rank makes the same calls in the same order, so
-collectives match across ranks.
+units are gathered ahead of the one in use. Every rank makes the same calls in the
+same order, so collectives match across ranks.
 
 The forward order is the buckets' registration order, unless given. With
 ``follow_observed_order`` (the hook layer turns it on) the pipeline records the order in

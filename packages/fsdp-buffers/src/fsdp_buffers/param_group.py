@@ -4,13 +4,13 @@ Parameters are grouped by FSDP unit × dtype × expert × requires_grad × no_sh
 order they first appear in ``module.named_parameters()`` (for most models, forward
 order). Parameters outside every FSDP unit are packed into buckets of about
 ``bucket_size`` elements, or into one bucket per key with ``disable_bucketing``.
+A parameter reachable under several names (tied weights) is grouped once, under its
+first name; the other names are kept so that state dicts can list them.
 
 Unit coalescing (``communication_unit_size``, Note [communication units]): consecutive
 FSDP units, in registration order, are joined into one communication unit until it
 holds at least that many parameter elements; the units of one communication unit share
 its buckets (one per key), so they are gathered, released and reduced as one.
-A parameter reachable under several names (tied weights) is grouped once, under its
-first name; the other names are kept so that state dicts can list them.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ class ParameterGroup:
 
     ``fsdp_unit_id`` is the index of the FSDP unit the parameters belong to, or None for
     parameters outside every unit; with unit coalescing, the first unit of the
-    communication unit, and ``coalesced_unit_ids`` every unit whose parameters share
-    the bucket (``(fsdp_unit_id,)`` without coalescing, ``()`` outside units). ``chunk_size_factor`` is Megatron-FSDP's field, always
-    1 here: the shard layout's alignment does its job. The buffers are filled in by ``ParamAndGradBuffer``
+    communication unit, and ``coalesced_unit_ids`` every unit of it (``(fsdp_unit_id,)``
+    without coalescing, ``()`` outside units). ``chunk_size_factor`` is Megatron-FSDP's
+    field, always 1 here: the shard layout's alignment does its job. The buffers are filled in by ``ParamAndGradBuffer``
     according to the sharding strategy; a buffer that the strategy does not need is None:
     ``transpose_weight_buffer`` is for FP8 weights' transposes (none yet), ``hsdp_gbuf``
     the gradients of main weights sharded over the outer dim too (fully-sharded hybrid).
