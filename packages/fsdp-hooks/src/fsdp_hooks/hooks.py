@@ -58,15 +58,9 @@ arrives once per call. So each unit counts its calls whose backward is still to 
 (``pending_backward``), and its buckets are marked ready at the post-backward of the
 last one, when every call's gradient is in.
 
-Coalesced units (``communication_unit_size``, Note [communication units] in
-``fsdp_buffers.param_group``): consecutive units that share their buckets. The first
-one's pre-forward gathers the shared buckets (and prefetches what follows them); the
-others find them gathered. A shared bucket is released after every unit sharing it has
-run its forward (``_forward_done``; a unit the forward skipped leaves it gathered until
-the root post-forward), and, in backward, after the post-backward of the last of them
-whose backward was pending: it is one tensor, so memory is freed per communication
-unit, not per unit. Its reduction starts at that same point (the rule above: no unit
-that releases it has a pending backward), so the units' gradients reduce as one.
+Coalesced units (``suggested_communication_unit_size``) share buckets: a shared
+bucket is released, and reduced, once all the units sharing it are done
+(``shared_buckets``).
 
 A unit that is entirely ``fsdp_no_shard`` gets no gathering hooks (seed 002: nothing
 to gather, and no per-module dispatch for a frozen encoder's many layers): two forward
@@ -97,6 +91,7 @@ from fsdp_hooks.backward import (
 )
 from fsdp_hooks.param_state import ParamState
 from fsdp_hooks.schedule_check import Phase, ScheduleCheck, schedule_check_requested
+from fsdp_hooks.shared_buckets import SharedBuckets
 from fsdp_hooks.training_state import TrainingState
 from fsdp_mesh.device import control_device
 
@@ -200,15 +195,7 @@ class FSDPHooks:
                 )
             )
 
-        # Shared (coalesced) bucket -> the units sharing it, and those that ran forward
-        # since it was gathered (see the module note).
-        self._sharers: dict[int, list[FSDPUnit]] = {}
-        for unit in self.units:
-            for gid in unit.release_groups:
-                if unit.index in buffer.groups[gid].coalesced_unit_ids:
-                    self._sharers.setdefault(gid, []).append(unit)
-        self._sharers = {g: us for g, us in self._sharers.items() if len(us) > 1}
-        self._forward_done: dict[int, set[int]] = {}
+        self._shared = SharedBuckets(buffer, self.units)  # coalesced units' buckets
 
         self._grad_handles = [
             p.register_post_accumulate_grad_hook(self._on_param_grad)
@@ -380,10 +367,8 @@ class FSDPHooks:
         if self.root_state is TrainingState.PRE_BACKWARD:
             return output  # recompute inside backward: the backward goes on
         with annotate("fsdp.root_post_forward"):
-            # Shared buckets some of whose units this forward skipped.
-            for gid in self._forward_done:
+            for gid in self._shared.take_partly_run():  # a unit sharing it was skipped
                 self.gather.release_bucket(gid)
-            self._forward_done.clear()
             self.gather.commit_observed_order()
             backward_pending = torch.is_grad_enabled() and register_pre_backward(
                 output, self._root_pre_backward
@@ -482,14 +467,8 @@ class FSDPHooks:
             return output  # recompute: the backward that follows needs the buckets
         with annotate("fsdp.post_forward"):
             for gid in unit.release_groups:
-                sharers = self._sharers.get(gid)
-                if sharers is not None:
-                    done = self._forward_done.setdefault(gid, set())
-                    done.add(unit.index)
-                    if len(done) < len(sharers):
-                        continue  # a unit sharing it has yet to run forward
-                    del self._forward_done[gid]
-                self.gather.release_bucket(gid)
+                if self._shared.release_after_forward(unit, gid):
+                    self.gather.release_bucket(gid)
             self._unit_use(unit, compute=False)
             unit.state = TrainingState.IDLE
             if torch.is_grad_enabled():
@@ -523,10 +502,8 @@ class FSDPHooks:
             for gid in unit.release_groups:
                 self._mark_ready_if_complete(gid)
             for gid in unit.release_groups:
-                sharers = self._sharers.get(gid)
-                if sharers is not None and any(u.pending_backward for u in sharers):
-                    continue  # a unit sharing it has a backward to come
-                self.gather.release_bucket(gid)
+                if self._shared.release_after_backward(gid):
+                    self.gather.release_bucket(gid)
             self._unit_use(unit, compute=False)
 
     def _mark_ready_if_complete(self, gid: int) -> None:
@@ -598,7 +575,7 @@ class FSDPHooks:
         return True
 
     def _release_all(self) -> None:
-        self._forward_done.clear()
+        self._shared.clear()
         self.gather.reset()
 
     def attach_grads(self, only_with_grads: bool) -> None:
