@@ -8,7 +8,7 @@ full parameters after every step, fp32 within 1e-5):
 
 - ZeRO-1/2/3, HSDP, recompute (reentrant and not), a frozen unit, double buffering,
   microbatches under ``no_sync``, meta-device init, units run out of registration
-  order: training matches one process;
+  order: training matches one process, and so does ``model.state_dict()``;
 - the collectives per step drop as expected: under ZeRO-3, two all-gathers per
   communication unit (forward, backward) plus one per root bucket, and one
   reduce-scatter per trainable communication unit plus the root's;
@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_buffers.collectives import CollectiveKind
@@ -160,12 +161,17 @@ def _train(case: dict):
         dist.all_reduce(total)
         losses.append(total.item() / world)
         params.append(model.buffer.views.full_parameters())
+    # The state dict's DTensors are per parameter: grouping must not show in them.
+    state = {
+        k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()
+    }
     groups = model.buffer.groups
     root = set(model.hooks.root_groups)
     comm_units = {groups[g].fsdp_unit_id for g in range(len(groups)) if g not in root}
     return dict(
         losses=losses,
         params=params,
+        state=state,
         gathers=gathers,
         reduces=reduces,
         misses=misses,
@@ -187,6 +193,7 @@ def _check_parity(case: dict, out: dict) -> None:
         where = f"{case}, step {step}"
         assert math.isclose(out["losses"][step], losses[step], rel_tol=1e-5), where
         assert_tensors_close(out["params"][step], params[step], where=where)
+    assert_tensors_close(out["state"], params[-1], where=f"{case}, state_dict")
 
 
 def test_coalesce_units_groups_consecutive_units_until_the_size():
