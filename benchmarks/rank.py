@@ -24,6 +24,23 @@ from benchmarks.workloads import build_model, loss_of, make_batch, unit_classes
 __all__ = ["IMPLS", "bench_rank"]
 
 IMPLS = ("fsdp", "fsdp2", "megatron_fsdp")
+# fsdp with options, as a peer of its own: "fsdp@cu=4096:pd=2" is fully_shard with
+# suggested_communication_unit_size=4096 (elements) and prefetch_depth=2.
+_FSDP_OPTIONS = {"cu": "suggested_communication_unit_size", "pd": "prefetch_depth"}
+
+
+def fsdp_options(impl: str) -> dict[str, int] | None:
+    """The fully_shard options of an ``fsdp`` peer name, None for another peer."""
+    name, _, spec = impl.partition("@")
+    if name != "fsdp":
+        return None
+    out = {}
+    for item in filter(None, spec.split(":")):
+        key, _, value = item.partition("=")
+        if key not in _FSDP_OPTIONS or not value.isdigit():
+            raise ValueError(f"bad fsdp peer option {item!r} in {impl!r}; use cu=N:pd=N")
+        out[_FSDP_OPTIONS[key]] = int(value)
+    return out
 
 
 def _sync(device: torch.device) -> None:
@@ -64,18 +81,19 @@ def bench_rank(
     result: dict[str, Any] = {"rank": rank, "world": world, "device": str(device)}
 
     model: Any
+    options = fsdp_options(impl)
     if impl == "floor":
         model = module
         optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-3)
         frozen_sharded = 0
-    elif impl == "fsdp":
+    elif options is not None:
         from fsdp import fsdp_no_shard, fully_shard
 
         if no_shard_encoder:
             fsdp_no_shard(module.encoder)
         optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-3)
         model, optimizer = fully_shard(
-            module, optimizer, fsdp_unit_modules=units, zero_dp_strategy=strategy
+            module, optimizer, fsdp_unit_modules=units, zero_dp_strategy=strategy, **options
         )
     elif impl == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -118,7 +136,7 @@ def bench_rank(
     for step in range(warmup):
         one_step(step)
     counter.reset()
-    if impl == "fsdp":
+    if options is not None:
         model.comm_stats(reset=True)
     profiler = _profiler(profile_dir, impl, workload, strategy, no_shard_encoder, rank)
     with profiler:
@@ -134,7 +152,7 @@ def bench_rank(
     theory, formula = theory_elements(strategy, n_trainable, frozen_sharded, world)
     result["theory_elements"] = 0.0 if impl == "floor" else theory
     result["theory_formula"] = formula
-    if impl == "fsdp":
+    if options is not None:
         stats = model.comm_stats()
         result["comm_stats"] = {
             k: {f: v / steps for f, v in fields.items()} for k, fields in stats.items()

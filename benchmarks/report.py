@@ -77,7 +77,7 @@ def aggregate(
                 "frozen_params": r0["frozen_params"],
                 "model_state_bound_mb": 16 * r0["trainable_params"] / world / 2**20,
             }
-            if impl == "fsdp":
+            if impl.partition("@")[0] == "fsdp":
                 row["expected_elements"] = r0["expected_elements"]
                 row["comm_stats"] = r0["comm_stats"]
             stats[impl] = row

@@ -6,8 +6,12 @@ replicated (``fsdp_no_shard``, or a strategy below 3) is READY_TO_USE from the s
 and never issues a collective. This pipeline decides when: prefetch walks the forward
 (or backward) order of buckets past the ones asked for and starts gathering those that
 are EMPTY, while the unsharded bytes it has started stay within
-``prefetch_budget_bytes``. Every rank makes the same calls in the same order, so
-collectives match across ranks.
+``prefetch_budget_bytes``: by default ``prefetch_depth`` (1; FSDP2's
+``set_modules_to_forward_prefetch`` analogue, 0 turns prefetch off) times the largest
+communication unit's unsharded bytes (an FSDP unit, or the units coalesced into one,
+``ParameterGroup.coalesced_unit_ids``), so with units of equal size ``prefetch_depth``
+units are gathered ahead of the one in use. Every rank makes the same calls in the
+same order, so collectives match across ranks.
 
 The forward order is the buckets' registration order, unless given. With
 ``follow_observed_order`` (the hook layer turns it on) the pipeline records the order in
@@ -56,7 +60,16 @@ class AllGatherPipeline:
         prefetch_budget_bytes: int | None = None,
         forward_order: Sequence[int] | None = None,
         follow_observed_order: bool = False,
+        prefetch_depth: int = 1,
     ) -> None:
+        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int):
+            raise TypeError(f"prefetch_depth must be an int >= 0; got {prefetch_depth!r}")
+        if prefetch_depth < 0:
+            raise ValueError(
+                f"prefetch_depth must be >= 0 (0: no prefetch, 1: one unit ahead); "
+                f"got {prefetch_depth}"
+            )
+        self.prefetch_depth = prefetch_depth
         self.buffer = buffer
         self.buckets = buffer.buckets
         n = len(self.buckets)
@@ -67,13 +80,14 @@ class AllGatherPipeline:
         self._no_backward: set[int] = set()
         self._backward: set[int] = set()
         if prefetch_budget_bytes is None:
-            # One FSDP unit ahead: the largest unit's unsharded bytes.
+            # prefetch_depth communication units ahead: that many times the largest
+            # one's unsharded bytes (coalesced units share their fsdp_unit_id).
             per_unit: dict[object, int] = {}
             for b in self.buckets:
                 key = b.group.fsdp_unit_id if b.group.fsdp_unit_id is not None else ("b", b.gid)
                 if b.is_distributed:
                     per_unit[key] = per_unit.get(key, 0) + b.unsharded_bytes
-            prefetch_budget_bytes = max(per_unit.values(), default=0)
+            prefetch_budget_bytes = prefetch_depth * max(per_unit.values(), default=0)
         self.prefetch_budget_bytes = prefetch_budget_bytes
         self._what = [describe_bucket(buffer, g, "all-gather") for g in range(n)]
         self._asked: set[int] = set()  # gathered because asked for, not only prefetched

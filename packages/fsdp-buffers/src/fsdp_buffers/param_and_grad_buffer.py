@@ -76,6 +76,7 @@ class ParamAndGradBuffer:
         alignment: int = DEFAULT_ALIGNMENT,
         allow_meta: bool = False,
         tensor_parallel: TensorParallel | None = None,
+        communication_unit_size: int | None = None,
     ) -> None:
         self.module = module
         self.dist_index = dist_index
@@ -108,7 +109,9 @@ class ParamAndGradBuffer:
             bucket_size=bucket_size,
             disable_bucketing=disable_bucketing,
             is_expert_param=is_expert_param,
+            communication_unit_size=communication_unit_size,
         )
+        self.communication_unit_size = communication_unit_size
         self.gradient_scaling_factor = (
             1.0 / dist_index.dp_size if gradient_scaling_factor is None else gradient_scaling_factor
         )
@@ -255,6 +258,8 @@ class ParamAndGradBuffer:
         return len(self.groups)
 
     def groups_of_unit(self, unit_id: int | None) -> list[int]:
+        """Buckets whose ``fsdp_unit_id`` is ``unit_id``: with unit coalescing, those of
+        the communication unit that ``unit_id`` opens (none for the units joined to it)."""
         return [g for g, grp in enumerate(self.groups) if grp.fsdp_unit_id == unit_id]
 
     # ---- every bucket --------------------------------------------------------------

@@ -6,6 +6,11 @@ order). Parameters outside every FSDP unit are packed into buckets of about
 ``bucket_size`` elements, or into one bucket per key with ``disable_bucketing``.
 A parameter reachable under several names (tied weights) is grouped once, under its
 first name; the other names are kept so that state dicts can list them.
+
+Unit coalescing (``communication_unit_size``, Note [communication units]): consecutive
+FSDP units, in registration order, are joined into one communication unit until it
+holds at least that many parameter elements; the units of one communication unit share
+its buckets (one per key), so they are gathered, released and reduced as one.
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ class ParameterGroup:
     """A bucket: parameters that share a flat buffer and move together.
 
     ``fsdp_unit_id`` is the index of the FSDP unit the parameters belong to, or None for
-    parameters outside every unit. ``chunk_size_factor`` is Megatron-FSDP's field, always
-    1 here: the shard layout's alignment does its job. The buffers are filled in by ``ParamAndGradBuffer``
+    parameters outside every unit; with unit coalescing, the first unit of the
+    communication unit, and ``coalesced_unit_ids`` every unit of it (``(fsdp_unit_id,)``
+    without coalescing, ``()`` outside units). ``chunk_size_factor`` is Megatron-FSDP's
+    field, always 1 here: the shard layout's alignment does its job. The buffers are filled in by ``ParamAndGradBuffer``
     according to the sharding strategy; a buffer that the strategy does not need is None:
     ``transpose_weight_buffer`` is for FP8 weights' transposes (none yet), ``hsdp_gbuf``
     the gradients of main weights sharded over the outer dim too (fully-sharded hybrid).
@@ -47,6 +54,7 @@ class ParameterGroup:
     requires_grad: bool = True
     fsdp_unit_id: int | None = None
     fsdp_no_shard: bool = False
+    coalesced_unit_ids: tuple[int, ...] = ()
     chunk_size_factor: int = 1
     names: list[str] = field(default_factory=list)
     model_weight_buffer: DataParallelBuffer | None = None
@@ -127,6 +135,32 @@ def _unit_of(param_name: str, units: Sequence[str]) -> int | None:
     return None
 
 
+def coalesce_units(unit_numels: Sequence[int], communication_unit_size: int | None) -> list[int]:
+    """Note [communication units]: the communication unit of each FSDP unit. Units are
+    taken in registration order (``named_modules`` order: the execution order of a
+    sequential model) and joined to the open communication unit until it holds at least
+    ``communication_unit_size`` elements; then the next unit opens a new one. ``None``
+    (or 0) keeps one unit per communication unit. A unit bigger than the size is alone.
+    Returns, for each unit, the index of the first unit of its communication unit."""
+    if communication_unit_size is not None and (
+        isinstance(communication_unit_size, bool)
+        or not isinstance(communication_unit_size, int)
+        or communication_unit_size < 0
+    ):
+        raise ValueError(
+            "communication_unit_size (suggested_communication_unit_size) must be a "
+            f"non-negative number of elements or None; got {communication_unit_size!r}"
+        )
+    out: list[int] = []
+    first, held = 0, 0
+    for i, numel in enumerate(unit_numels):
+        if not out or held >= (communication_unit_size or 0):
+            first, held = i, 0
+        out.append(first)
+        held += numel
+    return out
+
+
 def group_parameters(
     module: nn.Module,
     unit_classes: Sequence[type[nn.Module]] = (),
@@ -134,6 +168,7 @@ def group_parameters(
     bucket_size: int | None = None,
     disable_bucketing: bool = False,
     is_expert_param: Callable[[str, nn.Parameter], bool] | None = None,
+    communication_unit_size: int | None = None,
 ) -> tuple[list[ParameterGroup], list[str]]:
     """Group ``module``'s parameters; returns the groups and the FSDP unit names.
 
@@ -146,12 +181,24 @@ def group_parameters(
         raise ValueError(f"bucket_size must be a positive number of elements; got {bucket_size}")
     target = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
     units = find_fsdp_units(module, unit_classes)
+    named = list(module.named_parameters())
+    unit_numels = [0] * len(units)
+    for name, p in named:
+        u = _unit_of(name, units)
+        if u is not None:
+            unit_numels[u] += p.numel()
+    comm_unit = coalesce_units(unit_numels, communication_unit_size)
+    members: dict[int, tuple[int, ...]] = {}
+    for u, first in enumerate(comm_unit):
+        members[first] = (*members.get(first, ()), u)
 
     groups: list[ParameterGroup] = []
     open_groups: dict[tuple, ParameterGroup] = {}
-    for name, p in module.named_parameters():
+    for name, p in named:
         is_float = p.dtype.is_floating_point or p.dtype.is_complex
         unit_id = _unit_of(name, units)
+        if unit_id is not None:
+            unit_id = comm_unit[unit_id]
         expert = bool(is_expert_param(name, p)) if is_expert_param else False
         requires_grad = p.requires_grad and is_float
         no_shard = is_fsdp_no_shard(p) or not is_float or p.dim() == 0
@@ -168,6 +215,7 @@ def group_parameters(
                 requires_grad=requires_grad,
                 fsdp_unit_id=unit_id,
                 fsdp_no_shard=no_shard,
+                coalesced_unit_ids=members[unit_id] if unit_id is not None else (),
             )
             groups.append(group)
             open_groups[key] = group

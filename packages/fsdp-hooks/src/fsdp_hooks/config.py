@@ -39,8 +39,10 @@ class DistributedDataParallelConfig:
     """Ignored: fsdp divides before the collective (or averages in it, see
     ``average_in_collective``), the same result as the fused NCCL pre-multiply."""
     suggested_communication_unit_size: int | None = None
-    """Ignored: fsdp communicates a bucket at a time and prefetches one unit ahead
-    (warns when set)."""
+    """Unit coalescing: consecutive FSDP units (registration order) are gathered and
+    reduced as one collective until the group holds at least this many parameter
+    elements (None: one collective per unit). Megatron-FSDP sizes its prefetch and
+    reduce queue with it instead; see the README's "Unit coalescing"."""
     keep_fp8_transpose_cache: bool = False
     """CUDA-only; no FP8 weights in fsdp yet, so nothing to cache."""
     nccl_ub: bool = False

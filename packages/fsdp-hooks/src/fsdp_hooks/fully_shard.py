@@ -127,10 +127,18 @@ def fully_shard_model(
     cuda_graph_mode: bool = False,
     maxpool_double_buffer: bool = False,
     is_expert_param: Callable[[str, nn.Parameter], bool] | str | None = None,
+    suggested_communication_unit_size: int | None = None,
+    prefetch_depth: int = 1,
 ) -> MegatronFSDP:
     """Shard ``module`` and return the ``MegatronFSDP`` wrapper (the original module is
     ``wrapper.module``). Its parameters are then DTensors: this rank's shard of the
-    main weights."""
+    main weights.
+
+    fsdp's own options: ``suggested_communication_unit_size`` (elements; None: off)
+    gathers and reduces consecutive FSDP units as one collective until each group holds
+    at least that many parameter elements; ``prefetch_depth`` (default 1) is how many
+    units (groups) are gathered ahead of the one in use, 0 for none. Peak gathered
+    memory grows with both (README, "Unit coalescing and prefetch depth")."""
     check_argument_types(
         "fully_shard_model",
         module,
@@ -208,6 +216,7 @@ def fully_shard_model(
         megatron_fsdp_main_params_dtype=policy.main_params_dtype,
         megatron_fsdp_main_grads_dtype=policy.main_grads_dtype,
         megatron_fsdp_grad_comm_dtype=policy.grad_comm_dtype,
+        suggested_communication_unit_size=suggested_communication_unit_size,
     )
     model = MegatronFSDP(
         module,
@@ -225,6 +234,7 @@ def fully_shard_model(
         disable_symmetric_registration=disable_symmetric_registration,
         mixed_precision_policy=policy,
         is_expert_param=is_expert_param,
+        prefetch_depth=prefetch_depth,
     )
     # Recorded only (see MegatronFSDP.__init__): the pieces are torch.chunk ones.
     model.preproc_state_dict_for_dcp_ckpt = (

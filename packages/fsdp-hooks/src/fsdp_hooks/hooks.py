@@ -58,6 +58,10 @@ arrives once per call. So each unit counts its calls whose backward is still to 
 (``pending_backward``), and its buckets are marked ready at the post-backward of the
 last one, when every call's gradient is in.
 
+Coalesced units (``suggested_communication_unit_size``) share buckets: a shared
+bucket is released, and reduced, once all the units sharing it are done
+(``shared_buckets``).
+
 A unit that is entirely ``fsdp_no_shard`` gets no gathering hooks (seed 002: nothing
 to gather, and no per-module dispatch for a frozen encoder's many layers): two forward
 hooks on the unit keep its ``TrainingState`` true (plus the backward pair when it has
@@ -87,6 +91,7 @@ from fsdp_hooks.backward import (
 )
 from fsdp_hooks.param_state import ParamState
 from fsdp_hooks.schedule_check import Phase, ScheduleCheck, schedule_check_requested
+from fsdp_hooks.shared_buckets import SharedBuckets
 from fsdp_hooks.training_state import TrainingState
 from fsdp_mesh.device import control_device
 
@@ -189,6 +194,8 @@ class FSDPHooks:
                     _eager(functools.partial(self._unit_post_forward, unit))
                 )
             )
+
+        self._shared = SharedBuckets(buffer, self.units)  # coalesced units' buckets
 
         self._grad_handles = [
             p.register_post_accumulate_grad_hook(self._on_param_grad)
@@ -360,6 +367,8 @@ class FSDPHooks:
         if self.root_state is TrainingState.PRE_BACKWARD:
             return output  # recompute inside backward: the backward goes on
         with annotate("fsdp.root_post_forward"):
+            for gid in self._shared.take_partly_run():  # a unit sharing it was skipped
+                self.gather.release_bucket(gid)
             self.gather.commit_observed_order()
             backward_pending = torch.is_grad_enabled() and register_pre_backward(
                 output, self._root_pre_backward
@@ -458,7 +467,8 @@ class FSDPHooks:
             return output  # recompute: the backward that follows needs the buckets
         with annotate("fsdp.post_forward"):
             for gid in unit.release_groups:
-                self.gather.release_bucket(gid)
+                if self._shared.release_after_forward(unit, gid):
+                    self.gather.release_bucket(gid)
             self._unit_use(unit, compute=False)
             unit.state = TrainingState.IDLE
             if torch.is_grad_enabled():
@@ -492,7 +502,8 @@ class FSDPHooks:
             for gid in unit.release_groups:
                 self._mark_ready_if_complete(gid)
             for gid in unit.release_groups:
-                self.gather.release_bucket(gid)
+                if self._shared.release_after_backward(gid):
+                    self.gather.release_bucket(gid)
             self._unit_use(unit, compute=False)
 
     def _mark_ready_if_complete(self, gid: int) -> None:
@@ -564,6 +575,7 @@ class FSDPHooks:
         return True
 
     def _release_all(self) -> None:
+        self._shared.clear()
         self.gather.reset()
 
     def attach_grads(self, only_with_grads: bool) -> None:

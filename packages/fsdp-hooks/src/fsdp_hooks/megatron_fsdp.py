@@ -101,6 +101,7 @@ class MegatronFSDP(InnerModuleAttributes):
         report_nan_in_param_grad: bool = False,
         *,
         is_expert_param: Callable[[str, nn.Parameter], bool] | str | None = None,
+        prefetch_depth: int = 1,
     ) -> None:
         super().__init__()
         check_argument_types(
@@ -186,6 +187,7 @@ class MegatronFSDP(InnerModuleAttributes):
                 "disable_symmetric_registration": disable_symmetric_registration,
                 "mixed_precision_policy": self.mixed_precision_policy,
                 "is_expert_param": is_expert_param,
+                "prefetch_depth": prefetch_depth,
             },
             # Experts differ across ranks on an expert-parallel mesh.
             skip_values=resolve_is_expert_param(is_expert_param, True) if split_experts else None,
@@ -224,12 +226,15 @@ class MegatronFSDP(InnerModuleAttributes):
                 ),
                 allow_meta=init_model_with_meta_device,
                 tensor_parallel=tensor_parallel,
+                communication_unit_size=ddp_config.suggested_communication_unit_size,
+            )
+            self.all_gather_pipeline = AllGatherPipeline(
+                self.buffer, follow_observed_order=True, prefetch_depth=prefetch_depth
             )
             if ddp_config.megatron_fsdp_use_decoupled_grad:
                 # Megatron-FSDP's precision-aware path: the reduced gradient shard goes
                 # to .decoupled_grad in the main grads' dtype, .grad stays None.
                 self.buffer.views.grad_attr = "decoupled_grad"
-            self.all_gather_pipeline = AllGatherPipeline(self.buffer, follow_observed_order=True)
             self.grad_reduce_pipeline = GradReducePipeline(self.buffer)
             if init_model_with_meta_device:
                 from fsdp_hooks.meta_init import initialize_from_meta

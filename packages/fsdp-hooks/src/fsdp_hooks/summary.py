@@ -17,7 +17,8 @@ __all__ = ["log_unit_summary", "unit_summary"]
 
 def unit_summary(wrapper: MegatronFSDP) -> list[dict[str, object]]:
     """One row per FSDP unit (and one for parameters outside units): parameter count,
-    bytes in the compute dtype, and whether it is sharded or ``no_shard``."""
+    bytes in the compute dtype, and whether it is sharded or ``no_shard``. Coalesced
+    units (``suggested_communication_unit_size``) are one row, under the first's name."""
     buffer = wrapper.buffer
     rows: list[dict[str, object]] = []
     names = [*buffer.unit_names, None]
@@ -32,6 +33,9 @@ def unit_summary(wrapper: MegatronFSDP) -> list[dict[str, object]]:
         no_shard = all(buffer.groups[g].fsdp_no_shard for g in gids)
         sharded = any(buffer.buckets[g].sharding.model_weights for g in gids)
         mode = "no_shard" if no_shard else ("sharded" if sharded else "replicated")
+        joined = len(buffer.groups[gids[0]].coalesced_unit_ids) - 1
+        if name is not None and joined > 0:  # unit coalescing: the group's first unit
+            name = f"{name} (+{joined} coalesced unit(s))"
         rows.append(
             {
                 "unit": name if name is not None else "(outside units)",

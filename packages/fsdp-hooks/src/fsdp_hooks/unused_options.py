@@ -42,8 +42,8 @@ CUDA_ONLY = (
 
 # Not implemented on any device: Megatron-FSDP keeps compute weights in FP8 (or FP4) and
 # gathers them so, keeps .grad references for CUDA-graph replay, gathers per submodule,
-# sizes its communication units, and skips the first gather of start_param_sync;
-# Megatron-Core reduce-scatters bf16 with fp32 accumulation; fsdp does none of these.
+# and skips the first gather of start_param_sync; Megatron-Core reduce-scatters bf16 with
+# fp32 accumulation; fsdp does none of these.
 IGNORED = (
     "fp8_param_gather",
     "fp4_param_gather",
@@ -51,7 +51,6 @@ IGNORED = (
     "megatron_fsdp_cuda_graph_mode",
     "megatron_fsdp_enable_fine_grained_param_gather",
     "fsdp_db_use_persist_buf_on_alloc_fail",
-    "suggested_communication_unit_size",
     "fsdp_all_gather_in_start_param_sync",
     # MegatronFSDP keywords with no ddp_config field
     "enable_fine_grained_param_gather_hook",

@@ -103,6 +103,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--double-buffer", action="store_true", help="fsdp_double_buffer=True")
     p.add_argument(
+        "--communication-unit-size",
+        type=int,
+        default=None,
+        metavar="ELEMENTS",
+        help="suggested_communication_unit_size: coalesce consecutive units into groups of "
+        "at least this many elements (default: one unit per collective)",
+    )
+    p.add_argument(
+        "--prefetch-depth", type=int, default=1, help="units (groups) gathered ahead (default 1)"
+    )
+    p.add_argument(
         "--memory-per-device",
         metavar="SIZE",
         default=None,
@@ -191,6 +202,8 @@ def _sweep(args, build, units) -> int:
         seq_len=args.seq_len,
         fsdp_unit_modules=units or None,
         fsdp_double_buffer=args.double_buffer,
+        suggested_communication_unit_size=args.communication_unit_size,
+        prefetch_depth=args.prefetch_depth,
     )
     fits = [c for c in found if c.fits]
     print(
@@ -258,6 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 zero_dp_strategy=strategy,
                 mixed_precision_policy=MixedPrecisionPolicy(),
                 fsdp_double_buffer=args.double_buffer,
+                suggested_communication_unit_size=args.communication_unit_size,
+                prefetch_depth=args.prefetch_depth,
             )
         )
     print(f"fsdp-plan: {args.model} over {args.world_size} ranks, optimizer {args.optimizer}")

@@ -5,7 +5,9 @@ and evictions) runs over the meta-device buffer on the fake process group, drive
 the order ``fsdp_hooks`` drives it (see its hooks note): the root buckets gathered
 without prefetch and kept all step; each unit, in forward order, gathered with
 forward prefetch and released after its forward; then, in reverse, gathered with
-backward prefetch and released after its backward. Held bytes are read after each
+backward prefetch and released after its backward. Buckets that coalesced units share
+(``suggested_communication_unit_size``) are released after the last unit sharing them
+in each pass; the prefetch budget follows ``prefetch_depth``. Held bytes are read after each
 gather is started (they only grow then): every sharded bucket's storage (0 when
 released; a double-buffer slot in full, once) plus, for each gather still in flight
 whose bucket is not rank-major, the rank-major copy its all-gather writes into
@@ -39,12 +41,12 @@ def _rank_major_copy(buffer: ParamAndGradBuffer, gid: int) -> int:
     return 0 if mw.layout.is_rank_major(mw.coarse) else buffer.buckets[gid].unsharded_bytes
 
 
-def _units(buffer: ParamAndGradBuffer) -> list[tuple[list[int], list[int]]]:
-    """Each hooked unit's (buckets to gather, buckets it releases), in forward order, as
-    ``fsdp_hooks.hooks.FSDPHooks`` builds them."""
+def _units(buffer: ParamAndGradBuffer) -> list[tuple[int, list[int], list[int]]]:
+    """Each hooked unit's (index, buckets to gather, buckets it releases), in forward
+    order, as ``fsdp_hooks.hooks.FSDPHooks`` builds them."""
     roots = set(buffer.root_groups)
     out = []
-    for name in buffer.unit_names:
+    for index, name in enumerate(buffer.unit_names):
         unit = buffer.module.get_submodule(name)
         if module_is_fully_no_shard(unit):
             continue  # replicated: no gathering hooks
@@ -53,12 +55,26 @@ def _units(buffer: ParamAndGradBuffer) -> list[tuple[list[int], list[int]]]:
             gid = buffer.group_of(p)[0]
             if gid not in groups:
                 groups.append(gid)
-        out.append((groups, [g for g in groups if g not in roots]))
+        out.append((index, groups, [g for g in groups if g not in roots]))
     return out
 
 
-def _zero3_peak(buffer: ParamAndGradBuffer) -> int:
-    pipe = AllGatherPipeline(buffer)
+def _releases(buffer: ParamAndGradBuffer, sequence) -> list[list[int]]:
+    """The buckets each unit of ``sequence`` releases after it ran: its own, and a
+    bucket coalesced units share after the last of them in the sequence (hooks.py)."""
+    last: dict[int, int] = {}
+    for pos, (index, _groups, release) in enumerate(sequence):
+        for gid in release:
+            if index in buffer.groups[gid].coalesced_unit_ids:
+                last[gid] = pos
+    return [
+        [g for g in release if last.get(g, pos) == pos]
+        for pos, (_i, _groups, release) in enumerate(sequence)
+    ]
+
+
+def _zero3_peak(buffer: ParamAndGradBuffer, prefetch_depth: int) -> int:
+    pipe = AllGatherPipeline(buffer, prefetch_depth=prefetch_depth)
     copies = [_rank_major_copy(buffer, g) for g in range(buffer.num_buckets)]
     peak = 0
 
@@ -92,7 +108,9 @@ def _zero3_peak(buffer: ParamAndGradBuffer) -> int:
         (PrefetchOrder.FORWARD_PASS_ORDER, units),
         (PrefetchOrder.BACKWARD_PASS_ORDER, units[::-1]),
     ):
-        for groups, release in sequence:
+        for (_index, groups, _release), release in zip(
+            sequence, _releases(buffer, sequence), strict=True
+        ):
             gather(groups, order)
             for gid in release:
                 pipe.release_bucket(gid)
@@ -114,7 +132,7 @@ def _sync_peak(buffer: ParamAndGradBuffer) -> int:
     return max((a + b for a, b in zip([0, *copies], copies, strict=False)), default=0)
 
 
-def gathered_peak(buffer: ParamAndGradBuffer) -> int:
+def gathered_peak(buffer: ParamAndGradBuffer, prefetch_depth: int = 1) -> int:
     """Bytes of gathered weights held at once by this rank (see the module note); run
     inside the fake world the buffer was built in."""
-    return max(_zero3_peak(buffer), _sync_peak(buffer))
+    return max(_zero3_peak(buffer, prefetch_depth), _sync_peak(buffer))

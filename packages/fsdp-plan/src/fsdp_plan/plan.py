@@ -56,6 +56,8 @@ _MODELED = {
     "maxpool_double_buffer",
     "is_expert_param",
     "outer_dp_sharding_strategy",
+    "suggested_communication_unit_size",
+    "prefetch_depth",
 }
 # Options that change only when or how (not how many bytes), accepted as given.
 _NO_BYTES = {
@@ -269,9 +271,10 @@ def plan(
                 options.get("is_expert_param"), index.has_expert_mesh
             ),
             allow_meta=True,
+            communication_unit_size=options.get("suggested_communication_unit_size"),
         )
         held = model_state_bytes(buffer)
-        peak = gathered_peak(buffer)
+        peak = gathered_peak(buffer, options.get("prefetch_depth", 1))
         by_dim = comm_per_step(buffer)
         comm = total_comm(by_dim)
         # Ranks differ only in the optimizer state of torch.chunk pieces (the buffers'

@@ -1,0 +1,67 @@
+"""When a bucket that coalesced FSDP units share may be released.
+
+Unit coalescing (``suggested_communication_unit_size``; Note [communication units] in
+``fsdp_buffers.param_group``) joins consecutive units into one communication unit whose
+buckets they share. The first unit's pre-forward gathers the shared buckets (and
+prefetches what follows them); the others find them gathered. A shared bucket is
+released after every unit sharing it has run its forward (a unit the forward skipped
+leaves it gathered until the root post-forward, which releases it), and, in backward,
+after the post-backward of the last of them whose backward was pending. It is one
+tensor, so memory is freed per communication unit, not per unit. Its reduction starts
+at that same point (``FSDPHooks._mark_ready_if_complete``: no unit that releases it has
+a pending backward), so the units' gradients reduce as one.
+
+A bucket used by one unit only is not tracked here: it is released at that unit's
+post-forward and post-backward, as without coalescing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fsdp_buffers import ParamAndGradBuffer
+    from fsdp_hooks.hooks import FSDPUnit
+
+__all__ = ["SharedBuckets"]
+
+
+class SharedBuckets:
+    """The units sharing each coalesced bucket, and which of them ran forward since the
+    bucket was gathered."""
+
+    def __init__(self, buffer: ParamAndGradBuffer, units: list[FSDPUnit]) -> None:
+        sharers: dict[int, list[FSDPUnit]] = {}
+        for unit in units:
+            for gid in unit.release_groups:
+                if unit.index in buffer.groups[gid].coalesced_unit_ids:
+                    sharers.setdefault(gid, []).append(unit)
+        self.sharers = {g: us for g, us in sharers.items() if len(us) > 1}
+        self._forward_done: dict[int, set[int]] = {}
+
+    def release_after_forward(self, unit: FSDPUnit, gid: int) -> bool:
+        """``unit`` finished a forward: whether bucket ``gid`` can be released now."""
+        sharers = self.sharers.get(gid)
+        if sharers is None:
+            return True
+        done = self._forward_done.setdefault(gid, set())
+        done.add(unit.index)
+        if len(done) < len(sharers):
+            return False  # a unit sharing it has yet to run forward
+        del self._forward_done[gid]
+        return True
+
+    def release_after_backward(self, gid: int) -> bool:
+        """A unit using ``gid`` finished a backward: whether it can be released now."""
+        sharers = self.sharers.get(gid)
+        return sharers is None or not any(u.pending_backward for u in sharers)
+
+    def take_partly_run(self) -> list[int]:
+        """End of a forward: the shared buckets some of whose units it skipped (still
+        gathered), forgotten here; the caller releases them."""
+        out = list(self._forward_done)
+        self._forward_done.clear()
+        return out
+
+    def clear(self) -> None:
+        self._forward_done.clear()
