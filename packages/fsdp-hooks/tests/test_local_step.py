@@ -379,6 +379,15 @@ def _fallbacks() -> dict:
     p = opt.param_groups[0]["params"][0]
     opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].full_tensor()
     out["plain_state"] = opt._fsdp_local_step._plan(opt) is None
+    # A new DTensor in its place (same dict, new value) is the one the next step updates.
+    fresh = torch.zeros_like(p)
+    opt.state[p]["exp_avg"] = fresh
+    _step(model, opt, 4, rows)
+    out["replaced"] = (
+        opt._fsdp_local_step.last_step_was_local,
+        opt.state[p]["exp_avg"] is fresh,
+        bool(fresh._local_tensor.abs().sum() > 0),
+    )
     return out
 
 
@@ -388,3 +397,4 @@ def test_fallbacks_to_the_dtensor_step():
         assert got["closure"] is False
         assert got["plain"] is True
         assert got["plain_state"] is True
+        assert got["replaced"] == (True, True, True)

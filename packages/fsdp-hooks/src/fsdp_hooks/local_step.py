@@ -110,15 +110,51 @@ def _same_layout(value: DTensor, p: DTensor, local: torch.Tensor) -> bool:
     )
 
 
+class _Shadow:
+    """One DTensor parameter's shadow and what was last checked of it (reused while the
+    gradient, the state dict and its values are the same objects)."""
+
+    __slots__ = (
+        "entries",
+        "grad",
+        "grad_local",
+        "handed",
+        "handed_seen",
+        "local",
+        "param",
+        "seen",
+        "shadow",
+        "values",
+    )
+
+    def __init__(self, p: DTensor) -> None:
+        self.param = p  # kept alive: the cache is keyed by id
+        self.local = p._local_tensor
+        self.shadow = nn.Parameter(self.local.detach(), requires_grad=p.requires_grad)
+        self.grad: object = None
+        self.grad_local: torch.Tensor | None = None
+        self.entries: dict[str, Any] | None = None  # the real state dict checked last
+        self.seen: tuple = ()  # its keys and the ids of its values then
+        # Those values, kept alive so that no new object can take one of their ids.
+        self.values: tuple = ()
+        # The shadow state handed to the step (copied: the copy is the optimizer's to
+        # change), and its keys and value ids, for the write-back.
+        self.handed: dict[str, Any] = {}
+        self.handed_seen: tuple = ()
+
+
+def _seen(entries: dict[str, Any]) -> tuple:
+    return (*entries, *map(id, entries.values()))
+
+
 class _Plan:
-    """One step's shadows: per group the shadow list, the shadow state, and what was
-    handed in (to write back what the step replaced)."""
+    """One step's shadows: per group the shadow list, the shadow state, and the
+    parameters that have a gradient (to write back what the step replaced)."""
 
     def __init__(self) -> None:
         self.groups: list[list[nn.Parameter]] = []
         self.state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
-        # (DTensor parameter, its shadow, the shadow state entries as handed in)
-        self.stepped: list[tuple[DTensor, nn.Parameter, dict[str, Any]]] = []
+        self.stepped: list[_Shadow] = []
 
 
 class LocalStep:
@@ -127,17 +163,36 @@ class LocalStep:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self._kind = _KINDS.get(type(optimizer))
-        # DTensor parameter -> (its local tensor when the shadow was made, the shadow)
-        self._shadows: dict[torch.Tensor, tuple[torch.Tensor, nn.Parameter]] = {}
+        self._shadows: dict[int, _Shadow] = {}  # by id of the DTensor parameter
         self.last_step_was_local = False  # for tests and profiles
 
-    def _shadow(self, p: DTensor) -> nn.Parameter:
-        local = p._local_tensor
-        cached = self._shadows.get(p)
-        if cached is None or cached[0] is not local:
-            shadow = nn.Parameter(local.detach(), requires_grad=p.requires_grad)
-            cached = self._shadows[p] = (local, shadow)
-        return cached[1]
+    def _shadow(self, p: DTensor) -> _Shadow:
+        entry = self._shadows.get(id(p))
+        if entry is None or entry.param is not p or entry.local is not p._local_tensor:
+            entry = self._shadows[id(p)] = _Shadow(p)
+        return entry
+
+    def _check_state(self, entry: _Shadow, entries: dict[str, Any]) -> dict[str, Any] | None:
+        """The shadow state of one parameter (local tensors of the real state), or None
+        when its state is not what the local step requires."""
+        kind = self._kind
+        assert kind is not None
+        p, local = entry.param, entry.shadow
+        handed: dict[str, Any] = {}
+        for key, value in entries.items():
+            if key in kind.per_element:
+                if not (isinstance(value, DTensor) and _same_layout(value, p, local)):
+                    return None
+                handed[key] = value._local_tensor
+            elif key in kind.scalars:
+                if isinstance(value, DTensor) or (
+                    isinstance(value, torch.Tensor) and value.ndim != 0
+                ):
+                    return None
+                handed[key] = value
+            else:
+                return None
+        return handed
 
     def _plan(self, optimizer: torch.optim.Optimizer) -> _Plan | None:
         kind = self._kind
@@ -152,40 +207,37 @@ class LocalStep:
             for p in group["params"]:
                 if not isinstance(p, DTensor):
                     return None
-                shadow = self._shadow(p)
-                shadows.append(shadow)
+                entry = self._shadow(p)
+                shadows.append(entry.shadow)
                 grad = p.grad
                 if grad is None:
                     continue  # skipped by the step, as before; its state is not touched
-                local = shadow  # same shape as the local tensor
-                if not (
-                    isinstance(grad, DTensor)
-                    and grad.dtype == p.dtype
-                    and _same_layout(grad, p, local)
-                ):
-                    return None
+                if grad is not entry.grad:
+                    if not (
+                        isinstance(grad, DTensor)
+                        and grad.dtype == p.dtype
+                        and _same_layout(grad, p, entry.shadow)
+                    ):
+                        return None
+                    entry.grad, entry.grad_local = grad, grad._local_tensor
                 entries = state.get(p)
                 if not entries:
                     if not stateless:
                         return None  # first step: the DTensor step creates the state
-                    entries = {}
-                handed: dict[str, Any] = {}
-                for key, value in entries.items():
-                    if key in kind.per_element:
-                        if not (isinstance(value, DTensor) and _same_layout(value, p, local)):
-                            return None
-                        handed[key] = value._local_tensor
-                    elif key in kind.scalars:
-                        if isinstance(value, DTensor) or (
-                            isinstance(value, torch.Tensor) and value.ndim != 0
-                        ):
-                            return None
-                        handed[key] = value
-                    else:
+                    entry.entries, entry.seen, entry.values = None, (), ()
+                    entry.handed, entry.handed_seen = {}, ()
+                    plan.stepped.append(entry)
+                    continue
+                if entries is not entry.entries or _seen(entries) != entry.seen:
+                    handed = self._check_state(entry, entries)
+                    if handed is None:
+                        entry.entries = None
                         return None
-                shadow_entries = plan.state[shadow]
-                shadow_entries.update(handed)
-                plan.stepped.append((p, shadow, handed))
+                    entry.entries, entry.seen = entries, _seen(entries)
+                    entry.values = tuple(entries.values())
+                    entry.handed, entry.handed_seen = handed, _seen(handed)
+                plan.state[entry.shadow] = entry.handed.copy()
+                plan.stepped.append(entry)
             plan.groups.append(shadows)
         return plan
 
@@ -206,8 +258,8 @@ class LocalStep:
         groups = optimizer.param_groups
         saved_params = [group["params"] for group in groups]
         saved_state = optimizer.state
-        for p, shadow, _handed in plan.stepped:
-            shadow.grad = p.grad._local_tensor
+        for entry in plan.stepped:
+            entry.shadow.grad = entry.grad_local
         try:
             for group, shadows in zip(groups, plan.groups, strict=True):
                 group["params"] = shadows
@@ -217,8 +269,8 @@ class LocalStep:
             optimizer.state = saved_state
             for group, params in zip(groups, saved_params, strict=True):
                 group["params"] = params
-            for _p, shadow, _handed in plan.stepped:
-                shadow.grad = None
+            for entry in plan.stepped:
+                entry.shadow.grad = None
         self._write_back(saved_state, plan)
         return result
 
@@ -227,20 +279,20 @@ class LocalStep:
         every tensor in place and write nothing here)."""
         kind = self._kind
         assert kind is not None
-        for p, shadow, handed in plan.stepped:
-            after = plan.state.get(shadow)
-            if not after and not handed:
+        for entry in plan.stepped:
+            after = plan.state.get(entry.shadow) or {}
+            if _seen(after) == entry.handed_seen:
                 continue
-            after = after or {}
-            changed = {k: v for k, v in after.items() if handed.get(k, _MISSING) is not v}
-            removed = [k for k in handed if k not in after]
-            if not changed and not removed:
-                continue
+            handed = entry.handed
+            p = entry.param
             real = state[p]
-            for key in removed:
-                real.pop(key, None)
-            for key, value in changed.items():
-                real[key] = self._wrap(key, value, p, shadow, kind)
+            for key in handed:
+                if key not in after:
+                    real.pop(key, None)
+            for key, value in after.items():
+                if handed.get(key, _MISSING) is not value:
+                    real[key] = self._wrap(key, value, p, entry.shadow, kind)
+            entry.entries = None  # checked again next step
 
     @staticmethod
     def _wrap(key: str, value: Any, p: DTensor, shadow: torch.Tensor, kind: _Kind) -> Any:
