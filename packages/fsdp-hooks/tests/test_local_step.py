@@ -11,7 +11,8 @@
 - Hyperparameters set between steps (a scheduler, a group's ``lr`` and ``weight_decay``
   written by hand) and ``add_param_group`` are honoured.
 - DCP: state saved after local steps loads (plain idiom and torch's state-dict API) into a
-  fresh optimizer, whose first step then runs locally and continues the uninterrupted run.
+  fresh optimizer, whose first step then runs locally and continues the uninterrupted run,
+  and (plain idiom) back into the optimizer that took more steps since the save.
 - Fallbacks to the DTensor step: step hooks, a closure, state that is not placed as its
   parameter.
 """
@@ -319,12 +320,15 @@ def _dcp(root: str) -> dict:
         _step(model, opt, step, rows)
     out["uninterrupted"] = _full(model)
 
-    for how in ("plain", "api"):
-        fresh, fresh_opt = _wrap("AdamW", "zero3")
-        with torch.no_grad():  # other weights than the saved ones
-            for p in fresh.module.parameters():
-                p.add_(1.0)
-        if how == "plain":
+    for how in ("plain", "api", "same"):
+        if how == "same":  # back into the optimizer that took the steps since the save
+            fresh, fresh_opt = model, opt
+        else:
+            fresh, fresh_opt = _wrap("AdamW", "zero3")
+            with torch.no_grad():  # other weights than the saved ones
+                for p in fresh.module.parameters():
+                    p.add_(1.0)
+        if how in ("plain", "same"):
             state = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}
             dcp.load(state, checkpoint_id=f"{root}/plain")
             fresh.load_state_dict(state["model"])
@@ -345,7 +349,7 @@ def _dcp(root: str) -> dict:
 def test_dcp_round_trip_after_local_steps(tmp_path):
     got = run_distributed(_dcp, 2, args=(str(tmp_path),), timeout=180)
     for rank_got in got:
-        for how in ("plain", "api"):
+        for how in ("plain", "api", "same"):
             loaded, params, local = rank_got[how]
             assert_tensors_close(loaded, rank_got["saved"], rtol=0, atol=0, where=how)
             # The loaded state is there before the first step: it runs locally at once.
