@@ -253,3 +253,30 @@ def test_layout_is_frozen_and_comparable():
     assert a != compute_layout([(4, 4), (3,)], 4)
     with pytest.raises(AttributeError):
         a.shard_numel = 3  # type: ignore[misc]
+
+
+def test_cached_views_follow_a_bucket_freed_and_refilled():
+    """unpack/pack keep their views of a bucket tensor; a bucket whose storage is freed
+    (resized to 0) and allocated again between calls must still be read and written
+    where it is now, and copies of the layout carry no views."""
+    import copy
+    import pickle
+
+    layout = compute_layout([(5, 3), (), (4,), (7, 2)], 2)
+    bucket = torch.empty(layout.total_numel)
+    storage = bucket.untyped_storage()
+    for trial in range(3):
+        storage.resize_(layout.total_numel * bucket.element_size())
+        gathered = torch.randn(layout.total_numel, generator=torch.Generator().manual_seed(trial))
+        layout.unpack(gathered, bucket)
+        fresh = torch.empty(layout.total_numel)
+        compute_layout([(5, 3), (), (4,), (7, 2)], 2).unpack(gathered, fresh)  # no cache
+        assert torch.equal(bucket, fresh)
+        sent, expected = torch.empty(layout.total_numel), torch.empty(layout.total_numel)
+        layout.pack(bucket, sent)
+        compute_layout([(5, 3), (), (4,), (7, 2)], 2).pack(fresh, expected)
+        assert torch.equal(sent, expected)
+        storage.resize_(0)
+    assert layout._views  # the views were kept
+    for other in (copy.deepcopy(layout), pickle.loads(pickle.dumps(layout))):
+        assert other == layout and not other._views

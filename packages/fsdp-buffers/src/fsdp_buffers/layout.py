@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -110,6 +111,12 @@ class FlatLayout:
     alignment: int
     _used_numel: int = field(init=False, repr=False, compare=False)
     _region_end: int = field(init=False, repr=False, compare=False)
+    # Views made once per (parameter-major tensor, g, c): bucket tensors live as long as
+    # their buffer (a freed bucket keeps its storage object, so views stay valid), and
+    # building the views is most of a copy-out's host time on small buckets.
+    _views: dict[tuple[int, int, int, str], tuple[torch.Tensor, list[torch.Tensor]]] = field(
+        init=False, repr=False, compare=False, default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         n, s, a = self.shard_count, self.shard_numel, self.alignment
@@ -141,6 +148,11 @@ class FlatLayout:
             raise ValueError(f"FlatLayout regions end at {cursor}, past the shard of {s} elements")
         object.__setattr__(self, "_used_numel", used)
         object.__setattr__(self, "_region_end", cursor)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_views"] = {}  # copies and pickles do not carry views of the buckets
+        return state
 
     # ---- sizes ------------------------------------------------------------------------
     @property
@@ -212,9 +224,27 @@ class FlatLayout:
         return self.shard_count * self._slot(index).offset
 
     # ---- the two copies (Note [shard layout]) -------------------------------------------
+    def _cached(
+        self, kind: str, pm: torch.Tensor, g: int, c: int, make: Callable[[], list[torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        """``make()``, kept per ``pm`` (the same tensor object) and ``(g, c)``; at most a
+        few tensors per layout (its weight and gradient buckets)."""
+        key = (id(pm), g, c, kind)
+        hit = self._views.get(key)
+        if hit is not None and hit[0] is pm:
+            return hit[1]
+        views = make()
+        if len(self._views) >= _MAX_CACHED_VIEWS:
+            self._views.clear()
+        self._views[key] = (pm, views)
+        return views
+
     def _regions(self, pm: torch.Tensor, g: int, c: int) -> list[torch.Tensor]:
         """Each parameter's regions of the parameter-major tensor ``pm`` as ``(g, c, width)``
         (shard ``j*c + k`` at ``[j, k]``), plus the shard padding's as a last entry."""
+        return self._cached("regions", pm, g, c, lambda: self._make_regions(pm, g, c))
+
+    def _make_regions(self, pm: torch.Tensor, g: int, c: int) -> list[torch.Tensor]:
         n = self.shard_count
         out = []
         for slot in self.slots:
@@ -235,31 +265,38 @@ class FlatLayout:
         parameter-major tensor ``pm``."""
         g, c = self._coarse(coarse)
         src = gathered.view(c, g, self.shard_numel).transpose(0, 1)
-        sizes = [s.width for s in self.slots] + [self.shard_numel - self._region_end]
-        torch.split_with_sizes_copy(src, sizes, dim=2, out=self._regions(pm, g, c))
+        regions = self._regions(pm, g, c)
+        sizes = [region.shape[2] for region in regions]
+        torch.split_with_sizes_copy(src, sizes, dim=2, out=regions)
 
     def pack(self, pm: torch.Tensor, out: torch.Tensor, coarse: int | None = None) -> None:
         """Copy the parameter-major ``pm`` into ``out``, rank-major over ``coarse`` ranks
         (what a reduce-scatter takes); padding is sent as zeros, and a replicated slot's
         element to every rank."""
         g, c = self._coarse(coarse)
-        parts = self._regions(pm, g, c)
-        for i, slot in enumerate(self.slots):
-            if slot.replicated:
-                parts[i] = parts[i][:1, :1].expand(g, c, 1)
-        parts[-1] = pm.new_zeros(()).expand(g, c, parts[-1].shape[-1])
+        parts = self._cached("pack", pm, g, c, lambda: self._pack_parts(pm, g, c))
         dst = out.view(c, g, self.shard_numel).transpose(0, 1)
         if g == 1 and out.dtype == pm.dtype:
             torch.cat(parts, dim=2, out=dst)
         else:
             dst.copy_(torch.cat(parts, dim=2))
 
+    def _pack_parts(self, pm: torch.Tensor, g: int, c: int) -> list[torch.Tensor]:
+        parts = list(self._regions(pm, g, c))
+        for i, slot in enumerate(self.slots):
+            if slot.replicated:
+                parts[i] = parts[i][:1, :1].expand(g, c, 1)
+        parts[-1] = pm.new_zeros(()).expand(g, c, parts[-1].shape[-1])
+        return parts
+
     def rank_regions(self, pm: torch.Tensor, shard_rank: int) -> list[torch.Tensor]:
         """Views of ``shard_rank``'s region of each parameter inside the parameter-major
         ``pm`` (a replicated slot's: its element)."""
         self._check_rank(shard_rank)
         out = []
-        for slot, region in zip(self.slots, self._regions(pm, 1, self.shard_count), strict=False):
+        # Not cached: ``pm`` may be a temporary here.
+        regions = self._make_regions(pm, 1, self.shard_count)
+        for slot, region in zip(self.slots, regions, strict=False):
             out.append(region[0, :1, :1].view(1) if slot.replicated else region[0, shard_rank])
         return out
 
@@ -275,6 +312,9 @@ class FlatLayout:
         regions = self.rank_regions(pm, shard_rank)
         for slot, region in zip(self.slots, regions, strict=True):
             region.copy_(shard[slot.offset : slot.offset + slot.width])
+
+
+_MAX_CACHED_VIEWS = 8
 
 
 def _align_up(value: int, multiple: int) -> int:

@@ -52,6 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
 from fsdp_hooks.config import DistributedDataParallelConfig
+from fsdp_hooks.local_step import LocalStep
 from fsdp_hooks.megatron_fsdp import MegatronFSDP
 from fsdp_hooks.optim_init import InitialState, init_optimizer_state
 from fsdp_hooks.optimizers import (
@@ -354,6 +355,9 @@ def _patch_optimizer(
     model.__dict__["_fsdp_optimizer_ref"] = weakref.ref(optimizer)
     base_step = optimizer.step
     base_zero_grad = optimizer.zero_grad
+    # Element-wise optimizers step the plain local shards (Note [local step]).
+    local_step = LocalStep(optimizer)
+    optimizer._fsdp_local_step = local_step  # type: ignore[attr-defined]
 
     def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         sync = kwargs.pop("sync_grad_before_optimizer_step", True)
@@ -364,7 +368,7 @@ def _patch_optimizer(
             model.attach_grad_to_optimizer_state()
         if initial.created:
             initial.drop_untouched(optimizer)
-        result = base_step(*args, **kwargs)
+        result = local_step.step(optimizer, base_step, args, kwargs)
         if install:
             model.install_optimized_model_weights()
         return result

@@ -1,0 +1,326 @@
+"""Stepping an element-wise optimizer on the plain local shards (no DTensor dispatch).
+
+Note [local step]: the optimizer's parameters are DTensors over this rank's shard of the
+main weights (``dtensor_views``), its gradients DTensors over the main-grad shard, its
+state DTensors placed like the parameter. For an optimizer whose update is element-wise
+(every state tensor has one entry per parameter entry, the rest are 0-d scalars such as
+``step``), stepping the local tensors gives exactly what the DTensor step gives, without
+DTensor's per-op spec building and dispatch (most of the step's host time on many small
+parameters; FSDP2 pays it too). So ``optimizer.step()`` under fsdp runs the optimizer's
+own ``step`` with, for its duration only:
+
+- each group's ``params`` list replaced by persistent plain "shadow" parameters, views of
+  each DTensor parameter's local shard (in-place updates land in the main weights), whose
+  ``.grad`` is the local tensor of the DTensor gradient (``None`` stays ``None``, so such
+  parameters are skipped as before); the group dicts themselves are the user's, so every
+  hyperparameter (``lr`` set by a scheduler, ``weight_decay``, ...) is read as set;
+- ``optimizer.state`` replaced by a shadow state whose tensors are the local tensors of
+  the real DTensor state (shared storage: the step's in-place updates are the real
+  state's). A value the step replaces instead (a new object) is written back, wrapped as
+  a DTensor placed as its parameter when it is a per-element key.
+
+Before and after, ``optimizer.param_groups`` and ``optimizer.state`` are what they are
+on the DTensor path (DTensor parameters, DTensor state), so ``state_dict()``,
+``load_state_dict``, DCP, schedulers, ``add_param_group`` and ``zero_grad`` see no
+difference. The state and gradients are checked every step (cheap identity and shape
+checks), and the step runs on the DTensors instead, as before, whenever anything is not
+as this requires:
+
+- the optimizer's class is not one of ``_KINDS`` exactly (a subclass may override the
+  update), or a group is ``differentiable``;
+- ``step`` gets arguments (a closure) or step hooks are registered (they would see the
+  shadows);
+- a parameter with a gradient has no state yet (its first step: the DTensor step creates
+  the state as a DTensor; SGD without momentum keeps none and needs none), or a state
+  entry is not a known per-element key holding a DTensor placed as the parameter with
+  the local shard's shape, or a known scalar key holding a 0-d plain tensor or a number
+  (e.g. state loaded from a plain tensor);
+- a gradient is not a DTensor placed as its parameter with the local shard's shape and
+  dtype.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim import optimizer as torch_optimizer
+
+__all__ = ["LocalStep"]
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """The state keys of one element-wise optimizer class: per-element tensors (shaped
+    like the parameter) and scalars (0-d tensors or numbers, alike for every element);
+    ``stateless``: a group option under which the class keeps no state at all."""
+
+    per_element: frozenset[str]
+    scalars: frozenset[str]
+    stateless: Callable[[dict[str, Any]], bool] | None = None
+
+
+def _kind(per_element: str, scalars: str = "step", stateless=None) -> _Kind:
+    return _Kind(frozenset(per_element.split()), frozenset(scalars.split()), stateless)
+
+
+# Checked against torch 2.15's implementations: every update is element-wise given the
+# group's hyperparameters and the scalar state.
+_KINDS_BY_NAME: dict[str, _Kind] = {
+    "SGD": _kind("momentum_buffer", "", stateless=lambda group: group["momentum"] == 0),
+    "Adam": _kind("exp_avg exp_avg_sq max_exp_avg_sq"),
+    "AdamW": _kind("exp_avg exp_avg_sq max_exp_avg_sq"),
+    "Adamax": _kind("exp_avg exp_inf"),
+    "NAdam": _kind("exp_avg exp_avg_sq", "step mu_product"),
+    "RAdam": _kind("exp_avg exp_avg_sq"),
+    "Adagrad": _kind("sum"),
+    "Adadelta": _kind("square_avg acc_delta"),
+    "RMSprop": _kind("square_avg momentum_buffer grad_avg"),
+    "Rprop": _kind("prev step_size"),
+    "ASGD": _kind("ax", "step eta mu"),
+}
+_KINDS: dict[type, _Kind] = {
+    cls: kind
+    for name, kind in _KINDS_BY_NAME.items()
+    if (cls := getattr(torch.optim, name, None)) is not None
+}
+
+
+def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    return bool(
+        optimizer._optimizer_step_pre_hooks
+        or optimizer._optimizer_step_post_hooks
+        or torch_optimizer._global_optimizer_pre_hooks
+        or torch_optimizer._global_optimizer_post_hooks
+    )
+
+
+def _same_layout(value: DTensor, p: DTensor, local: torch.Tensor) -> bool:
+    """``value`` is a DTensor placed as ``p`` whose local tensor is shaped like ``p``'s."""
+    vs, ps = value._spec, p._spec
+    return (
+        value._local_tensor.shape == local.shape
+        and (vs.placements is ps.placements or vs.placements == ps.placements)
+        and (vs.mesh is ps.mesh or vs.mesh == ps.mesh)
+    )
+
+
+class _Shadow:
+    """One DTensor parameter's shadow and what was last checked of it (reused while the
+    gradient, the state dict and its values are the same objects)."""
+
+    __slots__ = (
+        "entries",
+        "grad",
+        "grad_local",
+        "handed",
+        "handed_seen",
+        "local",
+        "param",
+        "seen",
+        "shadow",
+        "values",
+    )
+
+    def __init__(self, p: DTensor) -> None:
+        self.param = p  # kept alive: the cache is keyed by id
+        self.local = p._local_tensor
+        self.shadow = nn.Parameter(self.local.detach(), requires_grad=p.requires_grad)
+        self.grad: object = None
+        self.grad_local: torch.Tensor | None = None
+        self.entries: dict[str, Any] | None = None  # the real state dict checked last
+        self.seen: tuple = ()  # its keys and the ids of its values then
+        # Those values, kept alive so that no new object can take one of their ids.
+        self.values: tuple = ()
+        # The shadow state handed to the step (copied: the copy is the optimizer's to
+        # change), and its keys and value ids, for the write-back.
+        self.handed: dict[str, Any] = {}
+        self.handed_seen: tuple = ()
+
+
+def _seen(entries: dict[str, Any]) -> tuple:
+    return (*entries, *map(id, entries.values()))
+
+
+class _Plan:
+    """One step's shadows: per group the shadow list, the shadow state, and the
+    parameters that have a gradient (to write back what the step replaced)."""
+
+    def __init__(self) -> None:
+        self.groups: list[list[nn.Parameter]] = []
+        self.state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        self.stepped: list[_Shadow] = []
+
+
+class LocalStep:
+    """Runs an optimizer's step on the local shards when that is exact (see Note
+    [local step]); one per patched optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._kind = _KINDS.get(type(optimizer))
+        self._shadows: dict[int, _Shadow] = {}  # by id of the DTensor parameter
+        self.last_step_was_local = False  # for tests and profiles
+
+    def _shadow(self, p: DTensor) -> _Shadow:
+        entry = self._shadows.get(id(p))
+        if entry is None or entry.param is not p or entry.local is not p._local_tensor:
+            entry = self._shadows[id(p)] = _Shadow(p)
+        return entry
+
+    def _check_state(self, entry: _Shadow, entries: dict[str, Any]) -> dict[str, Any] | None:
+        """The shadow state of one parameter (local tensors of the real state), or None
+        when its state is not what the local step requires."""
+        kind = self._kind
+        assert kind is not None
+        p, local = entry.param, entry.shadow
+        handed: dict[str, Any] = {}
+        for key, value in entries.items():
+            if key in kind.per_element:
+                if not (isinstance(value, DTensor) and _same_layout(value, p, local)):
+                    return None
+                handed[key] = value._local_tensor
+            elif key in kind.scalars:
+                if isinstance(value, DTensor) or (
+                    isinstance(value, torch.Tensor) and value.ndim != 0
+                ):
+                    return None
+                handed[key] = value
+            else:
+                return None
+        return handed
+
+    def _plan(self, optimizer: torch.optim.Optimizer) -> _Plan | None:
+        kind = self._kind
+        assert kind is not None
+        plan = _Plan()
+        state = optimizer.state
+        for group in optimizer.param_groups:
+            if group.get("differentiable", False):
+                return None
+            stateless = kind.stateless is not None and kind.stateless(group)
+            shadows: list[nn.Parameter] = []
+            for p in group["params"]:
+                if not isinstance(p, DTensor):
+                    return None
+                entry = self._shadow(p)
+                shadows.append(entry.shadow)
+                grad = p.grad
+                if grad is None:
+                    continue  # skipped by the step, as before; its state is not touched
+                if grad is not entry.grad:
+                    if not (
+                        isinstance(grad, DTensor)
+                        and grad.dtype == p.dtype
+                        and _same_layout(grad, p, entry.shadow)
+                    ):
+                        return None
+                    entry.grad, entry.grad_local = grad, grad._local_tensor
+                entries = state.get(p)
+                if not entries:
+                    if not stateless:
+                        return None  # first step: the DTensor step creates the state
+                    entry.entries, entry.seen, entry.values = None, (), ()
+                    entry.handed, entry.handed_seen = {}, ()
+                    plan.stepped.append(entry)
+                    continue
+                if entries is not entry.entries or _seen(entries) != entry.seen:
+                    handed = self._check_state(entry, entries)
+                    if handed is None:
+                        entry.entries = None
+                        return None
+                    entry.entries, entry.seen = entries, _seen(entries)
+                    entry.values = tuple(entries.values())
+                    entry.handed, entry.handed_seen = handed, _seen(handed)
+                plan.state[entry.shadow] = entry.handed.copy()
+                plan.stepped.append(entry)
+            plan.groups.append(shadows)
+        return plan
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        base_step: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """``base_step(*args, **kwargs)``, on the local shards when exact."""
+        plan = None
+        if self._kind is not None and not args and not kwargs and not _has_step_hooks(optimizer):
+            plan = self._plan(optimizer)
+        self.last_step_was_local = plan is not None
+        if plan is None:
+            return base_step(*args, **kwargs)
+        groups = optimizer.param_groups
+        saved_params = [group["params"] for group in groups]
+        saved_state = optimizer.state
+        for entry in plan.stepped:
+            entry.shadow.grad = entry.grad_local
+        try:
+            for group, shadows in zip(groups, plan.groups, strict=True):
+                group["params"] = shadows
+            optimizer.state = plan.state
+            result = base_step()
+        finally:
+            optimizer.state = saved_state
+            for group, params in zip(groups, saved_params, strict=True):
+                group["params"] = params
+            for entry in plan.stepped:
+                entry.shadow.grad = None
+        self._write_back(saved_state, plan)
+        return result
+
+    def _write_back(self, state: defaultdict[torch.Tensor, Any], plan: _Plan) -> None:
+        """Put into the real state what the step replaced or created (most steps update
+        every tensor in place and write nothing here)."""
+        kind = self._kind
+        assert kind is not None
+        for entry in plan.stepped:
+            after = plan.state.get(entry.shadow) or {}
+            if _seen(after) == entry.handed_seen:
+                continue
+            handed = entry.handed
+            p = entry.param
+            real = state[p]
+            for key in handed:
+                if key not in after:
+                    real.pop(key, None)
+            for key, value in after.items():
+                if handed.get(key, _MISSING) is not value:
+                    real[key] = self._wrap(key, value, p, entry.shadow, kind)
+            entry.entries = None  # checked again next step
+
+    @staticmethod
+    def _wrap(key: str, value: Any, p: DTensor, shadow: torch.Tensor, kind: _Kind) -> Any:
+        if key in kind.per_element:
+            if not (isinstance(value, torch.Tensor) and value.shape == shadow.shape):
+                raise RuntimeError(
+                    f"{type(value).__name__} {key!r} of the optimizer state came out of a "
+                    f"local step with shape {getattr(value, 'shape', None)}, not the local "
+                    f"shard's {tuple(shadow.shape)}: this optimizer's update is not "
+                    "element-wise (report it; fsdp_hooks.local_step lists the optimizers "
+                    "stepped locally)"
+                )
+            return DTensor.from_local(
+                value,
+                p.device_mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
+        if key in kind.scalars and not (isinstance(value, torch.Tensor) and value.ndim != 0):
+            return value
+        raise RuntimeError(
+            f"the optimizer state key {key!r} came out of a local step and is neither a "
+            "known per-element tensor nor a scalar of this optimizer; its update may not "
+            "be element-wise (report it; fsdp_hooks.local_step lists the optimizers "
+            "stepped locally)"
+        )
+
+
+_MISSING = object()
