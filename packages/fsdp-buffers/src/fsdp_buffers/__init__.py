@@ -29,6 +29,7 @@ from fsdp_buffers.no_shard import (
     FSDP_PARAM_ATTRIBUTES,
     copy_param_attributes,
     fsdp_no_shard,
+    fsdp_whole_placement,
     is_fsdp_no_shard,
     module_is_fully_no_shard,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "copy_param_attributes",
     "find_fsdp_units",
     "fsdp_no_shard",
+    "fsdp_whole_placement",
     "get_global_memory_buffer",
     "group_parameters",
     "is_fsdp_no_shard",

@@ -35,7 +35,7 @@ double-counts. The outer reduction of hybrid sharding is rebased the same way (N
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,8 +52,9 @@ from fsdp_buffers.data_parallel_buffer import (
     TemporaryBucketAllocator,
 )
 from fsdp_buffers.hybrid_sharding import OuterSharding
-from fsdp_buffers.layout import FlatLayout, compute_layout
+from fsdp_buffers.layout import FlatLayout, assign_owners, compute_layout
 from fsdp_buffers.mixed_precision import MixedPrecisionPolicy
+from fsdp_buffers.no_shard import FSDP_WHOLE_ATTR
 from fsdp_buffers.param_group import ParameterGroup
 from fsdp_buffers.profiling import annotate
 from fsdp_buffers.strategy import ShardingStrategy
@@ -109,6 +110,9 @@ class BucketContext:
     device: torch.device
     average_in_collective: bool
     scratch: TemporaryBucketAllocator
+    # Elements of whole-placed parameters each shard owns so far, per (expert, shards):
+    # later buckets balance against it (Note [whole placement]).
+    whole_loads: dict[tuple[bool, int], list[int]] = field(default_factory=dict)
 
 
 class Bucket:
@@ -158,7 +162,8 @@ class Bucket:
         )
         shapes = [tp.local_shape(p) for p in group.params]
         pieces = shard.size * (outer.size if outer_sharded and outer is not None else 1)
-        self.layout: FlatLayout = compute_layout(shapes, pieces, alignment)
+        owners = self._whole_owners(pieces, outer_sharded)
+        self.layout: FlatLayout = compute_layout(shapes, pieces, alignment, owners)
         self.outer = OuterSharding(outer, outer_sharded) if outer is not None else None
         self.status = BucketStatus.READY_TO_USE
         self.grad_state = GradState.EMPTY
@@ -171,6 +176,31 @@ class Bucket:
             self.status = BucketStatus.EMPTY
 
     # ---- construction ---------------------------------------------------------------
+    def _whole_owners(self, pieces: int, outer_sharded: bool) -> list[int | None] | None:
+        """The owner shard of each whole-placed parameter (Note [whole placement]), or None
+        when the bucket has none or its main weights are not sharded (then every rank holds
+        every parameter whole anyway)."""
+        group = self.group
+        marked = [bool(getattr(p, FSDP_WHOLE_ATTR, False)) for p in group.params]
+        if not any(marked) or not self.sharding.main_weights or not group.requires_grad:
+            return None
+        if outer_sharded or self.tp.specs is not None:
+            names = [n for n, m in zip(group.names, marked, strict=True) if m]
+            raise NotImplementedError(
+                f"whole placement (for whole-matrix optimizers such as Muon) of {names[:3]} "
+                "is not supported with fully-sharded hybrid sharding "
+                "(outer_dp_sharding_strategy) or tensor parallelism yet; use "
+                "outer_dp_sharding_strategy=0 without tp, or zero_dp_strategy=0"
+            )
+        sizes = [p.numel() for p, m in zip(group.params, marked, strict=True) if m]
+        key = (group.is_expert_param, pieces)
+        loads = self.ctx.whole_loads.setdefault(key, [0] * pieces)
+        owned = assign_owners(sizes, pieces, loads)
+        for owner, size in zip(owned, sizes, strict=True):
+            loads[owner] += size
+        it = iter(owned)
+        return [next(it) if m else None for m in marked]
+
     def _build_buffers(
         self, allocator: BucketAllocator, slot_keys: dict[int | None, int], load: bool
     ) -> None:
