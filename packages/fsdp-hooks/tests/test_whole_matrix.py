@@ -39,6 +39,7 @@ DIM, HIDDEN, IN, OUT, LAYERS = 16, 24, 8, 4, 3
 # gradients that are rounding noise (as in test_parity).
 MUON_LR, ADAMW_LR = 5e-3, 5e-3
 ADAM_EPS = 1e-3
+NO_CLIP = 1e6  # clip_grad_norm_ for its norm only (a factor of exactly 1)
 
 
 class Layer(nn.Module):
@@ -100,15 +101,14 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 @functools.cache
 def reference(kind: str, slices: int, steps: int = STEPS) -> dict:
     """One process, no fsdp, the global batch; its gradient is the mean of the gradients
-    of ``slices`` equal slices, summed in slice order as the ranks' reduction does (Muon
-    rounds its update to bf16, which turns the rounding of a different summation order
-    into differences of 1e-5 within ten steps)."""
+    of ``slices`` equal slices (as the ranks compute it), summed in slice order (see
+    MUON_LR on summation order)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as on the ranks
     try:
         module = build(kind)
         opts = optimizers(kind, module)
-        losses = []
+        losses, norms = [], []
         per = GLOBAL_BATCH // slices
         for step in range(steps):
             x, y = batch(step)
@@ -125,13 +125,13 @@ def reference(kind: str, slices: int, steps: int = STEPS) -> dict:
                 total += loss.item()
             for p, g in grads.items():
                 p.grad = g
-            loss = torch.tensor(total / slices)
+            norms.append(torch.nn.utils.clip_grad_norm_(module.parameters(), NO_CLIP).item())
             for opt in opts:
                 opt.step()
                 opt.zero_grad()
-            losses.append(loss.item())
+            losses.append(total / slices)
         params = {n: p.detach().clone() for n, p in module.named_parameters()}
-        return {"losses": losses, "params": params}
+        return {"losses": losses, "norms": norms, "params": params}
     finally:
         torch.set_num_threads(threads)
 
@@ -159,11 +159,13 @@ def _train(
                 for name, p in model.buffer.views.optimizer_named_parameters()
                 if hasattr(p, "_fsdp_whole_owner")
             }
-            losses = []
+            losses, norms = [], []
             for step in range(steps):
                 x, y = batch(step)
                 loss = F.mse_loss(model(x[mine]), y[mine])
                 loss.backward()
+                # Whole-placed gradients live on their owners only: the wrapper's norm.
+                norms.append(float(model.clip_grad_norm_(NO_CLIP)))
                 for opt in opts:
                     opt.step()
                 for opt in opts:
@@ -175,18 +177,24 @@ def _train(
                 name: model.buffer.views.full_parameter(name)
                 for name, *_ in model.buffer.named_params()
             }
-            results[(kind, strategy)] = {"losses": losses, "params": params, "owners": owners}
+            results[(kind, strategy)] = {
+                "losses": losses,
+                "norms": norms,
+                "params": params,
+                "owners": owners,
+            }
     return results if rank == 0 else None
 
 
 def _check(got: dict, ref: dict, where: str) -> None:
-    torch.testing.assert_close(
-        torch.tensor(got["losses"], dtype=torch.float64),
-        torch.tensor(ref["losses"], dtype=torch.float64),
-        rtol=1e-5,
-        atol=0,
-        msg=lambda m: f"{where} losses\n{m}",
-    )
+    for key in ("losses", "norms"):
+        torch.testing.assert_close(
+            torch.tensor(got[key], dtype=torch.float64),
+            torch.tensor(ref[key], dtype=torch.float64),
+            rtol=1e-5,
+            atol=0,
+            msg=lambda m, k=key: f"{where} {k}\n{m}",
+        )
     assert got["params"].keys() == ref["params"].keys(), where
     for name, value in ref["params"].items():
         torch.testing.assert_close(
@@ -216,3 +224,45 @@ def test_muon_parity_every_strategy(world):
                 muon_names = list(ref["params"])
             assert sorted(got["owners"]) == sorted(muon_names), where
             assert set(got["owners"].values()) == set(range(world)), where
+
+
+def _refusals() -> None:
+    module = build("split")
+    muon, adamw = optimizers("split", module)
+    with pytest.raises(ValueError, match="is in optimizers 0 and 1"):
+        fully_shard(module, [muon, torch.optim.AdamW(module.parameters())])
+    model, (muon, adamw) = fully_shard(module, [muon, adamw], fsdp_unit_modules=[Layer])
+    x, y = batch(0)
+    F.mse_loss(model(x), y).backward()
+    muon.step()
+    with pytest.raises(RuntimeError, match="before the next forward"):
+        model(x)
+    with pytest.raises(RuntimeError, match="stepped twice"):
+        muon.step()
+    adamw.step()
+    model(x)  # every optimizer stepped: the weights are installed
+    with pytest.raises(NotImplementedError, match="whole-placed parameters"):
+        model.state_dict()
+    with pytest.raises(NotImplementedError, match="whole-placed parameters"):
+        muon.state_dict()
+    with pytest.raises(NotImplementedError, match="whole-placed parameters"):
+        muon.load_state_dict({})
+    assert adamw.state_dict()["state"]  # AdamW steps row shards only: DTensor state as usual
+    # Without fully_shard's marks, Muon on row shards is refused; marked, it is taken.
+    from fsdp_buffers import fsdp_whole_placement
+    from fsdp_hooks import fully_shard_model, fully_shard_optimizer
+
+    plain = build("muon")
+    model = fully_shard_model(plain, fsdp_unit_modules=[Layer])
+    with pytest.raises(TypeError, match="fsdp_whole_placement"):
+        fully_shard_optimizer(torch.optim.Muon(model.parameters()))
+    marked = build("muon")
+    fsdp_whole_placement(marked.parameters())
+    model = fully_shard_model(marked, fsdp_unit_modules=[Layer])
+    opt = fully_shard_optimizer(torch.optim.Muon(model.parameters()))
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def test_refusals_and_marking():
+    run_distributed(_refusals, 2, timeout=120)
