@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fsdp_hooks import fully_shard
+from fsdp_mesh import build_device_mesh
 from fsdp_mesh.testing import run_distributed
 
 pytestmark = pytest.mark.skipif(
@@ -99,10 +100,11 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.cache
-def reference(kind: str, slices: int, steps: int = STEPS) -> dict:
+def reference(kind: str, slices: int, steps: int = STEPS, pairwise: bool = False) -> dict:
     """One process, no fsdp, the global batch; its gradient is the mean of the gradients
-    of ``slices`` equal slices (as the ranks compute it), summed in slice order (see
-    MUON_LR on summation order)."""
+    of ``slices`` equal slices (as the ranks compute it), summed in slice order, or in
+    pairs first with ``pairwise`` (HSDP's order: over each shard group, then across the
+    outer dim; see MUON_LR on summation order)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as on the ranks
     try:
@@ -112,19 +114,21 @@ def reference(kind: str, slices: int, steps: int = STEPS) -> dict:
         per = GLOBAL_BATCH // slices
         for step in range(steps):
             x, y = batch(step)
-            grads: dict[nn.Parameter, torch.Tensor] = {}
+            parts: list[dict[nn.Parameter, torch.Tensor]] = []
             total = 0.0
             for k in range(slices):
                 part = slice(k * per, (k + 1) * per)
                 loss = F.mse_loss(module(x[part]), y[part])
                 loss.backward()
+                parts.append({p: p.grad * (1.0 / slices) for p in module.parameters()})
                 for p in module.parameters():
-                    g = p.grad * (1.0 / slices)
-                    grads[p] = g if k == 0 else grads[p] + g
                     p.grad = None
                 total += loss.item()
-            for p, g in grads.items():
-                p.grad = g
+            for p in module.parameters():
+                gs = [d[p] for d in parts]
+                if pairwise:
+                    gs = [gs[i] + gs[i + 1] for i in range(0, len(gs), 2)]
+                p.grad = functools.reduce(torch.add, gs)
             norms.append(torch.nn.utils.clip_grad_norm_(module.parameters(), NO_CLIP).item())
             for opt in opts:
                 opt.step()
@@ -137,8 +141,13 @@ def reference(kind: str, slices: int, steps: int = STEPS) -> dict:
 
 
 def _train(
-    kinds: tuple[str, ...], strategies: tuple[int, ...] = STRATEGIES, steps: int = STEPS
+    kinds: tuple[str, ...],
+    strategies: tuple[int, ...] = STRATEGIES,
+    steps: int = STEPS,
+    hsdp: bool = False,
 ) -> dict | None:
+    """Train every (kind, strategy) on this rank's slice; with ``hsdp``, on a
+    (dp_outer=2, dp_shard=world/2) mesh with the outer dim replicating."""
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = GLOBAL_BATCH // world
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
@@ -147,11 +156,19 @@ def _train(
         for strategy in strategies:
             module = build(kind)
             opts = optimizers(kind, module)
+            mesh = {}
+            if hsdp:
+                mesh = {
+                    "device_mesh": build_device_mesh(dp_outer=2, dp_shard=world // 2).device_mesh,
+                    "dp_shard_dim": "dp_shard",
+                    "dp_outer_dim": "dp_outer",
+                }
             model, opts = fully_shard(
                 module,
                 opts if kind == "split" else opts[0],
                 fsdp_unit_modules=[Layer],
                 zero_dp_strategy=strategy,
+                **mesh,
             )
             opts = opts if isinstance(opts, list) else [opts]
             owners = {
@@ -224,6 +241,18 @@ def test_muon_parity_every_strategy(world):
                 muon_names = list(ref["params"])
             assert sorted(got["owners"]) == sorted(muon_names), where
             assert set(got["owners"].values()) == set(range(world)), where
+
+
+def test_muon_parity_hsdp():
+    """HSDP (dp_outer=2 replicating, dp_shard=2): matrices are whole on one rank of each
+    shard group, and the outer all-reduce keeps the replicas equal."""
+    kinds = ("muon", "split")
+    results = run_distributed(_train, 4, args=(kinds, STRATEGIES, STEPS, True), timeout=300)[0]
+    for kind in kinds:
+        for strategy in STRATEGIES:
+            got = results[(kind, strategy)]
+            _check(got, reference(kind, 4, pairwise=True), f"hsdp {kind} zero={strategy}")
+            assert set(got["owners"].values()) == {0, 1}
 
 
 def _refusals() -> None:
