@@ -1,12 +1,15 @@
-"""Whole-matrix optimizers (``torch.optim.Muon``) under ZeRO-1/2/3: each matrix is held
-whole by one rank (Note [whole placement] in ``fsdp_buffers.layout``), which steps it.
+"""Whole-matrix optimizers (``torch.optim.Muon``, ``Adafactor``) under ZeRO-1/2/3: each
+matrix is held whole by one rank (Note [whole placement] in ``fsdp_buffers.layout``),
+which steps it.
 
-Parity: 10 steps of ``fully_shard`` training at world sizes 2 and 4, ZeRO-1/2/3, give the
-losses and weights of one process running ``torch.optim.Muon`` (alone, on a bias-free
-model whose parameters are all matrices; or for the hidden matrices beside AdamW for the
-rest, through ``fully_shard(module, [muon, adamw])``) on the same global batch, within
-1e-5 relative. Each FSDP unit has two matrices, so at world size 4 a unit has fewer
-matrices than ranks and the owners are balanced across buckets.
+Parity: 10 steps of ``fully_shard`` training at world sizes 2 and 4, ZeRO-1/2/3 (and HSDP
+at 2 x 2), give the losses, gradient norms and weights of one process running
+``torch.optim.Muon`` (alone, on a bias-free model whose parameters are all matrices; or
+for the hidden matrices beside AdamW for the rest, through ``fully_shard(module, [muon,
+adamw])``) or ``Adafactor`` (every parameter; its per-tensor RMS made row-sharded 1-d
+parameters step wrongly before) on the same global batch, within 1e-5 relative. Each
+FSDP unit has two matrices, so at world size 4 a unit has fewer matrices than ranks and
+the owners are balanced across buckets.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ class Net(nn.Module):
 
 def build(kind: str) -> Net:
     torch.manual_seed(0)
-    return Net(bias=kind == "split")
+    return Net(bias=kind != "muon")
 
 
 def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
@@ -84,6 +87,8 @@ def optimizers(kind: str, module: nn.Module) -> list[torch.optim.Optimizer]:
     the hidden matrices, AdamW for embedding, head, norms and biases."""
     if kind == "muon":
         return [torch.optim.Muon(module.parameters(), lr=MUON_LR)]
+    if kind == "adafactor":  # factored second moments: whole rows and columns
+        return [torch.optim.Adafactor(module.parameters(), lr=ADAMW_LR)]
     named = list(module.named_parameters())
     hidden = [p for n, p in named if is_hidden_matrix(n, p)]
     rest = [p for n, p in named if not is_hidden_matrix(n, p)]
@@ -225,7 +230,7 @@ def _check(got: dict, ref: dict, where: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_muon_parity_every_strategy(world):
-    kinds = ("muon", "split")
+    kinds = ("muon", "split", "adafactor")
     results = run_distributed(_train, world, args=(kinds,), timeout=300)[0]
     for kind in kinds:
         ref = reference(kind, world)
@@ -238,6 +243,8 @@ def test_muon_parity_every_strategy(world):
             # owns some at world size 4 although a unit has two).
             muon_names = [n for n in ref["params"] if is_hidden_matrix(n, ref["params"][n])]
             if kind == "muon":
+                muon_names = list(ref["params"])
+            if kind == "adafactor":  # per-tensor RMS: every parameter is placed whole
                 muon_names = list(ref["params"])
             assert sorted(got["owners"]) == sorted(muon_names), where
             assert set(got["owners"].values()) == set(range(world)), where

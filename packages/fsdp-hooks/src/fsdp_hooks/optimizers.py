@@ -10,9 +10,10 @@ tensor. Refused at wrap, with the reason:
   gradients before fsdp's ``step`` could reduce them, and it works on one flat vector
   of every parameter.
 - ``SparseAdam``: it needs sparse gradients; fsdp's gradients are dense buffers.
-- ``Adafactor`` and ``Muon`` under a sharding strategy (1-3), for matrices that are not
-  whole-placed: they need whole rows and columns (Adafactor's factored second moment) or
-  whole matrices (Muon's orthogonalization), which a row piece does not hold locally.
+- ``Adafactor`` and ``Muon`` under a sharding strategy (1-3), for parameters that are not
+  whole-placed: they need whole rows and columns and per-tensor RMS (Adafactor, for every
+  parameter with a dim) or whole matrices (Muon's orthogonalization), which a row piece
+  does not hold locally.
   ``fully_shard`` places their matrices whole (Note [whole placement] in
   ``fsdp_buffers.layout``): each is held, with its gradient and state, by one rank, which
   steps it exactly; ``fsdp_whole_placement`` marks parameters for
@@ -57,13 +58,23 @@ def _is_whole(p: torch.Tensor) -> bool:
     return bool(getattr(p, FSDP_WHOLE_ATTR, False)) or hasattr(p, "_fsdp_whole_owner")
 
 
+def _needs_whole(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> bool:
+    """Whether ``optimizer`` needs ``p`` whole: Muon's matrices; every Adafactor parameter
+    with a dim (it scales each update by the tensor's RMS and clips it by the update's
+    RMS: per-tensor norms, not element-wise, so a row piece steps differently)."""
+    adafactor = _class("Adafactor")
+    if adafactor is not None and isinstance(optimizer, adafactor):
+        return p.ndim >= 1
+    return p.ndim >= 2
+
+
 def mark_whole_placement(optimizer: torch.optim.Optimizer) -> None:
-    """Mark the matrices of a whole-matrix optimizer for whole placement (before the
-    model is wrapped): its step then holds each matrix whole on one rank."""
+    """Mark what a whole-matrix optimizer needs whole for whole placement (before the
+    model is wrapped): its step then holds each such parameter whole on one rank."""
     if is_whole_matrix_optimizer(optimizer):
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.ndim >= 2:
+                if _needs_whole(optimizer, p):
                     setattr(p, FSDP_WHOLE_ATTR, True)
 
 
@@ -97,7 +108,7 @@ def check_optimizer_supported(
             tuple(p.shape)
             for g in optimizer.param_groups
             for p in g["params"]
-            if p.ndim >= 2 and not _is_whole(p)
+            if _needs_whole(optimizer, p) and not _is_whole(p)
         ]
         if matrices:
             raise TypeError(
