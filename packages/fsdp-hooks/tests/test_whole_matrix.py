@@ -349,3 +349,34 @@ def test_bf16_main_weights_match_no_shard():
         assert got["losses"] == ref["losses"], strategy
         for name, value in ref["params"].items():
             torch.testing.assert_close(got["params"][name], value, rtol=0, atol=0)
+
+
+def _meta_init() -> None:
+    full = {}
+    for meta in (False, True):
+        torch.manual_seed(0)
+        if meta:
+            with torch.device("meta"):
+                module = Net(bias=False)
+        else:
+            module = Net(bias=False)
+        model, opt = fully_shard(
+            module,
+            torch.optim.Muon(module.parameters(), lr=MUON_LR),
+            fsdp_unit_modules=[Layer],
+            init_model_with_meta_device=meta,
+        )
+        x, y = batch(0)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        full[meta] = {
+            n: model.buffer.views.full_parameter(n) for n, *_ in model.buffer.named_params()
+        }
+    for name, value in full[False].items():
+        torch.testing.assert_close(full[True][name], value, rtol=0, atol=0)
+
+
+def test_meta_device_init_places_whole():
+    """A model built on the meta device materializes its whole-placed matrices as the eager
+    construction does (each rank keeps what it owns)."""
+    run_distributed(_meta_init, 2, timeout=120)
