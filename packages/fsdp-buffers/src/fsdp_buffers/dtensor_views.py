@@ -20,6 +20,16 @@ grads and optimizer state) are ``Shard(0)`` on the 1-D mesh over the hybrid grou
 ``clip_grad_norm_`` then reduces the norm over every data-parallel rank, each holding a
 disjoint chunk.
 
+Whole placement (Note [whole placement] in ``layout``): a parameter one rank owns whole
+has no honest DTensor (its pieces are not ``torch.chunk``'s, and a ``Replicate`` would
+claim every rank holds it). Its optimizer parameter is a plain ``nn.Parameter``: on the
+owner, the whole matrix in the main weights (``.grad`` the whole main grad), so a
+whole-matrix optimizer steps it exactly; elsewhere a placeholder on the meta device with
+the parameter's shape and ``.grad`` always None, so every optimizer skips it and param
+groups keep the same positions on every rank. Both carry ``_fsdp_whole_owner`` (the
+owner's rank in the shard group). Checkpointing them through state dicts is refused with
+a clear error (see docs/design.md); ``full_parameter`` broadcasts from the owner.
+
 Tensor parallelism: the views live on the 2-D mesh (dp_shard, tp) and carry
 ``_fsdp_tp_partition`` too; see Note [tensor parallelism] in ``tensor_parallel``.
 """
@@ -29,6 +39,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -51,7 +62,7 @@ class DTensorViews:
         self._distributed_params: list[tuple[str, nn.Parameter]] | None = None
         self._name_index: dict[str, tuple[int, int]] | None = None
         # (bucket, index) -> (the storage the gradient DTensor views, the DTensor)
-        self._grad_cache: dict[tuple[int, int], tuple[torch.Tensor, DTensor]] = {}
+        self._grad_cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _view(self, b: Bucket, index: int, local: torch.Tensor, placement, mesh) -> DTensor:
         return self._buffer.tp.view_dtensor(b.group.params[index], local, placement, mesh)
@@ -86,6 +97,12 @@ class DTensorViews:
                 b = buckets[gid]
                 if not b.group.requires_grad:
                     continue
+                slot = b.layout.slots[i]
+                if slot.whole:
+                    dparam = self._whole_param(b, i)
+                    dparam._fsdp_group_index = (gid, i)  # type: ignore[attr-defined]
+                    params.append((name, dparam))
+                    continue
                 local = self._optimizer_view(b, i, b.main_weights)
                 dparam = nn.Parameter(self._dtensor(b, i, local), requires_grad=True)
                 dparam._fsdp_group_index = (gid, i)  # type: ignore[attr-defined]
@@ -95,6 +112,18 @@ class DTensorViews:
             self._optimizer_params = params
             self.attach_grads()
         return self._optimizer_params
+
+    @staticmethod
+    def _whole_param(b: Bucket, index: int) -> nn.Parameter:
+        """The optimizer parameter of a whole-placed slot (module note): the whole main
+        weight on its owner, a meta placeholder elsewhere."""
+        slot = b.layout.slots[index]
+        if slot.owner == b.shard.rank:
+            dparam = nn.Parameter(b.main_weights.local_param_view(index), requires_grad=True)
+        else:
+            dparam = nn.Parameter(torch.empty(slot.shape, device="meta"), requires_grad=True)
+        dparam._fsdp_whole_owner = slot.owner  # type: ignore[attr-defined]
+        return dparam
 
     def attach_grads(self, only_with_grads: bool = False) -> None:
         """(Re)point every optimizer parameter's ``.grad`` at its main-grad rows, e.g.
@@ -115,12 +144,16 @@ class DTensorViews:
             b = buckets[gid]
             if only_with_grads and not b.has_grads:
                 continue
+            whole = b.layout.slots[i].whole
+            if whole and b.layout.slots[i].owner != b.shard.rank:
+                continue  # a placeholder: no gradient here, the owner steps it
             gbuf = refreshed.get(gid)
             if gbuf is None:
                 gbuf = refreshed[gid] = b.grads_for_optimizer()
             cached = cache.get((gid, i))
             if cached is None or cached[0] is not gbuf.data:
-                grad = self._dtensor(b, i, self._optimizer_view(b, i, gbuf))
+                local = self._optimizer_view(b, i, gbuf)
+                grad = local if whole else self._dtensor(b, i, local)
                 cached = cache[(gid, i)] = (gbuf.data, grad)
             if dparam.grad is not cached[1]:
                 dparam.grad = cached[1]
@@ -154,11 +187,14 @@ class DTensorViews:
 
     def local_shard_dtensors(self) -> dict[str, DTensor]:
         """Every parameter's local shard as a DTensor under its name, without
-        communication: main weights where they exist, model weights otherwise."""
+        communication: main weights where they exist, model weights otherwise.
+        Whole-placed parameters have none (module note) and are left out."""
         out: dict[str, DTensor] = {}
         tp = self._buffer.tp
         for name, gid, i, p in self._buffer.named_params():
             b = self._buffer.buckets[gid]
+            if b.layout.slots[i].whole:
+                continue
             buf, sharded = self._weights_of(b)
             split = self._is_sharded_slot(b, i, sharded)
             placement = Shard(0) if split else Replicate()
@@ -212,6 +248,16 @@ class DTensorViews:
         slot = buf.layout.slots[i]
         if not sharded:
             return tp.full(p, buf.param_view(buf.data, i).clone())
+        if slot.whole:  # the owner holds it all: a broadcast from it
+            assert slot.owner is not None
+            if slot.owner == b.shard.rank:
+                full = buf.local_param_view(i).clone()
+            else:
+                full = torch.empty(slot.shape, dtype=buf.dtype, device=buf.device)
+            group = b.shard.group
+            src = slot.owner if group is None else dist.get_global_rank(group, slot.owner)
+            dist.broadcast(full, src=src, group=group)
+            return full
         if slot.replicated:
             return tp.full(p, buf.local_param_view(i).clone())
         partition = buf.layout.row_partition(i)

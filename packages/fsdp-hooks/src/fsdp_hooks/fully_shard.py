@@ -8,7 +8,13 @@ for it runs unchanged. Differences a user may notice:
   place by its DTensor main-weight parameter. Megatron-FSDP rebuilds a single group.
   State the optimizer already holds (Adagrad creates it in ``__init__``) moves onto the
   main-weight shards; optimizers that cannot step row shards are refused at wrap (see
-  ``fsdp_hooks.optimizers``).
+  ``fsdp_hooks.optimizers``). Whole-matrix optimizers (``torch.optim.Muon``) get their
+  matrices placed whole on one rank each (Note [whole placement] in
+  ``fsdp_buffers.layout``). ``fully_shard`` also takes a list of optimizers over disjoint
+  parameters (Muon for hidden matrices, AdamW for the rest) and returns the list: the
+  gradients are synchronised before the first of them steps and the weights installed
+  once all have stepped (no extra communication); a forward before all have stepped
+  raises.
 - With no ``device_mesh``, the default is a mesh over the whole world on CUDA when
   NCCL is the default backend, else on CPU. Its shard dim is named ``dp_shard_dim``
   (``"dp_shard"`` when not given); a given ``tp_dim`` adds a trailing dim of size 1
@@ -52,10 +58,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
 from fsdp_hooks.config import DistributedDataParallelConfig
-from fsdp_hooks.megatron_fsdp import MegatronFSDP
+from fsdp_hooks.megatron_fsdp import WHOLE_PLACEMENT_STATE_MESSAGE, MegatronFSDP
 from fsdp_hooks.optim_init import InitialState, init_optimizer_state
 from fsdp_hooks.optimizers import (
     check_optimizer_supported,
+    mark_whole_placement,
     move_state_to_main_weights,
     refuse_positional_expert_state_in_dcp,
 )
@@ -247,6 +254,7 @@ def fully_shard_optimizer(
     preproc_state_dict_for_dcp_ckpt: bool = True,
     *,
     model: MegatronFSDP | None = None,
+    _step_round: _StepRound | None = None,
 ) -> torch.optim.Optimizer:
     """Make ``optimizer`` step the model's sharded main weights, in place.
 
@@ -302,7 +310,9 @@ def fully_shard_optimizer(
     # That step restored the weights bit for bit but bumped their version counters: not
     # a user's write to re-install at the next forward.
     model.hooks.params.record_versions()
-    _patch_optimizer(optimizer, model, initial)
+    _patch_optimizer(optimizer, model, initial, _step_round)
+    if any(hasattr(p, "_fsdp_whole_owner") for g in optimizer.param_groups for p in g["params"]):
+        _refuse_state_dicts(optimizer)
     if model.experts_differ_across_ranks:
         groups = model.buffer.groups
         is_expert = [
@@ -314,8 +324,46 @@ def fully_shard_optimizer(
     return optimizer
 
 
+def _refuse_state_dicts(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer stepping whole-placed parameters refuses ``state_dict()`` and
+    ``load_state_dict()`` with a clear error: its state exists on the owners only, as plain
+    tensors, which no checkpoint path places correctly yet (never a silently wrong file)."""
+    names = [
+        tuple(p.shape)
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if hasattr(p, "_fsdp_whole_owner")
+    ]
+
+    def refuse(*_args: Any, **_kwargs: Any) -> None:
+        raise NotImplementedError(WHOLE_PLACEMENT_STATE_MESSAGE.format(names=names[:3]))
+
+    optimizer.register_state_dict_pre_hook(refuse)
+    optimizer.register_load_state_dict_pre_hook(refuse)
+
+
+class _StepRound:
+    """Optimizers passed to ``fully_shard`` together share one gradient sync and one
+    install per step: the first to step syncs, the last installs."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.stepped: set[int] = set()
+
+    def check_complete(self, *_args: Any) -> None:
+        if self.stepped:
+            raise RuntimeError(
+                f"forward after {len(self.stepped)} of the {self.count} optimizers passed to "
+                "fully_shard together stepped: the weights are installed once all of them "
+                "have stepped; call step() on every one of them before the next forward"
+            )
+
+
 def _patch_optimizer(
-    optimizer: torch.optim.Optimizer, model: MegatronFSDP, initial: InitialState
+    optimizer: torch.optim.Optimizer,
+    model: MegatronFSDP,
+    initial: InitialState,
+    step_round: _StepRound | None = None,
 ) -> None:
     """Wrap ``step`` and ``zero_grad`` of this optimizer instance. They stay bound
     methods (``types.MethodType``): torch's ``LRScheduler`` built afterwards wraps
@@ -332,6 +380,18 @@ def _patch_optimizer(
     def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         sync = kwargs.pop("sync_grad_before_optimizer_step", True)
         install = kwargs.pop("install_optimized_model_weights", True)
+        if step_round is not None:
+            if id(self) in step_round.stepped:
+                raise RuntimeError(
+                    "this optimizer stepped twice before the other optimizers passed to "
+                    "fully_shard with it stepped once; step each of them once per step"
+                )
+            sync = sync and not step_round.stepped
+            step_round.stepped.add(id(self))
+            if len(step_round.stepped) < step_round.count:
+                install = False
+            else:
+                step_round.stepped.clear()
         if sync:
             model.finish_grad_sync()
         else:
@@ -356,12 +416,17 @@ def _patch_optimizer(
 
 
 def fully_shard(
-    module: nn.Module, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any
-) -> tuple[MegatronFSDP, torch.optim.Optimizer]:
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[MegatronFSDP, Any]:
     """``fully_shard_model(module, ...)`` then ``fully_shard_optimizer`` on an optimizer
-    built over ``module``'s parameters; returns ``(model, optimizer)``. Arguments after
-    the optimizer are ``fully_shard_model``'s, positionally in megatron_fsdp's order
-    (``device_mesh``, ``dp_shard_dim``, ``dp_outer_dim``, ``tp_dim``, ...) or by name."""
+    built over ``module``'s parameters (or on each of a list of optimizers over disjoint
+    parameters: see the module note); returns ``(model, optimizer)`` (the list, for a
+    list). Arguments after the optimizer are ``fully_shard_model``'s, positionally in
+    megatron_fsdp's order (``device_mesh``, ``dp_shard_dim``, ``dp_outer_dim``,
+    ``tp_dim``, ...) or by name."""
     names = _MODEL_ARGUMENTS
     if len(args) > len(names):
         raise TypeError(
@@ -373,13 +438,36 @@ def fully_shard(
             raise TypeError(f"fully_shard() got multiple values for argument {name!r}")
         kwargs[name] = value
     preproc = kwargs.get("preproc_state_dict_for_dcp_ckpt", True)
+    many = isinstance(optimizer, (list, tuple))
+    optimizers = list(optimizer) if many else [optimizer]
+    if many and not optimizers:
+        raise ValueError("fully_shard: the list of optimizers is empty")
     # Before anything is sharded: a refused optimizer leaves the module untouched.
     check_argument_types("fully_shard", module, kwargs.get("fsdp_unit_modules"))
     strategy = ShardingStrategy.parse(kwargs.get("zero_dp_strategy", 3))
-    check_optimizer_supported(optimizer, strategy is not ShardingStrategy.NO_SHARD)
+    sharded = strategy is not ShardingStrategy.NO_SHARD
+    seen: dict[int, int] = {}
+    for j, opt in enumerate(optimizers):
+        check_optimizer_supported(opt, sharded=False)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if seen.setdefault(id(p), j) != j:
+                    raise ValueError(
+                        f"fully_shard: a parameter of shape {tuple(p.shape)} is in optimizers "
+                        f"{seen[id(p)]} and {j}; each parameter may be stepped by one only"
+                    )
+    if sharded:
+        for opt in optimizers:
+            mark_whole_placement(opt)
     model = fully_shard_model(module, **kwargs)
-    optimizer = fully_shard_optimizer(optimizer, preproc, model=model)
-    return model, optimizer
+    step_round = _StepRound(len(optimizers)) if many else None
+    if step_round is not None:
+        model.register_forward_pre_hook(step_round.check_complete)
+    wrapped = [
+        fully_shard_optimizer(opt, preproc, model=model, _step_round=step_round)
+        for opt in optimizers
+    ]
+    return model, (wrapped if many else wrapped[0])
 
 
 # fully_shard_model's parameters after ``module``, in order (megatron_fsdp's, then

@@ -67,6 +67,15 @@ __all__ = ["MegatronFSDP"]
 logger = logging.getLogger("fsdp_hooks")
 
 
+WHOLE_PLACEMENT_STATE_MESSAGE = (
+    "state dicts of whole-placed parameters (held whole by one rank for a whole-matrix "
+    "optimizer such as Muon, e.g. {names}) are not supported yet: they are no DTensors, so "
+    "neither torch.distributed.checkpoint nor fsdp_ckpt can place them. Read the weights "
+    "with model.buffer.views.full_parameter(name) (a collective), or train with "
+    "zero_dp_strategy=0 to checkpoint"
+)
+
+
 class MegatronFSDP(InnerModuleAttributes):
     """Fully Sharded Data Parallel training of ``module`` over ``dist_index``'s groups.
 
@@ -547,6 +556,13 @@ class MegatronFSDP(InnerModuleAttributes):
     def _check_checkpointable(self) -> None:
         if self._state_names.error is not None:
             raise type(self._state_names.error)(*self._state_names.error.args)
+        whole = [
+            name
+            for name, p in self.buffer.views.optimizer_named_parameters()
+            if hasattr(p, "_fsdp_whole_owner")
+        ]
+        if whole:
+            raise NotImplementedError(WHOLE_PLACEMENT_STATE_MESSAGE.format(names=whole[:3]))
 
     # ---- accounting -------------------------------------------------------------------
     def comm_stats(self, reset: bool = False) -> dict[str, dict[str, float]]:

@@ -1,0 +1,382 @@
+"""Whole-matrix optimizers (``torch.optim.Muon``, ``Adafactor``) under ZeRO-1/2/3: each
+matrix is held whole by one rank (Note [whole placement] in ``fsdp_buffers.layout``),
+which steps it.
+
+Parity: 10 steps of ``fully_shard`` training at world sizes 2 and 4, ZeRO-1/2/3 (and HSDP
+at 2 x 2), give the losses, gradient norms and weights of one process running
+``torch.optim.Muon`` (alone, on a bias-free model whose parameters are all matrices; or
+for the hidden matrices beside AdamW for the rest, through ``fully_shard(module, [muon,
+adamw])``) or ``Adafactor`` (every parameter; its per-tensor RMS made row-sharded 1-d
+parameters step wrongly before) on the same global batch, within 1e-5 relative. Each
+FSDP unit has two matrices, so at world size 4 a unit has fewer matrices than ranks and
+the owners are balanced across buckets.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from fsdp_hooks import fully_shard
+from fsdp_mesh import build_device_mesh
+from fsdp_mesh.testing import run_distributed
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9"
+)
+
+STRATEGIES = (1, 2, 3)
+STEPS = 10
+GLOBAL_BATCH = 8
+DIM, HIDDEN, IN, OUT, LAYERS = 16, 24, 8, 4, 3
+# Muon rounds its update to bf16 (Newton-Schulz in bf16), so the last-bit differences
+# between the ranks' gradient reduction order (gloo's ring at world size 4) and any
+# one-process order flip some bf16 roundings. At lr 2e-2 that drifts the losses by 1e-5
+# after ~5 steps whichever order the reference sums in (measured: sequential, pairwise and
+# reversed orders each drift from step 4 to 9); at 5e-3 every order stays within 1e-7 for
+# ten steps, and the losses still fall (checked below). AdamW's eps bounds its gain on
+# gradients that are rounding noise (as in test_parity).
+MUON_LR, ADAMW_LR = 5e-3, 5e-3
+ADAM_EPS = 1e-3
+NO_CLIP = 1e6  # clip_grad_norm_ for its norm only (a factor of exactly 1)
+
+
+class Layer(nn.Module):
+    """The FSDP unit: two matrices (and, with ``bias``, a norm and biases)."""
+
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM) if bias else nn.Identity()
+        self.w1 = nn.Linear(DIM, HIDDEN, bias=bias)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.w2(F.gelu(self.w1(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.embed = nn.Linear(IN, DIM, bias=bias)
+        self.layers = nn.ModuleList(Layer(bias) for _ in range(LAYERS))
+        self.head = nn.Linear(DIM, OUT, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def build(kind: str) -> Net:
+    torch.manual_seed(0)
+    return Net(bias=kind != "muon")
+
+
+def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
+    return p.ndim == 2 and name.startswith("layers.")
+
+
+def optimizers(kind: str, module: nn.Module) -> list[torch.optim.Optimizer]:
+    """``muon``: one stock Muon over every parameter (all matrices). ``split``: Muon for
+    the hidden matrices, AdamW for embedding, head, norms and biases."""
+    if kind == "muon":
+        return [torch.optim.Muon(module.parameters(), lr=MUON_LR)]
+    if kind == "adafactor":  # factored second moments: whole rows and columns
+        return [torch.optim.Adafactor(module.parameters(), lr=ADAMW_LR)]
+    named = list(module.named_parameters())
+    hidden = [p for n, p in named if is_hidden_matrix(n, p)]
+    rest = [p for n, p in named if not is_hidden_matrix(n, p)]
+    return [
+        torch.optim.Muon(hidden, lr=MUON_LR),
+        torch.optim.AdamW(rest, lr=ADAMW_LR, eps=ADAM_EPS),
+    ]
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two batches in turn: the losses fall, so the steps do something."""
+    g = torch.Generator().manual_seed(1000 + step % 2)
+    return torch.randn(GLOBAL_BATCH, IN, generator=g), torch.randn(GLOBAL_BATCH, OUT, generator=g)
+
+
+@functools.cache
+def reference(kind: str, slices: int, steps: int = STEPS, pairwise: bool = False) -> dict:
+    """One process, no fsdp, the global batch; its gradient is the mean of the gradients
+    of ``slices`` equal slices (as the ranks compute it), summed in slice order, or in
+    pairs first with ``pairwise`` (HSDP's order: over each shard group, then across the
+    outer dim; see MUON_LR on summation order)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as on the ranks
+    try:
+        module = build(kind)
+        opts = optimizers(kind, module)
+        losses, norms = [], []
+        per = GLOBAL_BATCH // slices
+        for step in range(steps):
+            x, y = batch(step)
+            parts: list[dict[nn.Parameter, torch.Tensor]] = []
+            total = 0.0
+            for k in range(slices):
+                part = slice(k * per, (k + 1) * per)
+                loss = F.mse_loss(module(x[part]), y[part])
+                loss.backward()
+                parts.append({p: p.grad * (1.0 / slices) for p in module.parameters()})
+                for p in module.parameters():
+                    p.grad = None
+                total += loss.item()
+            for p in module.parameters():
+                gs = [d[p] for d in parts]
+                if pairwise:
+                    gs = [gs[i] + gs[i + 1] for i in range(0, len(gs), 2)]
+                p.grad = functools.reduce(torch.add, gs)
+            norms.append(torch.nn.utils.clip_grad_norm_(module.parameters(), NO_CLIP).item())
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+            losses.append(total / slices)
+        params = {n: p.detach().clone() for n, p in module.named_parameters()}
+        return {"losses": losses, "norms": norms, "params": params}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(
+    kinds: tuple[str, ...],
+    strategies: tuple[int, ...] = STRATEGIES,
+    steps: int = STEPS,
+    hsdp: bool = False,
+) -> dict | None:
+    """Train every (kind, strategy) on this rank's slice; with ``hsdp``, on a
+    (dp_outer=2, dp_shard=world/2) mesh with the outer dim replicating."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = GLOBAL_BATCH // world
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    results = {}
+    for kind in kinds:
+        for strategy in strategies:
+            module = build(kind)
+            opts = optimizers(kind, module)
+            mesh = {}
+            if hsdp:
+                mesh = {
+                    "device_mesh": build_device_mesh(dp_outer=2, dp_shard=world // 2).device_mesh,
+                    "dp_shard_dim": "dp_shard",
+                    "dp_outer_dim": "dp_outer",
+                }
+            model, opts = fully_shard(
+                module,
+                opts if kind == "split" else opts[0],
+                fsdp_unit_modules=[Layer],
+                zero_dp_strategy=strategy,
+                **mesh,
+            )
+            opts = opts if isinstance(opts, list) else [opts]
+            owners = {
+                name: p._fsdp_whole_owner
+                for name, p in model.buffer.views.optimizer_named_parameters()
+                if hasattr(p, "_fsdp_whole_owner")
+            }
+            losses, norms = [], []
+            for step in range(steps):
+                x, y = batch(step)
+                loss = F.mse_loss(model(x[mine]), y[mine])
+                loss.backward()
+                # Whole-placed gradients live on their owners only: the wrapper's norm.
+                norms.append(float(model.clip_grad_norm_(NO_CLIP)))
+                for opt in opts:
+                    opt.step()
+                for opt in opts:
+                    opt.zero_grad()
+                total = loss.detach().clone()
+                dist.all_reduce(total)
+                losses.append(total.item() / world)
+            params = {
+                name: model.buffer.views.full_parameter(name)
+                for name, *_ in model.buffer.named_params()
+            }
+            results[(kind, strategy)] = {
+                "losses": losses,
+                "norms": norms,
+                "params": params,
+                "owners": owners,
+            }
+    return results if rank == 0 else None
+
+
+def _check(got: dict, ref: dict, where: str) -> None:
+    for key in ("losses", "norms"):
+        torch.testing.assert_close(
+            torch.tensor(got[key], dtype=torch.float64),
+            torch.tensor(ref[key], dtype=torch.float64),
+            rtol=1e-5,
+            atol=0,
+            msg=lambda m, k=key: f"{where} {k}\n{m}",
+        )
+    assert got["params"].keys() == ref["params"].keys(), where
+    for name, value in ref["params"].items():
+        torch.testing.assert_close(
+            got["params"][name],
+            value,
+            rtol=1e-5,
+            atol=1e-6,
+            msg=lambda m, n=name: f"{where} {n}\n{m}",
+        )
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_muon_parity_every_strategy(world):
+    kinds = ("muon", "split", "adafactor")
+    results = run_distributed(_train, world, args=(kinds,), timeout=300)[0]
+    for kind in kinds:
+        ref = reference(kind, world)
+        assert ref["losses"][-2] < 0.9 * ref["losses"][0], (kind, ref["losses"])
+        for strategy in STRATEGIES:
+            got = results[(kind, strategy)]
+            where = f"{kind} world={world} zero={strategy}"
+            _check(got, ref, where)
+            # Every matrix Muon steps is whole-placed, on every rank (by bytes: each rank
+            # owns some at world size 4 although a unit has two).
+            muon_names = [n for n in ref["params"] if is_hidden_matrix(n, ref["params"][n])]
+            if kind == "muon":
+                muon_names = list(ref["params"])
+            if kind == "adafactor":  # per-tensor RMS: every parameter is placed whole
+                muon_names = list(ref["params"])
+            assert sorted(got["owners"]) == sorted(muon_names), where
+            assert set(got["owners"].values()) == set(range(world)), where
+
+
+def test_muon_parity_hsdp():
+    """HSDP (dp_outer=2 replicating, dp_shard=2): matrices are whole on one rank of each
+    shard group, and the outer all-reduce keeps the replicas equal."""
+    kinds = ("muon", "split")
+    results = run_distributed(_train, 4, args=(kinds, STRATEGIES, STEPS, True), timeout=300)[0]
+    for kind in kinds:
+        for strategy in STRATEGIES:
+            got = results[(kind, strategy)]
+            _check(got, reference(kind, 4, pairwise=True), f"hsdp {kind} zero={strategy}")
+            assert set(got["owners"].values()) == {0, 1}
+
+
+def _refusals() -> None:
+    module = build("split")
+    muon, adamw = optimizers("split", module)
+    with pytest.raises(ValueError, match="is in optimizers 0 and 1"):
+        fully_shard(module, [muon, torch.optim.AdamW(module.parameters())])
+    model, (muon, adamw) = fully_shard(module, [muon, adamw], fsdp_unit_modules=[Layer])
+    x, y = batch(0)
+    F.mse_loss(model(x), y).backward()
+    muon.step()
+    with pytest.raises(RuntimeError, match="before the next forward"):
+        model(x)
+    with pytest.raises(RuntimeError, match="stepped twice"):
+        muon.step()
+    adamw.step()
+    model(x)  # every optimizer stepped: the weights are installed
+    with pytest.raises(NotImplementedError, match="whole-placed parameters"):
+        model.state_dict()
+    with pytest.raises(NotImplementedError, match="whole-placed parameters"):
+        muon.state_dict()
+    with pytest.raises(NotImplementedError, match="whole-placed parameters"):
+        muon.load_state_dict({})
+    assert adamw.state_dict()["state"]  # AdamW steps row shards only: DTensor state as usual
+    # Without fully_shard's marks, Muon on row shards is refused; marked, it is taken.
+    from fsdp_buffers import fsdp_whole_placement
+    from fsdp_hooks import fully_shard_model, fully_shard_optimizer
+
+    plain = build("muon")
+    model = fully_shard_model(plain, fsdp_unit_modules=[Layer])
+    with pytest.raises(TypeError, match="fsdp_whole_placement"):
+        fully_shard_optimizer(torch.optim.Muon(model.parameters()))
+    marked = build("muon")
+    fsdp_whole_placement(marked.parameters())
+    model = fully_shard_model(marked, fsdp_unit_modules=[Layer])
+    opt = fully_shard_optimizer(torch.optim.Muon(model.parameters()))
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def test_refusals_and_marking():
+    run_distributed(_refusals, 2, timeout=120)
+
+
+def _train_bf16(strategies: tuple[int, ...]) -> dict | None:
+    """bf16 compute with fp32 main weights (the default policy): the whole matrices live in
+    the separate main-weight buffers, sharded from ZeRO-1 on."""
+    from fsdp_buffers import MixedPrecisionPolicy
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = GLOBAL_BATCH // world
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    out = {}
+    for strategy in strategies:
+        module = build("split").to(torch.bfloat16)
+        model, opts = fully_shard(
+            module,
+            optimizers("split", module),
+            fsdp_unit_modules=[Layer],
+            zero_dp_strategy=strategy,
+            mixed_precision_policy=MixedPrecisionPolicy(),
+        )
+        losses = []
+        for step in range(STEPS):
+            x, y = batch(step)
+            loss = F.mse_loss(model(x[mine].bfloat16()).float(), y[mine])
+            loss.backward()
+            for opt in opts:
+                opt.step()
+            for opt in opts:
+                opt.zero_grad()
+            losses.append(loss.item())
+        params = {
+            name: model.buffer.views.full_parameter(name)
+            for name, *_ in model.buffer.named_params()
+        }
+        out[strategy] = {"losses": losses, "params": params}
+    return out if rank == 0 else None
+
+
+def test_bf16_main_weights_match_no_shard():
+    """ZeRO-1/2/3 (whole-placed fp32 main weights) step exactly as ZeRO-0 (every rank
+    holds everything) on the same bf16 model: same reduction, same optimizer math."""
+    results = run_distributed(_train_bf16, 2, args=((0, 1, 2, 3),), timeout=300)[0]
+    for strategy in (1, 2, 3):
+        got, ref = results[strategy], results[0]
+        assert got["losses"] == ref["losses"], strategy
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(got["params"][name], value, rtol=0, atol=0)
+
+
+def _meta_init() -> None:
+    full = {}
+    for meta in (False, True):
+        torch.manual_seed(0)
+        if meta:
+            with torch.device("meta"):
+                module = Net(bias=False)
+        else:
+            module = Net(bias=False)
+        model, opt = fully_shard(
+            module,
+            torch.optim.Muon(module.parameters(), lr=MUON_LR),
+            fsdp_unit_modules=[Layer],
+            init_model_with_meta_device=meta,
+        )
+        x, y = batch(0)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        full[meta] = {
+            n: model.buffer.views.full_parameter(n) for n, *_ in model.buffer.named_params()
+        }
+    for name, value in full[False].items():
+        torch.testing.assert_close(full[True][name], value, rtol=0, atol=0)
+
+
+def test_meta_device_init_places_whole():
+    """A model built on the meta device materializes its whole-placed matrices as the eager
+    construction does (each rank keeps what it owns)."""
+    run_distributed(_meta_init, 2, timeout=120)
