@@ -380,3 +380,52 @@ def test_meta_device_init_places_whole():
     """A model built on the meta device materializes its whole-placed matrices as the eager
     construction does (each rank keeps what it owns)."""
     run_distributed(_meta_init, 2, timeout=120)
+
+
+def _torch_tools() -> None:
+    """torch's own tools on the parameters of a Muon-trained model: either right, or the
+    same clear error on every rank (each rank reaches every check: a rank that did not
+    raise would fail or hang the others)."""
+    module = build("split")
+    n_elements = sum(p.numel() for p in module.parameters())
+    model, (muon, adamw) = fully_shard(
+        module, optimizers("split", module), fsdp_unit_modules=[Layer]
+    )
+    x, y = batch(0)
+    F.mse_loss(model(x), y).backward()
+    params = dict(model.named_parameters())
+    whole = {n: p for n, p in params.items() if is_hidden_matrix(n, p)}
+    assert whole and all(type(p).__name__ == "WholeParameter" for p in whole.values())
+    # Metadata as a DTensor shows it: the global shape, numel and the buffer's device.
+    assert sum(p.numel() for p in params.values()) == n_elements
+    assert all(p.device == torch.device("cpu") and p.ndim == 2 for p in whole.values())
+    # The optimizers hold the model's parameter objects, as under FSDP2, and every rank
+    # shows a gradient for each (an owner's is no different from the others').
+    assert [id(p) for p in muon.param_groups[0]["params"]] == [id(p) for p in whole.values()]
+    assert all(p.grad is not None for p in whole.values())
+    name, p = next(iter(whole.items()))
+    for what, call in [
+        ("clip_grad_norm_", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)),
+        ("full_tensor", lambda: p.full_tensor()),
+        ("mean", lambda: p.mean()),
+        ("mul_", lambda: p.detach().mul_(2.0)),
+        ("data", lambda: p.data),
+        ("grad", lambda: p.grad.norm()),
+    ]:
+        with pytest.raises(RuntimeError, match=f"{name} of shape .* is placed whole on rank"):
+            call()
+        assert what  # named for the failure report
+    # The wrapper's tools are right (test_muon_parity_every_strategy checks the values).
+    model.clip_grad_norm_(1.0)
+    muon.step()
+    adamw.step()
+    assert [id(p) for p in muon.param_groups[0]["params"]] == [id(p) for p in whole.values()]
+    assert all(p in muon.state or p.grad is not None for p in whole.values())
+    muon.zero_grad()
+    assert all(p.grad is None for p in whole.values())  # set_to_none, as torch does
+    F.mse_loss(model(x), y).backward()
+    assert all(p.grad is not None for p in whole.values())
+
+
+def test_torch_tools_on_whole_parameters_raise_on_every_rank():
+    run_distributed(_torch_tools, 2, timeout=120)

@@ -44,6 +44,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_buffers import collectives
+from fsdp_buffers.whole_param import WholeParameter
 
 if TYPE_CHECKING:
     from fsdp_buffers.bucket import Bucket
@@ -101,6 +102,10 @@ class DTensorViews:
                 if slot.whole:
                     dparam = self._whole_param(b, i)
                     dparam._fsdp_group_index = (gid, i)  # type: ignore[attr-defined]
+                    owner = dparam._fsdp_whole_owner  # type: ignore[attr-defined]
+                    guard = WholeParameter(name, dparam, owner, b.main_weights.device)
+                    guard._fsdp_group_index = (gid, i)  # type: ignore[attr-defined]
+                    dparam._fsdp_guard = guard  # type: ignore[attr-defined]
                     params.append((name, dparam))
                     continue
                 local = self._optimizer_view(b, i, b.main_weights)
@@ -145,8 +150,12 @@ class DTensorViews:
             if only_with_grads and not b.has_grads:
                 continue
             whole = b.layout.slots[i].whole
-            if whole and b.layout.slots[i].owner != b.shard.rank:
-                continue  # a placeholder: no gradient here, the owner steps it
+            if whole:  # the model's view has a gradient on every rank (whole_param)
+                guard = dparam._fsdp_guard  # type: ignore[attr-defined]
+                if guard.grad is not guard._fsdp_grad:
+                    guard.grad = guard._fsdp_grad
+                if b.layout.slots[i].owner != b.shard.rank:
+                    continue  # a placeholder: no gradient here, the owner steps it
             gbuf = refreshed.get(gid)
             if gbuf is None:
                 gbuf = refreshed[gid] = b.grads_for_optimizer()
@@ -168,7 +177,9 @@ class DTensorViews:
             out: list[tuple[str, nn.Parameter]] = []
             for name, _gid, _i, _p in self._buffer.named_params():
                 if name in trainable:
-                    out.append((name, trainable[name]))
+                    dparam = trainable[name]
+                    # A whole-placed one: its WholeParameter (see whole_param).
+                    out.append((name, getattr(dparam, "_fsdp_guard", dparam)))
                 else:
                     dparam = nn.Parameter(frozen[name], requires_grad=False)
                     dparam._fsdp_row_partition = frozen[name]._fsdp_row_partition  # type: ignore[attr-defined]

@@ -57,14 +57,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
+from fsdp_buffers.whole_param import inner_of
 from fsdp_hooks.config import DistributedDataParallelConfig
 from fsdp_hooks.megatron_fsdp import WHOLE_PLACEMENT_STATE_MESSAGE, MegatronFSDP
 from fsdp_hooks.optim_init import InitialState, init_optimizer_state
 from fsdp_hooks.optimizers import (
     check_optimizer_supported,
+    inner_parameters,
     mark_whole_placement,
     move_state_to_main_weights,
     refuse_positional_expert_state_in_dcp,
+    show_whole_parameters,
 )
 from fsdp_hooks.validation import check_argument_types, check_outer_strategy
 from fsdp_mesh import FSDPDistributedIndex, default_device_type
@@ -285,13 +288,14 @@ def fully_shard_optimizer(
     for group in optimizer.param_groups:
         new_params = []
         for p in group["params"]:
+            # A WholeParameter steps through its inner tensor (shown again at the end).
             if id(p) in ours:
-                new_params.append(p)
+                new_params.append(inner_of(p))
             elif p in by_compute:
                 # frozen: nothing to optimize
-                replaced[p] = by_compute[p] if p.requires_grad else None
+                replaced[p] = inner_of(by_compute[p]) if p.requires_grad else None
                 if p.requires_grad:
-                    new_params.append(by_compute[p])
+                    new_params.append(inner_of(by_compute[p]))
             else:
                 unknown.append(f"{type(p).__name__}{tuple(p.shape)}")
         new_groups.append(new_params)
@@ -313,6 +317,7 @@ def fully_shard_optimizer(
     _patch_optimizer(optimizer, model, initial, _step_round)
     if any(hasattr(p, "_fsdp_whole_owner") for g in optimizer.param_groups for p in g["params"]):
         _refuse_state_dicts(optimizer)
+        show_whole_parameters(optimizer)
     if model.experts_differ_across_ranks:
         groups = model.buffer.groups
         is_expert = [
@@ -396,16 +401,23 @@ def _patch_optimizer(
             model.finish_grad_sync()
         else:
             model.attach_grad_to_optimizer_state()
-        if initial.created:
-            initial.drop_untouched(optimizer)
-        result = base_step(*args, **kwargs)
+        with inner_parameters(optimizer):
+            if initial.created:
+                initial.drop_untouched(optimizer)
+            result = base_step(*args, **kwargs)
         if install:
             model.install_optimized_model_weights()
         return result
 
     def zero_grad(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
         zero_buffer = kwargs.pop("zero_grad_buffer", True)
-        base_zero_grad(*args, **kwargs)
+        with inner_parameters(optimizer):
+            base_zero_grad(*args, **kwargs)
+        if kwargs.get("set_to_none", args[0] if args else True):
+            for group in self.param_groups:  # WholeParameters: as torch does to the others
+                for p in group["params"]:
+                    if hasattr(p, "_fsdp_inner"):
+                        p.grad = None
         if zero_buffer:
             model.zero_grad_buffer()
 

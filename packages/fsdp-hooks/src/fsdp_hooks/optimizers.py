@@ -23,6 +23,8 @@ tensor. Refused at wrap, with the reason:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -30,13 +32,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from fsdp_buffers.no_shard import FSDP_WHOLE_ATTR
+from fsdp_buffers.whole_param import WholeParameter, inner_of
 
 __all__ = [
     "check_optimizer_supported",
+    "inner_parameters",
     "is_whole_matrix_optimizer",
     "mark_whole_placement",
     "move_state_to_main_weights",
     "refuse_positional_expert_state_in_dcp",
+    "show_whole_parameters",
 ]
 
 
@@ -76,6 +81,42 @@ def mark_whole_placement(optimizer: torch.optim.Optimizer) -> None:
             for p in group["params"]:
                 if _needs_whole(optimizer, p):
                     setattr(p, FSDP_WHOLE_ATTR, True)
+
+
+def show_whole_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """Show the model's ``WholeParameter``s (``fsdp_buffers.whole_param``) in the param
+    groups and state keys instead of the tensors fsdp steps, as ``model.parameters()``
+    shows them: the optimizer's parameters are the model's, as under FSDP2."""
+    for group in optimizer.param_groups:
+        group["params"] = [getattr(p, "_fsdp_guard", p) for p in group["params"]]
+    state = optimizer.state
+    for key in [k for k in state if hasattr(k, "_fsdp_guard")]:
+        state[key._fsdp_guard] = state.pop(key)
+
+
+@contextlib.contextmanager
+def inner_parameters(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """While torch's own optimizer code runs (fsdp's ``step``/``zero_grad``), the param
+    groups and state keys hold the tensors fsdp steps (the whole main weight on the owner,
+    a meta placeholder elsewhere), then the ``WholeParameter``s again."""
+    inner = [
+        p._fsdp_inner  # type: ignore[attr-defined]
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if isinstance(p, WholeParameter)
+    ]
+    if not inner:
+        yield
+        return
+    for group in optimizer.param_groups:
+        group["params"] = [inner_of(p) for p in group["params"]]
+    state = optimizer.state
+    for key in [k for k in state if isinstance(k, WholeParameter)]:
+        state[key._fsdp_inner] = state.pop(key)  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        show_whole_parameters(optimizer)
 
 
 def check_optimizer_supported(
