@@ -224,6 +224,89 @@ class DTensorViews:
             return None
         return b.layout.row_partition(index)
 
+    # ---- whole-placed parameters in the row placement (state dicts) --------------------
+    def whole_names(self) -> list[str]:
+        """The names of the whole-placed trainable parameters, in a rank-independent order."""
+        return [
+            name for name, p in self.optimizer_named_parameters() if hasattr(p, "_fsdp_whole_owner")
+        ]
+
+    def whole_full(
+        self,
+        name: str,
+        value: torch.Tensor | None,
+        like: tuple[torch.Size, torch.dtype] | None = None,
+    ) -> torch.Tensor:
+        """``value`` (held by parameter ``name``'s owner; ignored elsewhere; None: the
+        main weight) whole on every rank of the shard group: a broadcast from the owner,
+        on the buffer's device. ``like``: its (shape, dtype), which the other ranks must
+        know (default: the parameter's shape and the main weights' dtype)."""
+        if value is None:
+            return self.full_parameter(name)
+        gid, i = self.index_of(name)
+        b = self._buffer.buckets[gid]
+        slot = b.layout.slots[i]
+        shape, dtype = like if like is not None else (slot.shape, b.main_weights.dtype)
+        group = b.shard.group
+        src = slot.owner if group is None else dist.get_global_rank(group, slot.owner)
+        device = b.main_weights.device
+        if slot.owner == b.shard.rank:
+            full = value.detach().to(device=device, dtype=dtype, copy=True)
+        else:
+            full = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(full, src=src, group=group)
+        return full
+
+    def whole_owner_object(self, name: str, obj: object) -> object:
+        """``obj`` (on parameter ``name``'s owner) on every rank of its shard group."""
+        gid, i = self.index_of(name)
+        b = self._buffer.buckets[gid]
+        group, owner = b.shard.group, b.layout.slots[i].owner
+        src = owner if group is None else dist.get_global_rank(group, owner)
+        box = [obj if owner == b.shard.rank else None]
+        dist.broadcast_object_list(box, src=src, group=group)
+        return box[0]
+
+    def whole_is_mine(self, name: str) -> bool:
+        """Whether this rank owns whole-placed parameter ``name``."""
+        gid, i = self.index_of(name)
+        b = self._buffer.buckets[gid]
+        return b.layout.slots[i].owner == b.shard.rank
+
+    def whole_replicated(self, name: str, full: torch.Tensor) -> DTensor:
+        """``full`` (alike on every rank) as a ``Replicate`` DTensor on parameter
+        ``name``'s optimizer mesh."""
+        gid, _i = self.index_of(name)
+        mesh = self._buffer.buckets[gid].optimizer_mesh
+        return DTensor.from_local(full, mesh, [Replicate()], run_check=False)
+
+    def whole_row_dtensor(self, name: str, full: torch.Tensor) -> DTensor:
+        """The DTensor a row-placed model gives for ``full`` (parameter ``name``'s value,
+        whole on every rank): ``Shard(0)`` ``torch.chunk`` pieces on the optimizer mesh,
+        as a copy (``full`` may be freed). No communication."""
+        gid, _i = self.index_of(name)
+        b = self._buffer.buckets[gid]
+        pieces = torch.chunk(full, b.shard.size, dim=0)
+        rank = b.shard.rank
+        local = pieces[rank].clone() if rank < len(pieces) else full[:0].clone()
+        return DTensor.from_local(
+            local,
+            b.optimizer_mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=full.shape,
+            stride=full.stride(),
+        )
+
+    def whole_set(self, name: str, full: torch.Tensor) -> None:
+        """Write ``full`` (parameter ``name``'s value, whole on every rank) into its
+        owner's main weights (the others hold nothing of it)."""
+        gid, i = self.index_of(name)
+        b = self._buffer.buckets[gid]
+        if b.layout.slots[i].owner == b.shard.rank:
+            with torch.no_grad():
+                b.main_weights.local_param_view(i).copy_(full)
+
     def index_of(self, name: str) -> tuple[int, int]:
         """(bucket, position) of the parameter named ``name``."""
         if self._name_index is None:

@@ -58,6 +58,8 @@ def _metadata_getters() -> frozenset[Any]:
             t.nelement,
             t.element_size,
             t.requires_grad_,
+            t.is_floating_point,
+            t.is_complex,
             t.__hash__,
         }
     )

@@ -47,6 +47,7 @@ for it runs unchanged. Differences a user may notice:
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -59,7 +60,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
 from fsdp_buffers.whole_param import inner_of
 from fsdp_hooks.config import DistributedDataParallelConfig
-from fsdp_hooks.megatron_fsdp import WHOLE_PLACEMENT_STATE_MESSAGE, MegatronFSDP
+from fsdp_hooks.megatron_fsdp import MegatronFSDP
 from fsdp_hooks.optim_init import InitialState, init_optimizer_state
 from fsdp_hooks.optimizers import (
     check_optimizer_supported,
@@ -70,6 +71,7 @@ from fsdp_hooks.optimizers import (
     show_whole_parameters,
 )
 from fsdp_hooks.validation import check_argument_types, check_outer_strategy
+from fsdp_hooks.whole_state import register_whole_optimizer_state
 from fsdp_mesh import FSDPDistributedIndex, default_device_type
 from fsdp_mesh.device import warn_once
 
@@ -316,8 +318,10 @@ def fully_shard_optimizer(
     model.hooks.params.record_versions()
     _patch_optimizer(optimizer, model, initial, _step_round)
     if any(hasattr(p, "_fsdp_whole_owner") for g in optimizer.param_groups for p in g["params"]):
-        _refuse_state_dicts(optimizer)
         show_whole_parameters(optimizer)
+        register_whole_optimizer_state(optimizer, model.buffer.views)
+        # fsdp_ckpt's state initialisation steps the tensors fsdp steps (optim_state).
+        optimizer._fsdp_inner_parameters = functools.partial(inner_parameters, optimizer)  # type: ignore[attr-defined]
     if model.experts_differ_across_ranks:
         groups = model.buffer.groups
         is_expert = [
@@ -327,24 +331,6 @@ def fully_shard_optimizer(
         ]
         refuse_positional_expert_state_in_dcp(optimizer, is_expert)
     return optimizer
-
-
-def _refuse_state_dicts(optimizer: torch.optim.Optimizer) -> None:
-    """An optimizer stepping whole-placed parameters refuses ``state_dict()`` and
-    ``load_state_dict()`` with a clear error: its state exists on the owners only, as plain
-    tensors, which no checkpoint path places correctly yet (never a silently wrong file)."""
-    names = [
-        tuple(p.shape)
-        for g in optimizer.param_groups
-        for p in g["params"]
-        if hasattr(p, "_fsdp_whole_owner")
-    ]
-
-    def refuse(*_args: Any, **_kwargs: Any) -> None:
-        raise NotImplementedError(WHOLE_PLACEMENT_STATE_MESSAGE.format(names=names[:3]))
-
-    optimizer.register_state_dict_pre_hook(refuse)
-    optimizer.register_load_state_dict_pre_hook(refuse)
 
 
 class _StepRound:

@@ -60,20 +60,12 @@ from fsdp_hooks.validation import (
     check_same_model,
     check_tensor_parallel_replicas,
 )
+from fsdp_hooks.whole_state import row_placed_whole_params
 from fsdp_mesh import current_device
 
 __all__ = ["MegatronFSDP"]
 
 logger = logging.getLogger("fsdp_hooks")
-
-
-WHOLE_PLACEMENT_STATE_MESSAGE = (
-    "state dicts of whole-placed parameters (held whole by one rank for a whole-matrix "
-    "optimizer such as Muon, e.g. {names}) are not supported yet: they are no DTensors, so "
-    "neither torch.distributed.checkpoint nor fsdp_ckpt can place them. Read the weights "
-    "with model.buffer.views.full_parameter(name) (a collective), or train with "
-    "zero_dp_strategy=0 to checkpoint"
-)
 
 
 class MegatronFSDP(InnerModuleAttributes):
@@ -510,7 +502,8 @@ class MegatronFSDP(InnerModuleAttributes):
         DTensors holding this rank's shard of the main weights."""
         self._check_checkpointable()
         self.hooks.use_distributed_params()
-        sd = self.module.state_dict(*args, **kwargs)
+        with row_placed_whole_params(self.hooks, load=False):
+            sd = self.module.state_dict(*args, **kwargs)
         if self._state_names.ids:
             prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
             items = list(sd.items())
@@ -529,7 +522,8 @@ class MegatronFSDP(InnerModuleAttributes):
         self.hooks.use_distributed_params()
         names = self._state_names
         if not names.ids:
-            result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+            with row_placed_whole_params(self.hooks, load=True):
+                result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
             self.install_optimized_model_weights()
             return result
         local: dict[str, Any] = OrderedDict()
@@ -541,7 +535,8 @@ class MegatronFSDP(InnerModuleAttributes):
             else:
                 local[mine] = value
         local._metadata = getattr(state_dict, "_metadata", None)  # type: ignore[attr-defined]
-        result = self.module.load_state_dict(local, strict=False, assign=assign)
+        with row_placed_whole_params(self.hooks, load=True):
+            result = self.module.load_state_dict(local, strict=False, assign=assign)
         missing = [names.to_global(k) for k in result.missing_keys]
         unexpected = [*result.unexpected_keys, *foreign]
         if strict and (missing or unexpected):
@@ -556,13 +551,6 @@ class MegatronFSDP(InnerModuleAttributes):
     def _check_checkpointable(self) -> None:
         if self._state_names.error is not None:
             raise type(self._state_names.error)(*self._state_names.error.args)
-        whole = [
-            name
-            for name, p in self.buffer.views.optimizer_named_parameters()
-            if hasattr(p, "_fsdp_whole_owner")
-        ]
-        if whole:
-            raise NotImplementedError(WHOLE_PLACEMENT_STATE_MESSAGE.format(names=whole[:3]))
 
     # ---- accounting -------------------------------------------------------------------
     def comm_stats(self, reset: bool = False) -> dict[str, dict[str, float]]:
