@@ -424,6 +424,18 @@ def _torch_tools() -> None:
     adamw.step()
     assert [id(p) for p in muon.param_groups[0]["params"]] == [id(p) for p in whole.values()]
     assert all(p in muon.state or p.grad is not None for p in whole.values())
+    # torch's state-dict helpers see the row placement's DTensors (test_checkpoint_*).
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+    from torch.distributed.tensor import DTensor, Shard
+
+    msd = get_model_state_dict(model)
+    assert all(isinstance(msd[n], DTensor) and msd[n].placements == (Shard(0),) for n in whole)
+    osd = get_optimizer_state_dict(model, muon)
+    assert sorted(osd["state"]) == sorted(whole)
+    assert all(isinstance(s["momentum_buffer"], DTensor) for s in osd["state"].values())
     muon.zero_grad()
     assert all(p.grad is None for p in whole.values())  # set_to_none, as torch does
     F.mse_loss(model(x), y).backward()
