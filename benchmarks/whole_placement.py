@@ -1,6 +1,7 @@
 """Bytes per step of whole placement (Muon on the GPT blocks' matrices, AdamW for the
 rest) against the row placement (AdamW for everything), from ``model.comm_stats()``'s
-ring traffic per rank, and the layouts' padding (Note [whole placement]).
+ring traffic per rank, and the share of padding in the bytes moved (``padding_bytes``,
+Note [whole placement]).
 
 Run ``uv run python -m benchmarks.whole_placement [--tiny]`` (CPU, gloo); results in
 docs/benchmarks.md. Byte counts do not depend on the device.
@@ -29,7 +30,7 @@ def _optimizers(module: torch.nn.Module, mode: str):
 
 
 def measure(strategy: int, tiny: bool) -> dict[str, tuple[float, float]]:
-    """(ring bytes each rank sends in one step, padding fraction) per placement."""
+    """(ring bytes each rank sends in one step, padding share of them) per placement."""
     from fsdp_hooks import fully_shard
 
     size = WORKLOADS[WORKLOAD].tiny if tiny else WORKLOADS[WORKLOAD].full
@@ -52,11 +53,9 @@ def measure(strategy: int, tiny: bool) -> dict[str, tuple[float, float]]:
                 opt.step()
             for opt in opts:
                 opt.zero_grad()
-        traffic = sum(c["traffic_bytes"] for c in model.comm_stats().values())
-        layouts = [b.layout for b in model.buffer.buckets]
-        padding = sum(lay.padding_numel for lay in layouts) / sum(
-            lay.total_numel for lay in layouts
-        )
+        stats = model.comm_stats().values()
+        traffic = sum(c["traffic_bytes"] for c in stats)
+        padding = sum(c["padding_bytes"] for c in stats) / sum(c["bytes"] for c in stats)
         out[mode] = (traffic, padding)
     return out
 

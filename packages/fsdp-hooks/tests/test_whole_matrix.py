@@ -438,8 +438,13 @@ def _torch_tools() -> None:
     assert all(isinstance(s["momentum_buffer"], DTensor) for s in osd["state"].values())
     muon.zero_grad()
     assert all(p.grad is None for p in whole.values())  # set_to_none, as torch does
+    model.reset_comm_stats()
     F.mse_loss(model(x), y).backward()
     assert all(p.grad is not None for p in whole.values())
+    # comm_stats() reports the packing's imbalance: the padding the reduce-scatters moved.
+    stats = model.comm_stats()["reduce_scatter"]
+    layouts = [b.layout for b in model.buffer.buckets if b.sharding.main_weights]
+    assert stats["padding_bytes"] == 4 * sum(lay.padding_numel for lay in layouts) > 0
 
 
 def test_torch_tools_on_whole_parameters_raise_on_every_rank():

@@ -365,11 +365,13 @@ class Bucket:
         label = f"fsdp.all_gather.{self.gid}"
         pg = self.shard.group
         if buf.layout.is_rank_major(buf.coarse):  # straight into the bucket
-            work = collectives.all_gather(bucket, buf.data, pg, self.ctx.stats, label)
+            pad = buf.layout.padding_fraction
+            work = collectives.all_gather(bucket, buf.data, pg, self.ctx.stats, label, pad)
             self._gather = PendingCollective(work, keepalive=(bucket,))
         else:
             gathered = torch.empty(buf.layout.total_numel, dtype=buf.dtype, device=buf.device)
-            work = collectives.all_gather(gathered, buf.data, pg, self.ctx.stats, label)
+            pad = buf.layout.padding_fraction
+            work = collectives.all_gather(gathered, buf.data, pg, self.ctx.stats, label, pad)
 
             def unpack() -> None:
                 # Rank-major pieces to parameter-major storage (Note [shard layout]).
@@ -495,7 +497,9 @@ class Bucket:
             out = torch.empty(
                 len(gbuf.owned_shards) * layout.shard_numel, dtype=comm_dtype, device=send.device
             )
-            work = collectives.reduce_scatter(out, send, pg, op, stats, label)
+            work = collectives.reduce_scatter(
+                out, send, pg, op, stats, label, layout.padding_fraction
+            )
             if self.sharding.grads:
 
                 def finish() -> None:
@@ -582,7 +586,12 @@ class Bucket:
             else torch.empty(layout.total_numel, dtype=model.dtype, device=model.device)
         )
         work = collectives.all_gather(
-            gathered, send, self.shard.group, self.ctx.stats, label=f"fsdp.param_sync.{self.gid}"
+            gathered,
+            send,
+            self.shard.group,
+            self.ctx.stats,
+            label=f"fsdp.param_sync.{self.gid}",
+            padding=layout.padding_fraction,
         )
 
         def unpack() -> None:

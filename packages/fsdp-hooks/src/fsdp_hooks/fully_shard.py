@@ -399,7 +399,8 @@ def _patch_optimizer(
         zero_buffer = kwargs.pop("zero_grad_buffer", True)
         with inner_parameters(optimizer):
             base_zero_grad(*args, **kwargs)
-        if kwargs.get("set_to_none", args[0] if args else True):
+        shows_whole = getattr(self, "_fsdp_shows_whole", False)
+        if shows_whole and kwargs.get("set_to_none", args[0] if args else True):
             for group in self.param_groups:  # WholeParameters: as torch does to the others
                 for p in group["params"]:
                     if hasattr(p, "_fsdp_inner"):

@@ -87,6 +87,7 @@ def show_whole_parameters(optimizer: torch.optim.Optimizer) -> None:
     """Show the model's ``WholeParameter``s (``fsdp_buffers.whole_param``) in the param
     groups and state keys instead of the tensors fsdp steps, as ``model.parameters()``
     shows them: the optimizer's parameters are the model's, as under FSDP2."""
+    optimizer._fsdp_shows_whole = True  # type: ignore[attr-defined]
     for group in optimizer.param_groups:
         group["params"] = [getattr(p, "_fsdp_guard", p) for p in group["params"]]
     state = optimizer.state
@@ -99,13 +100,7 @@ def inner_parameters(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """While torch's own optimizer code runs (fsdp's ``step``/``zero_grad``), the param
     groups and state keys hold the tensors fsdp steps (the whole main weight on the owner,
     a meta placeholder elsewhere), then the ``WholeParameter``s again."""
-    inner = [
-        p._fsdp_inner  # type: ignore[attr-defined]
-        for g in optimizer.param_groups
-        for p in g["params"]
-        if isinstance(p, WholeParameter)
-    ]
-    if not inner:
+    if not getattr(optimizer, "_fsdp_shows_whole", False):  # the usual case: nothing to do
         yield
         return
     for group in optimizer.param_groups:
