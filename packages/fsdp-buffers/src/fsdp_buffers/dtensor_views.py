@@ -22,13 +22,15 @@ disjoint chunk.
 
 Whole placement (Note [whole placement] in ``layout``): a parameter one rank owns whole
 has no honest DTensor (its pieces are not ``torch.chunk``'s, and a ``Replicate`` would
-claim every rank holds it). Its optimizer parameter is a plain ``nn.Parameter``: on the
-owner, the whole matrix in the main weights (``.grad`` the whole main grad), so a
-whole-matrix optimizer steps it exactly; elsewhere a placeholder on the meta device with
-the parameter's shape and ``.grad`` always None, so every optimizer skips it and param
-groups keep the same positions on every rank. Both carry ``_fsdp_whole_owner`` (the
-owner's rank in the shard group). Checkpointing them through state dicts is refused with
-a clear error (see docs/design.md); ``full_parameter`` broadcasts from the owner.
+claim every rank holds it). The tensor fsdp steps (``optimizer_named_parameters``) is a
+plain ``nn.Parameter``: on the owner, the whole matrix in the main weights (``.grad`` the
+whole main grad), so a whole-matrix optimizer steps it exactly; elsewhere a placeholder on
+the meta device with the parameter's shape and ``.grad`` always None, so every optimizer
+skips it. Both carry ``_fsdp_whole_owner`` (the owner's rank in the shard group) and
+``_fsdp_guard``: the ``WholeParameter`` (``whole_param``) that the model and the
+optimizer's param groups show instead, alike on every rank
+(``distributed_named_parameters``). ``full_parameter`` broadcasts from the owner; the
+``whole_*`` methods give state dicts the row placement's DTensors.
 
 Tensor parallelism: the views live on the 2-D mesh (dp_shard, tp) and carry
 ``_fsdp_tp_partition`` too; see Note [tensor parallelism] in ``tensor_parallel``.
