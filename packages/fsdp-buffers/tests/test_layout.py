@@ -3,6 +3,7 @@ arithmetic), padding of real transformer groups (pure arithmetic, nothing alloca
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
@@ -12,7 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor.placement_types import Shard
 
-from fsdp_buffers.layout import DEFAULT_ALIGNMENT, FlatLayout, ParamSlot, compute_layout
+from fsdp_buffers.layout import (
+    DEFAULT_ALIGNMENT,
+    FlatLayout,
+    ParamSlot,
+    assign_owners,
+    compute_layout,
+)
 
 ALIGNMENTS = [1, 2, 3, 4, 8, 16, 64]
 
@@ -280,3 +287,126 @@ def test_cached_views_follow_a_bucket_freed_and_refilled():
     assert layout._views  # the views were kept
     for other in (copy.deepcopy(layout), pickle.loads(pickle.dumps(layout))):
         assert other == layout and not other._views
+
+
+# ---- whole placement (Note [whole placement]) ----------------------------------------------
+whole_st = st.data()
+
+
+def _whole_layout(data, shapes, shard_count, alignment):
+    """A layout where a random subset of the parameters with a dim is whole-placed."""
+    picks = [bool(sh) and data.draw(st.booleans()) for sh in shapes]
+    sizes = [math.prod(sh) for sh, w in zip(shapes, picks, strict=True) if w]
+    owned = iter(assign_owners(sizes, shard_count))
+    owners = [next(owned) if w else None for w in picks]
+    return compute_layout(shapes, shard_count, alignment, owners), owners
+
+
+@settings(max_examples=150, deadline=None)
+@given(shapes=shapes_st, shard_count=shard_count_st, alignment=alignment_st, data=whole_st)
+def test_whole_slots_pack_unpack_and_place_every_element(shapes, shard_count, alignment, data):
+    layout, owners = _whole_layout(data, shapes, shard_count, alignment)
+    s = layout.shard_numel
+    assert layout.used_numel == sum(math.prod(sh) for sh in shapes)
+    g = torch.Generator().manual_seed(len(shapes) * 7 + shard_count)
+    values = [torch.randn(sh, generator=g) for sh in shapes]
+    pm = torch.zeros(layout.total_numel)
+    for i, v in enumerate(values):
+        pm[layout.param_offset(i) : layout.param_offset(i) + v.numel()] = v.reshape(-1)
+    # Every parameter is contiguous and disjoint from the others in parameter-major space.
+    spans = sorted((layout.param_offset(i), v.numel()) for i, v in enumerate(values))
+    assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(spans))
+    gathered = torch.empty(layout.total_numel)
+    layout.pack(pm, gathered)
+    for k in range(shard_count):
+        shard = gathered[k * s : (k + 1) * s]
+        alone = torch.full((s,), float("nan"))  # every element written
+        layout.pack_rank(pm, k, alone)
+        assert torch.equal(shard, alone)
+        for slot, v, owner in zip(layout.slots, values, owners, strict=True):
+            assert slot.owner == owner
+            r0, r1 = layout.local_rows(slot.index, k)
+            if owner is not None:
+                assert (r0, r1) == ((0, slot.rows) if k == owner else (0, 0))
+            piece = v.reshape(-1) if slot.replicated else v[r0:r1].reshape(-1)
+            start = layout.rank_offset(slot.index, k)
+            assert torch.equal(shard[start : start + piece.numel()], piece)
+        assert torch.count_nonzero(shard[layout.rank_used(k) :]) == 0
+        back = torch.zeros(layout.total_numel)
+        layout.unpack_rank(shard, k, back)
+        for i, v in enumerate(values):
+            r0, r1 = layout.local_rows(i, k)
+            if layout.slots[i].replicated or r1 > r0:
+                slot = layout.slots[i]
+                start = layout.param_offset(i)
+                if not (slot.whole or slot.replicated):
+                    start += k * slot.width
+                want = v.reshape(-1) if layout.slots[i].replicated else v[r0:r1].reshape(-1)
+                assert torch.equal(back[start : start + want.numel()], want)
+    out = torch.full((layout.total_numel,), float("nan"))
+    layout.unpack(gathered, out)
+    for i, v in enumerate(values):
+        start = layout.param_offset(i)
+        assert torch.equal(out[start : start + v.numel()], v.reshape(-1))
+
+
+@settings(max_examples=50, deadline=None)
+@given(shapes=shapes_st, data=whole_st)
+def test_whole_slots_pack_unpack_coarse(shapes, data):
+    """Coarse shards (each of C ranks owning N / C shards) read the same layout."""
+    layout, _ = _whole_layout(data, shapes, 4, 4)
+    values = [torch.randn(sh) for sh in shapes]
+    pm = torch.zeros(layout.total_numel)
+    for i, v in enumerate(values):
+        pm[layout.param_offset(i) : layout.param_offset(i) + v.numel()] = v.reshape(-1)
+    fine = torch.empty(layout.total_numel)
+    layout.pack(pm, fine)
+    coarse = torch.empty(layout.total_numel)
+    layout.pack(pm, coarse, coarse=2)
+    s = layout.shard_numel
+    for rank in range(2):  # rank r owns shards r, r + 2
+        mine = coarse[rank * 2 * s : (rank + 1) * 2 * s]
+        want = torch.cat([fine[k * s : (k + 1) * s] for k in (rank, rank + 2)])
+        assert torch.equal(mine, want)
+    out = torch.zeros(layout.total_numel)
+    layout.unpack(coarse, out, coarse=2)
+    for i, v in enumerate(values):
+        start = layout.param_offset(i)
+        assert torch.equal(out[start : start + v.numel()], v.reshape(-1))
+
+
+def test_whole_matrices_only_are_rank_major_and_balanced():
+    shapes = [(8, 4), (4, 4), (4, 4), (2, 4)]
+    owners = assign_owners([math.prod(sh) for sh in shapes], 2)
+    assert owners == (0, 1, 1, 0)  # 32 + 8 | 16 + 16: greedy, largest first
+    layout = compute_layout(shapes, 2, 4, owners)
+    assert layout.is_rank_major()
+    assert layout.shard_numel == 40 and layout.rank_used(0) == 40 and layout.rank_used(1) == 32
+    assert [layout.param_offset(i) for i in range(4)] == [0, 40, 56, 32]
+    assert layout.padding_numel == 8
+
+
+def test_assign_owners_spreads_small_buckets_over_shards_by_prior_load():
+    prior = [0, 0, 0, 0]
+    seen = []
+    for _ in range(4):  # four buckets of one matrix each, four shards
+        (owner,) = assign_owners([16], 4, prior)
+        prior[owner] += 16
+        seen.append(owner)
+    assert sorted(seen) == [0, 1, 2, 3]
+
+
+def test_whole_placement_rejects_bad_owners():
+    with pytest.raises(ValueError, match="cannot be owned whole"):
+        compute_layout([()], 2, 1, [0])
+    with pytest.raises(ValueError, match="cannot be owned whole"):
+        compute_layout([(4, 4)], 2, 1, [2])
+    with pytest.raises(ValueError, match="owners has 1 entries"):
+        compute_layout([(4, 4), (2,)], 2, 1, [0])
+    with pytest.raises(ValueError, match="must start at"):
+        FlatLayout(
+            slots=(ParamSlot(0, (2, 2), 1, 4, 2, 2, owner=0),),
+            shard_count=2,
+            shard_numel=8,
+            alignment=1,
+        )

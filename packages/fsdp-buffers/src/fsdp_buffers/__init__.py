@@ -23,7 +23,12 @@ from fsdp_buffers.data_parallel_buffer import DataParallelBuffer
 from fsdp_buffers.grad_reduce_pipeline import GradReducePipeline
 from fsdp_buffers.layout import FlatLayout, compute_layout
 from fsdp_buffers.mixed_precision import MixedPrecisionPolicy
-from fsdp_buffers.no_shard import fsdp_no_shard, is_fsdp_no_shard, module_is_fully_no_shard
+from fsdp_buffers.no_shard import (
+    fsdp_no_shard,
+    fsdp_whole_placement,
+    is_fsdp_no_shard,
+    module_is_fully_no_shard,
+)
 from fsdp_buffers.param_and_grad_buffer import ParamAndGradBuffer
 from fsdp_buffers.param_group import DEFAULT_BUCKET_SIZE, ParameterGroup
 from fsdp_buffers.profiling import annotate
@@ -48,6 +53,7 @@ __all__ = [
     "annotate",
     "compute_layout",
     "fsdp_no_shard",
+    "fsdp_whole_placement",
     "is_fsdp_no_shard",
     "module_is_fully_no_shard",
 ]

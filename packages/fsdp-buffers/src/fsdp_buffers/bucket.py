@@ -57,7 +57,8 @@ from fsdp_buffers.data_parallel_buffer import (
     DoubleBufferAllocator,
 )
 from fsdp_buffers.hybrid_sharding import OuterSharding
-from fsdp_buffers.layout import FlatLayout, compute_layout
+from fsdp_buffers.layout import FlatLayout, assign_owners, compute_layout
+from fsdp_buffers.no_shard import FSDP_WHOLE_ATTR
 from fsdp_buffers.param_group import ParameterGroup
 from fsdp_buffers.profiling import annotate
 from fsdp_buffers.strategy import ShardingStrategy
@@ -120,7 +121,8 @@ class Bucket:
         )
         shapes = [tp.local_shape(p) for p in group.params]
         pieces = shard.size * (outer.size if outer_sharded and outer is not None else 1)
-        self.layout: FlatLayout = compute_layout(shapes, pieces, alignment)
+        owners = self._whole_owners(pieces, outer_sharded)
+        self.layout: FlatLayout = compute_layout(shapes, pieces, alignment, owners)
         self.outer = OuterSharding(outer, outer_sharded) if outer is not None else None
         self.status = BucketStatus.READY_TO_USE
         self.grad_state = GradState.EMPTY
@@ -139,6 +141,31 @@ class Bucket:
             self.status = BucketStatus.EMPTY
 
     # ---- construction ---------------------------------------------------------------
+    def _whole_owners(self, pieces: int, outer_sharded: bool) -> list[int | None] | None:
+        """The owner shard of each whole-placed parameter (Note [whole placement]), or None
+        when the bucket has none or its main weights are not sharded (then every rank holds
+        every parameter whole anyway)."""
+        group = self.group
+        marked = [bool(getattr(p, FSDP_WHOLE_ATTR, False)) for p in group.params]
+        if not any(marked) or not self.sharding.main_weights or not group.requires_grad:
+            return None
+        if outer_sharded or self.tp.specs is not None:
+            names = [n for n, m in zip(group.names, marked, strict=True) if m]
+            raise NotImplementedError(
+                f"whole placement (for whole-matrix optimizers such as Muon) of {names[:3]} "
+                "is not supported with fully-sharded hybrid sharding "
+                "(outer_dp_sharding_strategy) or tensor parallelism yet; use "
+                "outer_dp_sharding_strategy=0 without tp, or zero_dp_strategy=0"
+            )
+        sizes = [p.numel() for p, m in zip(group.params, marked, strict=True) if m]
+        key = (group.is_expert_param, pieces)
+        loads = self.ctx.whole_loads.setdefault(key, [0] * pieces)
+        owned = assign_owners(sizes, pieces, loads)
+        for owner, size in zip(owned, sizes, strict=True):
+            loads[owner] += size
+        it = iter(owned)
+        return [next(it) if m else None for m in marked]
+
     def _build_buffers(
         self, allocator: BucketAllocator, slot_keys: dict[int | None, int], load: bool
     ) -> None:
@@ -343,11 +370,13 @@ class Bucket:
         label = f"fsdp.all_gather.{self.gid}"
         pg = self.shard.group
         if buf.layout.is_rank_major(buf.coarse):  # straight into the bucket
-            work = collectives.all_gather(bucket, buf.data, pg, self.ctx.stats, label)
+            pad = buf.layout.padding_fraction
+            work = collectives.all_gather(bucket, buf.data, pg, self.ctx.stats, label, pad)
             self._gather = PendingCollective(work, keepalive=(bucket,))
         else:
             gathered = torch.empty(buf.layout.total_numel, dtype=buf.dtype, device=buf.device)
-            work = collectives.all_gather(gathered, buf.data, pg, self.ctx.stats, label)
+            pad = buf.layout.padding_fraction
+            work = collectives.all_gather(gathered, buf.data, pg, self.ctx.stats, label, pad)
 
             def unpack() -> None:
                 # Rank-major pieces to parameter-major storage (Note [shard layout]).
@@ -473,7 +502,9 @@ class Bucket:
             out = torch.empty(
                 len(gbuf.owned_shards) * layout.shard_numel, dtype=comm_dtype, device=send.device
             )
-            work = collectives.reduce_scatter(out, send, pg, op, stats, label)
+            work = collectives.reduce_scatter(
+                out, send, pg, op, stats, label, layout.padding_fraction
+            )
             if self.sharding.grads:
 
                 def finish() -> None:
@@ -560,7 +591,12 @@ class Bucket:
             else torch.empty(layout.total_numel, dtype=model.dtype, device=model.device)
         )
         work = collectives.all_gather(
-            gathered, send, self.shard.group, self.ctx.stats, label=f"fsdp.param_sync.{self.gid}"
+            gathered,
+            send,
+            self.shard.group,
+            self.ctx.stats,
+            label=f"fsdp.param_sync.{self.gid}",
+            padding=layout.padding_fraction,
         )
 
         def unpack() -> None:

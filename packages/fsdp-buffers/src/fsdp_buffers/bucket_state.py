@@ -5,7 +5,7 @@ buffers are sharded, its process groups and what all buckets of a buffer share."
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -62,3 +62,6 @@ class BucketContext:
     device: torch.device
     average_in_collective: bool
     scratch: TemporaryBucketAllocator
+    # Elements of whole-placed parameters each shard owns so far, per (expert, shards):
+    # later buckets balance against it (Note [whole placement]).
+    whole_loads: dict[tuple[bool, int], list[int]] = field(default_factory=dict)

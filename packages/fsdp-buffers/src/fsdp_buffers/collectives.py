@@ -83,6 +83,9 @@ class CollectiveCount:
     numel: int = 0  # unsharded elements covered
     bytes: int = 0  # unsharded bytes covered
     traffic_bytes: float = 0.0  # bytes each rank sends with a ring algorithm
+    # Of ``bytes``, those of padding: the shards' tails no parameter fills (a whole
+    # placement's imbalance, Note [whole placement]; a row layout's rounding).
+    padding_bytes: int = 0
 
 
 @dataclass
@@ -93,18 +96,26 @@ class CommStats:
         default_factory=lambda: {k: CollectiveCount() for k in CollectiveKind}
     )
 
-    def record(self, kind: CollectiveKind, numel: int, element_size: int, group_size: int) -> None:
+    def record(
+        self,
+        kind: CollectiveKind,
+        numel: int,
+        element_size: int,
+        group_size: int,
+        padding_numel: int = 0,
+    ) -> None:
         c = self.counts[kind]
         c.calls += 1
         c.numel += numel
         c.bytes += numel * element_size
+        c.padding_bytes += padding_numel * element_size
         ring = (group_size - 1) / group_size if group_size > 0 else 0.0
         factor = 2.0 if kind is CollectiveKind.ALL_REDUCE else 1.0
         c.traffic_bytes += factor * ring * numel * element_size
 
     def reset(self) -> None:
         for c in self.counts.values():
-            c.calls = c.numel = c.bytes = 0
+            c.calls = c.numel = c.bytes = c.padding_bytes = 0
             c.traffic_bytes = 0.0
 
     def as_dict(self) -> dict[str, dict[str, float]]:
@@ -167,11 +178,18 @@ def all_gather(
     group: dist.ProcessGroup | None,
     stats: CommStats | None = None,
     label: str = "fsdp.all_gather",
+    padding: float = 0.0,
 ) -> dist.Work:
+    """``padding``: the fraction of ``output`` that is padding (for ``stats``)."""
     with annotate(label):
         if stats is not None:
+            numel = output.numel()
             stats.record(
-                CollectiveKind.ALL_GATHER, output.numel(), output.element_size(), _size(group)
+                CollectiveKind.ALL_GATHER,
+                numel,
+                output.element_size(),
+                _size(group),
+                round(numel * padding),
             )
         return dist.all_gather_into_tensor(output, shard, group=group, async_op=True)
 
@@ -183,7 +201,9 @@ def reduce_scatter(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     stats: CommStats | None = None,
     label: str = "fsdp.reduce_scatter",
+    padding: float = 0.0,
 ) -> dist.Work:
+    """``padding``: the fraction of ``unsharded`` that is padding (for ``stats``)."""
     with annotate(label):
         if stats is not None:
             stats.record(
@@ -191,6 +211,7 @@ def reduce_scatter(
                 unsharded.numel(),
                 unsharded.element_size(),
                 _size(group),
+                round(unsharded.numel() * padding),
             )
         return dist.reduce_scatter_tensor(output, unsharded, op=op, group=group, async_op=True)
 

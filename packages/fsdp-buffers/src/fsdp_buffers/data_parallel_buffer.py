@@ -306,7 +306,8 @@ class DataParallelBuffer:
 
     def local_param_view(self, index: int) -> torch.Tensor:
         """This rank's rows of parameter ``index`` (its ``torch.chunk`` piece): shape
-        (rows owned, *shape[1:]); the element itself for a 0-d parameter."""
+        (rows owned, *shape[1:]); the element itself for a 0-d parameter; a whole-placed
+        parameter whole on its owner, no rows elsewhere (Note [whole placement])."""
         if len(self.owned_shards) != 1:
             raise RuntimeError(
                 f"{self.name}: a coarse shard holds several pieces of each parameter, not one view"
@@ -323,7 +324,9 @@ class DataParallelBuffer:
         r0, r1 = layout.local_rows(index, self.shard_rank)
         n = (r1 - r0) * slot.row_numel
         if self.is_data_distributed:
-            start = slot.offset
+            start = layout.rank_offset(index, self.shard_rank)
+        elif slot.whole:
+            start = layout.param_offset(index)
         else:
             start = layout.param_offset(index) + self.shard_rank * slot.width
         return self.data[start : start + n].view(_rows_shape(slot.shape, r1 - r0))
@@ -385,7 +388,7 @@ class DataParallelBuffer:
                 slot = layout.slots[i]
                 for j, k in enumerate(self.owned_shards):
                     r0, r1 = layout.local_rows(i, k)
-                    start = j * layout.shard_numel + slot.offset
+                    start = j * layout.shard_numel + layout.rank_offset(i, k)
                     n = (r1 - r0) * slot.row_numel
                     if n:
                         self.data[start : start + n].copy_(_rows(t, r0, r1).reshape(-1))

@@ -20,6 +20,18 @@ grads and optimizer state) are ``Shard(0)`` on the 1-D mesh over the hybrid grou
 ``clip_grad_norm_`` then reduces the norm over every data-parallel rank, each holding a
 disjoint chunk.
 
+Whole placement (Note [whole placement] in ``layout``): a parameter one rank owns whole
+has no honest DTensor (its pieces are not ``torch.chunk``'s, and a ``Replicate`` would
+claim every rank holds it). The tensor fsdp steps (``optimizer_named_parameters``) is a
+plain ``nn.Parameter``: on the owner, the whole matrix in the main weights (``.grad`` the
+whole main grad), so a whole-matrix optimizer steps it exactly; elsewhere a placeholder on
+the meta device with the parameter's shape and ``.grad`` always None, so every optimizer
+skips it. Both carry ``_fsdp_whole_owner`` (the owner's rank in the shard group) and
+``_fsdp_guard``: the ``WholeParameter`` (``whole_param``) that the model and the
+optimizer's param groups show instead, alike on every rank
+(``distributed_named_parameters``). ``full_parameter`` broadcasts from the owner; the
+``whole_*`` methods give state dicts the row placement's DTensors.
+
 Tensor parallelism: the views live on the 2-D mesh (dp_shard, tp) and carry
 ``_fsdp_tp_partition`` too; see Note [tensor parallelism] in ``tensor_parallel``.
 """
@@ -29,10 +41,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_buffers import collectives
+from fsdp_buffers.whole_param import WholeParameter
 
 if TYPE_CHECKING:
     from fsdp_buffers.bucket import Bucket
@@ -51,7 +65,7 @@ class DTensorViews:
         self._distributed_params: list[tuple[str, nn.Parameter]] | None = None
         self._name_index: dict[str, tuple[int, int]] | None = None
         # (bucket, index) -> (the storage the gradient DTensor views, the DTensor)
-        self._grad_cache: dict[tuple[int, int], tuple[torch.Tensor, DTensor]] = {}
+        self._grad_cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # Where the optimizer's gradients go: ``.grad`` (cast to the main weights' dtype),
         # or, with Megatron-FSDP's ``use_decoupled_grad``, ``.decoupled_grad`` in the main
         # grads' own dtype (for precision-aware optimizers) with ``.grad`` left None.
@@ -90,6 +104,16 @@ class DTensorViews:
                 b = buckets[gid]
                 if not b.group.requires_grad:
                     continue
+                slot = b.layout.slots[i]
+                if slot.whole:
+                    dparam = self._whole_param(b, i)
+                    dparam._fsdp_group_index = (gid, i)  # type: ignore[attr-defined]
+                    owner = dparam._fsdp_whole_owner  # type: ignore[attr-defined]
+                    guard = WholeParameter(name, dparam, owner, b.main_weights.device)
+                    guard._fsdp_group_index = (gid, i)  # type: ignore[attr-defined]
+                    dparam._fsdp_guard = guard  # type: ignore[attr-defined]
+                    params.append((name, dparam))
+                    continue
                 local = self._optimizer_view(b, i, b.main_weights)
                 dparam = nn.Parameter(self._dtensor(b, i, local), requires_grad=True)
                 dparam._fsdp_group_index = (gid, i)  # type: ignore[attr-defined]
@@ -99,6 +123,18 @@ class DTensorViews:
             self._optimizer_params = params
             self.attach_grads()
         return self._optimizer_params
+
+    @staticmethod
+    def _whole_param(b: Bucket, index: int) -> nn.Parameter:
+        """The optimizer parameter of a whole-placed slot (module note): the whole main
+        weight on its owner, a meta placeholder elsewhere."""
+        slot = b.layout.slots[index]
+        if slot.owner == b.shard.rank:
+            dparam = nn.Parameter(b.main_weights.local_param_view(index), requires_grad=True)
+        else:
+            dparam = nn.Parameter(torch.empty(slot.shape, device="meta"), requires_grad=True)
+        dparam._fsdp_whole_owner = slot.owner  # type: ignore[attr-defined]
+        return dparam
 
     def attach_grads(self, only_with_grads: bool = False) -> None:
         """(Re)point every optimizer parameter's ``.grad`` (``grad_attr``) at its main-grad rows, e.g.
@@ -119,6 +155,13 @@ class DTensorViews:
             b = buckets[gid]
             if only_with_grads and not b.has_grads:
                 continue
+            whole = b.layout.slots[i].whole
+            if whole:  # the model's view has a gradient on every rank (whole_param)
+                guard = dparam._fsdp_guard  # type: ignore[attr-defined]
+                if guard.grad is not guard._fsdp_grad:
+                    guard.grad = guard._fsdp_grad
+                if b.layout.slots[i].owner != b.shard.rank:
+                    continue  # a placeholder: no gradient here, the owner steps it
             gbuf = refreshed.get(gid)
             if gbuf is None:
                 gbuf = refreshed[gid] = (
@@ -126,7 +169,8 @@ class DTensorViews:
                 )
             cached = cache.get((gid, i))
             if cached is None or cached[0] is not gbuf.data:
-                grad = self._dtensor(b, i, self._optimizer_view(b, i, gbuf))
+                local = self._optimizer_view(b, i, gbuf)
+                grad = local if whole else self._dtensor(b, i, local)
                 cached = cache[(gid, i)] = (gbuf.data, grad)
             if getattr(dparam, self.grad_attr, None) is not cached[1]:
                 setattr(dparam, self.grad_attr, cached[1])
@@ -151,7 +195,9 @@ class DTensorViews:
             out: list[tuple[str, nn.Parameter]] = []
             for name, _gid, _i, _p in self._buffer.named_params():
                 if name in trainable:
-                    out.append((name, trainable[name]))
+                    dparam = trainable[name]
+                    # A whole-placed one: its WholeParameter (see whole_param).
+                    out.append((name, getattr(dparam, "_fsdp_guard", dparam)))
                 else:
                     dparam = nn.Parameter(frozen[name], requires_grad=False)
                     dparam._fsdp_row_partition = frozen[name]._fsdp_row_partition  # type: ignore[attr-defined]
@@ -170,11 +216,14 @@ class DTensorViews:
 
     def local_shard_dtensors(self) -> dict[str, DTensor]:
         """Every parameter's local shard as a DTensor under its name, without
-        communication: main weights where they exist, model weights otherwise."""
+        communication: main weights where they exist, model weights otherwise.
+        Whole-placed parameters have none (module note) and are left out."""
         out: dict[str, DTensor] = {}
         tp = self._buffer.tp
         for name, gid, i, p in self._buffer.named_params():
             b = self._buffer.buckets[gid]
+            if b.layout.slots[i].whole:
+                continue
             buf, sharded = self._weights_of(b)
             split = self._is_sharded_slot(b, i, sharded)
             placement = Shard(0) if split else Replicate()
@@ -192,6 +241,89 @@ class DTensorViews:
         if not self._is_sharded_slot(b, index, sharding.main_weights or sharding.model_weights):
             return None
         return b.layout.row_partition(index)
+
+    # ---- whole-placed parameters in the row placement (state dicts) --------------------
+    def whole_names(self) -> list[str]:
+        """The names of the whole-placed trainable parameters, in a rank-independent order."""
+        return [
+            name for name, p in self.optimizer_named_parameters() if hasattr(p, "_fsdp_whole_owner")
+        ]
+
+    def whole_full(
+        self,
+        name: str,
+        value: torch.Tensor | None,
+        like: tuple[torch.Size, torch.dtype] | None = None,
+    ) -> torch.Tensor:
+        """``value`` (held by parameter ``name``'s owner; ignored elsewhere; None: the
+        main weight) whole on every rank of the shard group: a broadcast from the owner,
+        on the buffer's device. ``like``: its (shape, dtype), which the other ranks must
+        know (default: the parameter's shape and the main weights' dtype)."""
+        if value is None:
+            return self.full_parameter(name)
+        gid, i = self.index_of(name)
+        b = self._buffer.buckets[gid]
+        slot = b.layout.slots[i]
+        shape, dtype = like if like is not None else (slot.shape, b.main_weights.dtype)
+        group = b.shard.group
+        src = slot.owner if group is None else dist.get_global_rank(group, slot.owner)
+        device = b.main_weights.device
+        if slot.owner == b.shard.rank:
+            full = value.detach().to(device=device, dtype=dtype, copy=True)
+        else:
+            full = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(full, src=src, group=group)
+        return full
+
+    def whole_owner_object(self, name: str, obj: object) -> object:
+        """``obj`` (on parameter ``name``'s owner) on every rank of its shard group."""
+        gid, i = self.index_of(name)
+        b = self._buffer.buckets[gid]
+        group, owner = b.shard.group, b.layout.slots[i].owner
+        src = owner if group is None else dist.get_global_rank(group, owner)
+        box = [obj if owner == b.shard.rank else None]
+        dist.broadcast_object_list(box, src=src, group=group)
+        return box[0]
+
+    def whole_is_mine(self, name: str) -> bool:
+        """Whether this rank owns whole-placed parameter ``name``."""
+        gid, i = self.index_of(name)
+        b = self._buffer.buckets[gid]
+        return b.layout.slots[i].owner == b.shard.rank
+
+    def whole_replicated(self, name: str, full: torch.Tensor) -> DTensor:
+        """``full`` (alike on every rank) as a ``Replicate`` DTensor on parameter
+        ``name``'s optimizer mesh."""
+        gid, _i = self.index_of(name)
+        mesh = self._buffer.buckets[gid].optimizer_mesh
+        return DTensor.from_local(full, mesh, [Replicate()], run_check=False)
+
+    def whole_row_dtensor(self, name: str, full: torch.Tensor) -> DTensor:
+        """The DTensor a row-placed model gives for ``full`` (parameter ``name``'s value,
+        whole on every rank): ``Shard(0)`` ``torch.chunk`` pieces on the optimizer mesh,
+        as a copy (``full`` may be freed). No communication."""
+        gid, _i = self.index_of(name)
+        b = self._buffer.buckets[gid]
+        pieces = torch.chunk(full, b.shard.size, dim=0)
+        rank = b.shard.rank
+        local = pieces[rank].clone() if rank < len(pieces) else full[:0].clone()
+        return DTensor.from_local(
+            local,
+            b.optimizer_mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=full.shape,
+            stride=full.stride(),
+        )
+
+    def whole_set(self, name: str, full: torch.Tensor) -> None:
+        """Write ``full`` (parameter ``name``'s value, whole on every rank) into its
+        owner's main weights (the others hold nothing of it)."""
+        gid, i = self.index_of(name)
+        b = self._buffer.buckets[gid]
+        if b.layout.slots[i].owner == b.shard.rank:
+            with torch.no_grad():
+                b.main_weights.local_param_view(i).copy_(full)
 
     def index_of(self, name: str) -> tuple[int, int]:
         """(bucket, position) of the parameter named ``name``."""
@@ -228,6 +360,16 @@ class DTensorViews:
         slot = buf.layout.slots[i]
         if not sharded:
             return tp.full(p, buf.param_view(buf.data, i).clone())
+        if slot.whole:  # the owner holds it all: a broadcast from it
+            assert slot.owner is not None
+            if slot.owner == b.shard.rank:
+                full = buf.local_param_view(i).clone()
+            else:
+                full = torch.empty(slot.shape, dtype=buf.dtype, device=buf.device)
+            group = b.shard.group
+            src = slot.owner if group is None else dist.get_global_rank(group, slot.owner)
+            dist.broadcast(full, src=src, group=group)
+            return full
         if slot.replicated:
             return tp.full(p, buf.local_param_view(i).clone())
         partition = buf.layout.row_partition(i)

@@ -34,6 +34,18 @@ C`` of the ``N`` shards: rank ``k`` owns shards ``k, k + C, ..., k + (g-1)*C`` i
 as one contiguous local shard of ``g * shard_numel`` elements. ``pack`` and ``unpack`` take
 ``coarse=C`` and read the gathered ``(C, g, shard_numel)`` tensor in that order.
 
+Note [whole placement]. Optimizers that need a whole matrix per step (Muon, Shampoo) cannot
+step a row piece. A parameter given an ``owner`` is a *whole* slot: shard ``owner`` holds
+all of it, the other shards nothing of it. Each shard is then ``[uniform region | the whole
+slots it owns, back to back | padding]``: the row-split and replicated slots keep their
+common offsets (the uniform region, ending at ``region_end``), and each whole slot's
+``offset`` is its place in its owner's shard, after ``region_end``. The parameter-major
+buffer keeps the uniform region as above and then every shard's tail (``shard_numel -
+region_end`` elements) in shard order: a whole parameter is contiguous there too (in its
+owner's tail), so modules compute on views, and the same one collective and one copy
+serve both kinds. Owners are balanced by ``assign_owners`` (greedy, largest first); the
+shard size is set by the most loaded shard, the rest is padding.
+
 This module is arithmetic on shapes plus the two copies; no process groups.
 """
 
@@ -47,7 +59,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_ALIGNMENT", "FlatLayout", "ParamSlot", "compute_layout"]
+__all__ = ["DEFAULT_ALIGNMENT", "FlatLayout", "ParamSlot", "assign_owners", "compute_layout"]
 
 DEFAULT_ALIGNMENT: int = 16
 """Shard alignment in elements: every shard starts 16-byte aligned even in a 1-byte dtype
@@ -65,6 +77,7 @@ class ParamSlot:
     row_numel: int  # prod(shape[1:]); 1 for 0-d and 1-d params
     chunk_rows: int  # rows per rank's region: ceil(rows / N); 1 for a replicated slot
     replicated: bool = False  # 0-d: every rank holds the element
+    owner: int | None = None  # whole placement: the one shard holding all of it
 
     def __post_init__(self) -> None:
         numel = math.prod(self.shape)
@@ -84,6 +97,19 @@ class ParamSlot:
                 f"ParamSlot {self.index}: exactly the 0-d parameters are replicated slots "
                 f"(shape {self.shape}, replicated={self.replicated})"
             )
+        if self.owner is not None and (
+            self.owner < 0 or not self.shape or self.chunk_rows != self.shape[0]
+        ):
+            raise ValueError(
+                f"ParamSlot {self.index}: a whole slot (owner={self.owner}) needs an owner "
+                f">= 0, at least one dim and chunk_rows equal to its rows (shape "
+                f"{self.shape}, chunk_rows={self.chunk_rows})"
+            )
+
+    @property
+    def whole(self) -> bool:
+        """Whether one shard (``owner``) holds the whole parameter (Note [whole placement])."""
+        return self.owner is not None
 
     @property
     def rows(self) -> int:
@@ -92,7 +118,7 @@ class ParamSlot:
 
     @property
     def width(self) -> int:
-        """Elements of its region in each rank's shard."""
+        """Elements of its region in each rank's shard (in its owner's, for a whole slot)."""
         return self.chunk_rows * self.row_numel
 
 
@@ -111,6 +137,8 @@ class FlatLayout:
     alignment: int
     _used_numel: int = field(init=False, repr=False, compare=False)
     _region_end: int = field(init=False, repr=False, compare=False)
+    _uniform: tuple[ParamSlot, ...] = field(init=False, repr=False, compare=False)
+    _rank_end: tuple[int, ...] = field(init=False, repr=False, compare=False)
     # Views made once per (parameter-major tensor, g, c): bucket tensors live as long as
     # their buffer (a freed bucket keeps its storage object, so views stay valid), and
     # building the views is most of a copy-out's host time on small buckets.
@@ -131,6 +159,9 @@ class FlatLayout:
         for i, slot in enumerate(self.slots):
             if slot.index != i:
                 raise ValueError(f"FlatLayout slot at position {i} has index {slot.index}")
+            used += slot.numel
+            if slot.whole:
+                continue
             if slot.offset != cursor:
                 raise ValueError(
                     f"FlatLayout slot {i} starts at {slot.offset}; regions are back to back, "
@@ -143,11 +174,30 @@ class FlatLayout:
                     f"{slot.chunk_rows}; torch.chunk over {n} ranks gives {want}"
                 )
             cursor += slot.width
-            used += slot.numel
-        if cursor > s:
-            raise ValueError(f"FlatLayout regions end at {cursor}, past the shard of {s} elements")
+        # Whole slots: back to back in their owner's shard after the uniform region.
+        rank_end = [cursor] * n
+        for slot in self.slots:
+            if not slot.whole:
+                continue
+            assert slot.owner is not None
+            if slot.owner >= n:
+                raise ValueError(
+                    f"FlatLayout slot {slot.index} is owned by shard {slot.owner}; there are {n}"
+                )
+            if slot.offset != rank_end[slot.owner]:
+                raise ValueError(
+                    f"FlatLayout whole slot {slot.index} starts at {slot.offset} in shard "
+                    f"{slot.owner}; it must start at {rank_end[slot.owner]}"
+                )
+            rank_end[slot.owner] += slot.width
+        if max(rank_end) > s:
+            raise ValueError(
+                f"FlatLayout regions end at {max(rank_end)}, past the shard of {s} elements"
+            )
         object.__setattr__(self, "_used_numel", used)
         object.__setattr__(self, "_region_end", cursor)
+        object.__setattr__(self, "_uniform", tuple(x for x in self.slots if not x.whole))
+        object.__setattr__(self, "_rank_end", tuple(rank_end))
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -198,12 +248,36 @@ class FlatLayout:
         self._check_rank(shard_rank)
         if slot.replicated:
             return 0, 1
+        if slot.whole:
+            return (0, slot.rows) if shard_rank == slot.owner else (0, 0)
         c, rows = slot.chunk_rows, slot.rows
         return min(shard_rank * c, rows), min((shard_rank + 1) * c, rows)
 
     def row_partition(self, index: int) -> tuple[tuple[int, int], ...]:
         """``local_rows(index, k)`` for every rank ``k``, in rank order."""
         return tuple(self.local_rows(index, k) for k in range(self.shard_count))
+
+    @property
+    def has_whole(self) -> bool:
+        """Whether any slot is whole-placed (Note [whole placement])."""
+        return len(self._uniform) != len(self.slots)
+
+    def rank_offset(self, index: int, shard_rank: int) -> int:
+        """Offset of param ``index``'s region in ``shard_rank``'s shard."""
+        slot = self._slot(index)
+        self._check_rank(shard_rank)
+        return slot.offset if not slot.whole or slot.owner == shard_rank else self._region_end
+
+    def rank_width(self, index: int, shard_rank: int) -> int:
+        """Elements of param ``index``'s region in ``shard_rank``'s shard."""
+        slot = self._slot(index)
+        self._check_rank(shard_rank)
+        return slot.width if not slot.whole or slot.owner == shard_rank else 0
+
+    def rank_used(self, shard_rank: int) -> int:
+        """End of the regions in ``shard_rank``'s shard: the rest of it is padding."""
+        self._check_rank(shard_rank)
+        return self._rank_end[shard_rank]
 
     def is_rank_major(self, coarse: int | None = None) -> bool:
         """Whether the parameter-major order already is the rank-major one (one shard,
@@ -213,6 +287,8 @@ class FlatLayout:
             return True
         if coarse is not None and coarse != self.shard_count:
             return False
+        if self.has_whole and self._region_end == 0:
+            return True  # only shard tails, which are rank-major (Note [whole placement])
         return (
             len(self.slots) == 1
             and not self.slots[0].replicated
@@ -221,7 +297,17 @@ class FlatLayout:
 
     def param_offset(self, index: int) -> int:
         """Offset of param ``index`` in the parameter-major buffer."""
-        return self.shard_count * self._slot(index).offset
+        slot = self._slot(index)
+        if slot.whole:
+            assert slot.owner is not None
+            tail = self.shard_numel - self._region_end
+            return (
+                self.shard_count * self._region_end
+                + slot.owner * tail
+                + slot.offset
+                - self._region_end
+            )
+        return self.shard_count * slot.offset
 
     # ---- the two copies (Note [shard layout]) -------------------------------------------
     def _cached(
@@ -240,14 +326,15 @@ class FlatLayout:
         return views
 
     def _regions(self, pm: torch.Tensor, g: int, c: int) -> list[torch.Tensor]:
-        """Each parameter's regions of the parameter-major tensor ``pm`` as ``(g, c, width)``
-        (shard ``j*c + k`` at ``[j, k]``), plus the shard padding's as a last entry."""
+        """Each uniform (not whole) parameter's regions of the parameter-major tensor ``pm``
+        as ``(g, c, width)`` (shard ``j*c + k`` at ``[j, k]``), plus the shard tails (whole
+        slots and padding) as a last entry."""
         return self._cached("regions", pm, g, c, lambda: self._make_regions(pm, g, c))
 
     def _make_regions(self, pm: torch.Tensor, g: int, c: int) -> list[torch.Tensor]:
         n = self.shard_count
         out = []
-        for slot in self.slots:
+        for slot in self._uniform:
             start = n * slot.offset
             out.append(pm[start : start + n * slot.width].view(g, c, slot.width))
         start = n * self._region_end
@@ -280,23 +367,33 @@ class FlatLayout:
             torch.cat(parts, dim=2, out=dst)
         else:
             dst.copy_(torch.cat(parts, dim=2))
+        if self.has_whole:  # the tails were sent as they are: zero their padding
+            for shard, end in enumerate(self._rank_end):
+                dst[shard // c, shard % c, end:].zero_()
 
     def _pack_parts(self, pm: torch.Tensor, g: int, c: int) -> list[torch.Tensor]:
         parts = list(self._regions(pm, g, c))
-        for i, slot in enumerate(self.slots):
+        for i, slot in enumerate(self._uniform):
             if slot.replicated:
                 parts[i] = parts[i][:1, :1].expand(g, c, 1)
-        parts[-1] = pm.new_zeros(()).expand(g, c, parts[-1].shape[-1])
+        if not self.has_whole:  # else the tails hold whole slots: sent as they are
+            parts[-1] = pm.new_zeros(()).expand(g, c, parts[-1].shape[-1])
         return parts
 
     def rank_regions(self, pm: torch.Tensor, shard_rank: int) -> list[torch.Tensor]:
         """Views of ``shard_rank``'s region of each parameter inside the parameter-major
-        ``pm`` (a replicated slot's: its element)."""
+        ``pm`` (a replicated slot's: its element; a whole slot's: all of it on its owner,
+        nothing elsewhere)."""
         self._check_rank(shard_rank)
         out = []
         # Not cached: ``pm`` may be a temporary here.
-        regions = self._make_regions(pm, 1, self.shard_count)
-        for slot, region in zip(self.slots, regions, strict=False):
+        uniform = iter(self._make_regions(pm, 1, self.shard_count))
+        for slot in self.slots:
+            if slot.whole:
+                start = self.param_offset(slot.index) if slot.owner == shard_rank else 0
+                out.append(pm[start : start + self.rank_width(slot.index, shard_rank)])
+                continue
+            region = next(uniform)
             out.append(region[0, :1, :1].view(1) if slot.replicated else region[0, shard_rank])
         return out
 
@@ -304,14 +401,16 @@ class FlatLayout:
         """Copy ``shard_rank``'s shard out of the parameter-major ``pm`` into ``out``."""
         regions = self.rank_regions(pm, shard_rank)
         for slot, region in zip(self.slots, regions, strict=True):
-            out[slot.offset : slot.offset + slot.width].copy_(region)
-        out[self._region_end :].zero_()
+            start = self.rank_offset(slot.index, shard_rank)
+            out[start : start + region.numel()].copy_(region)
+        out[self._rank_end[shard_rank] :].zero_()
 
     def unpack_rank(self, shard: torch.Tensor, shard_rank: int, pm: torch.Tensor) -> None:
         """Copy ``shard`` (``shard_rank``'s) into its regions of the parameter-major ``pm``."""
         regions = self.rank_regions(pm, shard_rank)
         for slot, region in zip(self.slots, regions, strict=True):
-            region.copy_(shard[slot.offset : slot.offset + slot.width])
+            start = self.rank_offset(slot.index, shard_rank)
+            region.copy_(shard[start : start + region.numel()])
 
 
 _MAX_CACHED_VIEWS = 8
@@ -336,22 +435,58 @@ def _normalize_shapes(shapes: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
     return result
 
 
+def assign_owners(
+    sizes: Sequence[int], shard_count: int, prior: Sequence[int] | None = None
+) -> tuple[int, ...]:
+    """An owner shard for each of ``sizes`` (elements), balanced greedily, largest first:
+    each goes to the shard with the least load in this call, ties to the one with the
+    least ``prior`` load (what earlier buckets gave it), then to the lowest index. So a
+    bucket with fewer matrices than shards still spreads its matrices' optimizer work
+    over the shards across buckets (Note [whole placement])."""
+    if shard_count < 1:
+        raise ValueError(f"shard_count must be >= 1, got {shard_count}")
+    base = list(prior) if prior is not None else [0] * shard_count
+    if len(base) != shard_count:
+        raise ValueError(f"prior has {len(base)} loads for {shard_count} shards")
+    load = [0] * shard_count
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        k = min(range(shard_count), key=lambda k: (load[k], base[k], k))
+        owners[i] = k
+        load[k] += sizes[i]
+    return tuple(owners)
+
+
 def compute_layout(
     shapes: Sequence[Sequence[int]],
     shard_count: int,
     alignment: int = DEFAULT_ALIGNMENT,
+    owners: Sequence[int | None] | None = None,
 ) -> FlatLayout:
     """Lay ``shapes`` out, in order, as ``torch.chunk`` pieces over ``shard_count`` ranks
-    (Note [shard layout])."""
+    (Note [shard layout]); a parameter with an owner in ``owners`` is held whole by that
+    shard instead (Note [whole placement])."""
     shard_count = operator.index(shard_count)
     alignment = operator.index(alignment)
     if shard_count < 1:
         raise ValueError(f"shard_count must be >= 1, got {shard_count}")
     if alignment < 1:
         raise ValueError(f"alignment must be >= 1 (elements), got {alignment}")
-    slots = []
+    dims_list = _normalize_shapes(shapes)
+    owner_of = list(owners) if owners is not None else [None] * len(dims_list)
+    if len(owner_of) != len(dims_list):
+        raise ValueError(f"owners has {len(owner_of)} entries for {len(dims_list)} shapes")
+    for i, (dims, owner) in enumerate(zip(dims_list, owner_of, strict=True)):
+        if owner is not None and (not dims or not 0 <= owner < shard_count):
+            raise ValueError(
+                f"param {i} (shape {dims}) cannot be owned whole by shard {owner}: a whole "
+                f"parameter has at least one dim and an owner in [0, {shard_count})"
+            )
+    slots: list[ParamSlot | None] = [None] * len(dims_list)
     cursor = 0
-    for i, dims in enumerate(_normalize_shapes(shapes)):
+    for i, dims in enumerate(dims_list):
+        if owner_of[i] is not None:
+            continue
         replicated = len(dims) == 0
         rows = dims[0] if dims else 1
         slot = ParamSlot(
@@ -363,11 +498,27 @@ def compute_layout(
             chunk_rows=1 if replicated else -(-rows // shard_count),
             replicated=replicated,
         )
-        slots.append(slot)
+        slots[i] = slot
         cursor += slot.width
+    rank_end = [cursor] * shard_count
+    for i, dims in enumerate(dims_list):
+        owner = owner_of[i]
+        if owner is None:
+            continue
+        slot = ParamSlot(
+            index=i,
+            shape=dims,
+            offset=rank_end[owner],
+            numel=math.prod(dims),
+            row_numel=math.prod(dims[1:]),
+            chunk_rows=dims[0],
+            owner=owner,
+        )
+        slots[i] = slot
+        rank_end[owner] += slot.width
     return FlatLayout(
-        slots=tuple(slots),
+        slots=tuple(s for s in slots if s is not None),
         shard_count=shard_count,
-        shard_numel=_align_up(cursor, alignment),
+        shard_numel=_align_up(max(rank_end), alignment),
         alignment=alignment,
     )

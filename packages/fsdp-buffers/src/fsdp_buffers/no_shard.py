@@ -22,17 +22,26 @@ from torch import nn
 __all__ = [
     "FSDP_NO_SHARD_ATTR",
     "FSDP_PARAM_ATTRIBUTES",
+    "FSDP_WHOLE_ATTR",
     "copy_param_attributes",
     "fsdp_no_shard",
+    "fsdp_whole_placement",
     "is_fsdp_no_shard",
     "module_is_fully_no_shard",
 ]
 
 FSDP_NO_SHARD_ATTR = "_fsdp_no_shard"
 
+FSDP_WHOLE_ATTR = "_fsdp_whole_placement"
+"""Set on a parameter whose sharded main weights, gradients and optimizer state one rank
+holds whole instead of a row piece on each (Note [whole placement] in ``layout``): what
+whole-matrix optimizers (Muon) need. Set by ``fully_shard`` from the optimizer, or by
+``fsdp_whole_placement``."""
+
 FSDP_PARAM_ATTRIBUTES: tuple[str, ...] = (
-    # fsdp's own mark (this module).
+    # fsdp's own marks (this module).
     FSDP_NO_SHARD_ATTR,
+    FSDP_WHOLE_ATTR,
     # Megatron-Core tensor parallelism (set_tensor_model_parallel_attributes): whether
     # the tensor is split across TP ranks, along which dim, with which stride.
     "tensor_model_parallel",
@@ -144,3 +153,16 @@ def _params_of(obj: object) -> list[nn.Parameter]:
         f"fsdp_no_shard expects an nn.Module, an nn.Parameter, or an iterable of "
         f"nn.Parameter, got {type(obj).__name__}."
     )
+
+
+def fsdp_whole_placement(params: Iterable[nn.Parameter]) -> None:
+    """Place each of ``params`` (at least 1-d) whole on one rank of its shard group under
+    a sharding strategy (Note [whole placement] in ``layout``): for optimizers that step
+    whole matrices (Muon). Mark before wrapping."""
+    for p in params:
+        if not isinstance(p, nn.Parameter) or p.dim() < 1:
+            raise ValueError(
+                f"fsdp_whole_placement takes parameters with at least one dim; got "
+                f"{type(p).__name__} of shape {tuple(getattr(p, 'shape', ()))}"
+            )
+        setattr(p, FSDP_WHOLE_ATTR, True)

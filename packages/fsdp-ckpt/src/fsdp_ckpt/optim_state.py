@@ -18,6 +18,7 @@ state, with the learning rate at zero.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -75,7 +76,9 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
     entries: dict[tuple[str, str], Entry] = {}
     for index, state in osd["state"].items():
         param = params[index]
-        live = optimizer.state.get(param, {})
+        # A whole-placed parameter's entries (fsdp's whole placement) are converted by its
+        # state_dict hook into the row placement's DTensors: not the owner's live tensors.
+        live = {} if hasattr(param, "_fsdp_whole_owner") else optimizer.state.get(param, {})
         for key, value in state.items():
             # The live tensor: a wrapper's state_dict hook may have replaced the entry
             # (fsdp refuses positional expert state in plain DCP; names are unambiguous).
@@ -190,9 +193,17 @@ def init_optimizer_state(
     that ``dcp.load`` has tensors to load into. Parameters that already have state,
     and their gradients, are left as they were."""
     wanted = list(_ordered_params(optimizer) if params is None else params)
-    todo = {p for p in wanted if not optimizer.state.get(p)}
-    if not todo:
-        return
+    # fsdp's whole-placed parameters step through their inner tensor (a meta placeholder
+    # on the ranks that do not own it: no state there); fsdp swaps them in for this.
+    wanted = [getattr(p, "_fsdp_inner", p) for p in wanted]
+    swap = getattr(optimizer, "_fsdp_inner_parameters", None)
+    with swap() if swap is not None else contextlib.nullcontext():
+        todo = {p for p in wanted if not p.is_meta and not optimizer.state.get(p)}
+        if todo:
+            _step_with_zero_grads(optimizer, todo)
+
+
+def _step_with_zero_grads(optimizer: torch.optim.Optimizer, todo: set[nn.Parameter]) -> None:
     saved_grads = {}
     saved_lrs = []
     try:

@@ -8,7 +8,13 @@ for it runs unchanged. Differences a user may notice:
   place by its DTensor main-weight parameter. Megatron-FSDP rebuilds a single group.
   State the optimizer already holds (Adagrad creates it in ``__init__``) moves onto the
   main-weight shards; optimizers that cannot step row shards are refused at wrap (see
-  ``fsdp_hooks.optimizers``).
+  ``fsdp_hooks.optimizers``). Whole-matrix optimizers (``torch.optim.Muon``) get their
+  matrices placed whole on one rank each (Note [whole placement] in
+  ``fsdp_buffers.layout``). ``fully_shard`` also takes a list of optimizers over disjoint
+  parameters (Muon for hidden matrices, AdamW for the rest) and returns the list: the
+  gradients are synchronised before the first of them steps and the weights installed
+  once all have stepped (no extra communication); a forward before all have stepped
+  raises.
 - With no ``device_mesh``, the default is a mesh over the whole world on CUDA when
   NCCL is the default backend, else on CPU. Its shard dim is named ``dp_shard_dim``
   (``"dp_shard"`` when not given); a given ``tp_dim`` adds a trailing dim of size 1
@@ -41,6 +47,7 @@ for it runs unchanged. Differences a user may notice:
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,16 +58,21 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
+from fsdp_buffers.whole_param import inner_of
 from fsdp_hooks.config import DistributedDataParallelConfig
 from fsdp_hooks.local_step import LocalStep
 from fsdp_hooks.megatron_fsdp import MegatronFSDP
 from fsdp_hooks.optim_init import InitialState, init_optimizer_state
 from fsdp_hooks.optimizers import (
     check_optimizer_supported,
+    inner_parameters,
+    mark_whole_placement,
     move_state_to_main_weights,
     refuse_positional_expert_state_in_dcp,
+    show_whole_parameters,
 )
 from fsdp_hooks.validation import check_argument_types, check_outer_strategy
+from fsdp_hooks.whole_state import register_whole_optimizer_state
 from fsdp_mesh import FSDPDistributedIndex, default_device_type
 from fsdp_mesh.device import warn_once
 
@@ -273,6 +285,7 @@ def fully_shard_optimizer(
     preproc_state_dict_for_dcp_ckpt: bool = True,
     *,
     model: MegatronFSDP | None = None,
+    _step_round: _StepRound | None = None,
 ) -> torch.optim.Optimizer:
     """Make ``optimizer`` step the model's sharded main weights, in place.
 
@@ -304,13 +317,14 @@ def fully_shard_optimizer(
     for group in optimizer.param_groups:
         new_params = []
         for p in group["params"]:
+            # A WholeParameter steps through its inner tensor (shown again at the end).
             if id(p) in ours:
-                new_params.append(p)
+                new_params.append(inner_of(p))
             elif p in by_compute:
                 # frozen: nothing to optimize
-                replaced[p] = by_compute[p] if p.requires_grad else None
+                replaced[p] = inner_of(by_compute[p]) if p.requires_grad else None
                 if p.requires_grad:
-                    new_params.append(by_compute[p])
+                    new_params.append(inner_of(by_compute[p]))
             else:
                 unknown.append(f"{type(p).__name__}{tuple(p.shape)}")
         new_groups.append(new_params)
@@ -329,7 +343,12 @@ def fully_shard_optimizer(
     # That step restored the weights bit for bit but bumped their version counters: not
     # a user's write to re-install at the next forward.
     model.hooks.params.record_versions()
-    _patch_optimizer(optimizer, model, initial)
+    _patch_optimizer(optimizer, model, initial, _step_round)
+    if any(hasattr(p, "_fsdp_whole_owner") for g in optimizer.param_groups for p in g["params"]):
+        show_whole_parameters(optimizer)
+        register_whole_optimizer_state(optimizer, model.buffer.views)
+        # fsdp_ckpt's state initialisation steps the tensors fsdp steps (optim_state).
+        optimizer._fsdp_inner_parameters = functools.partial(inner_parameters, optimizer)  # type: ignore[attr-defined]
     if model.experts_differ_across_ranks:
         groups = model.buffer.groups
         is_expert = [
@@ -341,8 +360,28 @@ def fully_shard_optimizer(
     return optimizer
 
 
+class _StepRound:
+    """Optimizers passed to ``fully_shard`` together share one gradient sync and one
+    install per step: the first to step syncs, the last installs."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.stepped: set[int] = set()
+
+    def check_complete(self, *_args: Any) -> None:
+        if self.stepped:
+            raise RuntimeError(
+                f"forward after {len(self.stepped)} of the {self.count} optimizers passed to "
+                "fully_shard together stepped: the weights are installed once all of them "
+                "have stepped; call step() on every one of them before the next forward"
+            )
+
+
 def _patch_optimizer(
-    optimizer: torch.optim.Optimizer, model: MegatronFSDP, initial: InitialState
+    optimizer: torch.optim.Optimizer,
+    model: MegatronFSDP,
+    initial: InitialState,
+    step_round: _StepRound | None = None,
 ) -> None:
     """Wrap ``step`` and ``zero_grad`` of this optimizer instance. They stay bound
     methods (``types.MethodType``): torch's ``LRScheduler`` built afterwards wraps
@@ -362,20 +401,40 @@ def _patch_optimizer(
     def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         sync = kwargs.pop("sync_grad_before_optimizer_step", True)
         install = kwargs.pop("install_optimized_model_weights", True)
+        if step_round is not None:
+            if id(self) in step_round.stepped:
+                raise RuntimeError(
+                    "this optimizer stepped twice before the other optimizers passed to "
+                    "fully_shard with it stepped once; step each of them once per step"
+                )
+            sync = sync and not step_round.stepped
+            step_round.stepped.add(id(self))
+            if len(step_round.stepped) < step_round.count:
+                install = False
+            else:
+                step_round.stepped.clear()
         if sync:
             model.finish_grad_sync()
         else:
             model.attach_grad_to_optimizer_state()
-        if initial.created:
-            initial.drop_untouched(optimizer)
-        result = local_step.step(optimizer, base_step, args, kwargs)
+        with inner_parameters(optimizer):
+            if initial.created:
+                initial.drop_untouched(optimizer)
+            result = local_step.step(optimizer, base_step, args, kwargs)
         if install:
             model.install_optimized_model_weights()
         return result
 
     def zero_grad(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
         zero_buffer = kwargs.pop("zero_grad_buffer", True)
-        base_zero_grad(*args, **kwargs)
+        with inner_parameters(optimizer):
+            base_zero_grad(*args, **kwargs)
+        shows_whole = getattr(self, "_fsdp_shows_whole", False)
+        if shows_whole and kwargs.get("set_to_none", args[0] if args else True):
+            for group in self.param_groups:  # WholeParameters: as torch does to the others
+                for p in group["params"]:
+                    if hasattr(p, "_fsdp_inner"):
+                        p.grad = None
         if zero_buffer:
             model.zero_grad_buffer()
 
@@ -386,12 +445,17 @@ def _patch_optimizer(
 
 
 def fully_shard(
-    module: nn.Module, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any
-) -> tuple[MegatronFSDP, torch.optim.Optimizer]:
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[MegatronFSDP, Any]:
     """``fully_shard_model(module, ...)`` then ``fully_shard_optimizer`` on an optimizer
-    built over ``module``'s parameters; returns ``(model, optimizer)``. Arguments after
-    the optimizer are ``fully_shard_model``'s, positionally in megatron_fsdp's order
-    (``device_mesh``, ``dp_shard_dim``, ``dp_outer_dim``, ``tp_dim``, ...) or by name."""
+    built over ``module``'s parameters (or on each of a list of optimizers over disjoint
+    parameters: see the module note); returns ``(model, optimizer)`` (the list, for a
+    list). Arguments after the optimizer are ``fully_shard_model``'s, positionally in
+    megatron_fsdp's order (``device_mesh``, ``dp_shard_dim``, ``dp_outer_dim``,
+    ``tp_dim``, ...) or by name."""
     names = _MODEL_ARGUMENTS
     if len(args) > len(names):
         raise TypeError(
@@ -403,14 +467,37 @@ def fully_shard(
             raise TypeError(f"fully_shard() got multiple values for argument {name!r}")
         kwargs[name] = value
     preproc = kwargs.get("preproc_state_dict_for_dcp_ckpt", True)
+    many = isinstance(optimizer, (list, tuple))
+    optimizers = list(optimizer) if many else [optimizer]
+    if many and not optimizers:
+        raise ValueError("fully_shard: the list of optimizers is empty")
     # Before anything is sharded: a refused optimizer leaves the module untouched.
     check_argument_types("fully_shard", module, kwargs.get("fsdp_unit_modules"))
     strategy = ShardingStrategy.parse(kwargs.get("zero_dp_strategy", 3))
-    check_optimizer_supported(optimizer, strategy is not ShardingStrategy.NO_SHARD)
-    _check_reads_decoupled_grad(optimizer, bool(kwargs.get("use_decoupled_grad")), "fully_shard")
+    sharded = strategy is not ShardingStrategy.NO_SHARD
+    seen: dict[int, int] = {}
+    for j, opt in enumerate(optimizers):
+        check_optimizer_supported(opt, sharded=False)
+        _check_reads_decoupled_grad(opt, bool(kwargs.get("use_decoupled_grad")), "fully_shard")
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if seen.setdefault(id(p), j) != j:
+                    raise ValueError(
+                        f"fully_shard: a parameter of shape {tuple(p.shape)} is in optimizers "
+                        f"{seen[id(p)]} and {j}; each parameter may be stepped by one only"
+                    )
+    if sharded:
+        for opt in optimizers:
+            mark_whole_placement(opt)
     model = fully_shard_model(module, **kwargs)
-    optimizer = fully_shard_optimizer(optimizer, preproc, model=model)
-    return model, optimizer
+    step_round = _StepRound(len(optimizers)) if many else None
+    if step_round is not None:
+        model.register_forward_pre_hook(step_round.check_complete)
+    wrapped = [
+        fully_shard_optimizer(opt, preproc, model=model, _step_round=step_round)
+        for opt in optimizers
+    ]
+    return model, (wrapped if many else wrapped[0])
 
 
 # fully_shard_model's parameters after ``module``, in order (megatron_fsdp's, then

@@ -12,6 +12,11 @@ over the whole world: each set of experts is held by ``expt_dp_size`` ranks (its
 expert data-parallel replicas), so the world sum of the expert ``norm^p`` counts every
 expert that many times. The inf-norm is the max over the local pieces of each mesh
 (and over the world for experts). Clipping scales the local gradient shards in place.
+
+Whole-placed parameters (Note [whole placement] in ``fsdp_buffers.layout``) have plain
+gradients on their owner only: their ``norm^p`` (or max) is reduced over each shard group
+that holds some, as a row shard's would be. ``torch.nn.utils.clip_grad_norm_`` cannot
+know that and would take them as local: use ``model.clip_grad_norm_`` with them.
 """
 
 from __future__ import annotations
@@ -81,26 +86,62 @@ def total_grad_norm(
     dense: list[torch.Tensor] = []
     expert: list[torch.Tensor] = []
     attr = buffer.views.grad_attr  # .grad, or .decoupled_grad (use_decoupled_grad)
+    whole: dict[int, list[torch.Tensor]] = {}  # gid -> whole-placed grads held here
     for _name, param in buffer.views.optimizer_named_parameters():
+        gid, _ = param._fsdp_group_index  # type: ignore[attr-defined]
         grad = getattr(param, attr, None)
+        if hasattr(param, "_fsdp_whole_owner"):
+            whole.setdefault(gid, [])
+            if grad is not None:
+                whole[gid].append(grad)
+            continue
         if grad is None:
             continue
-        gid, _ = param._fsdp_group_index  # type: ignore[attr-defined]
         split = expert_replicas is not None and buffer.groups[gid].is_expert_param
         (expert if split else dense).append(grad)
     device = buffer.device
+    whole_part = _whole_norm(buffer, whole, norm_type, device)
     if math.isinf(norm_type):
         # A max needs no care for replicas: the max of the local pieces over each mesh
         # (not DTensor's norm: _foreach_norm refuses the empty pieces uneven shards have).
         peak = _max_over_meshes(dense + expert, device)
         if expert_replicas is not None:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # other ranks' experts
-        return peak
+        return _combine([peak, whole_part], norm_type, device) if whole else peak
     parts = [_norm_over_meshes(dense, norm_type, foreach, device)]
+    if whole:
+        parts.append(whole_part)
     if expert_replicas is not None:
         local_p = _norm_over_meshes(expert, norm_type, foreach, device).pow(norm_type)
         dist.all_reduce(local_p)
         parts.append((local_p / expert_replicas).pow(1.0 / norm_type))
+    return _combine(parts, norm_type, device)
+
+
+def _whole_norm(
+    buffer: ParamAndGradBuffer,
+    whole: dict[int, list[torch.Tensor]],
+    norm_type: float,
+    device: torch.device,
+) -> torch.Tensor:
+    """The norm of the whole-placed gradients: each bucket's owners' ``norm^p`` (max)
+    reduced over its shard group, one reduction per distinct group, in bucket order."""
+    by_group: dict[int, tuple[object, list[torch.Tensor]]] = {}
+    for gid, grads in whole.items():
+        pg = buffer.buckets[gid].shard.group
+        by_group.setdefault(id(pg), (pg, []))[1].extend(grads)
+    parts = []
+    for pg, grads in by_group.values():
+        if math.isinf(norm_type):
+            local = _combine([g.abs().max() for g in grads if g.numel()], math.inf, device)
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=pg)
+            parts.append(local)
+        else:
+            local = _combine(
+                [torch.linalg.vector_norm(g, norm_type) for g in grads], norm_type, device
+            ).pow(norm_type)
+            dist.all_reduce(local, group=pg)
+            parts.append(local.pow(1.0 / norm_type))
     return _combine(parts, norm_type, device)
 
 

@@ -60,6 +60,7 @@ from fsdp_hooks.validation import (
     check_same_model,
     check_tensor_parallel_replicas,
 )
+from fsdp_hooks.whole_state import row_placed_whole_params
 from fsdp_mesh import current_device
 
 __all__ = ["MegatronFSDP"]
@@ -520,7 +521,8 @@ class MegatronFSDP(InnerModuleAttributes):
         DTensors holding this rank's shard of the main weights."""
         self._check_checkpointable()
         self.hooks.use_distributed_params()
-        sd = self.module.state_dict(*args, **kwargs)
+        with row_placed_whole_params(self.hooks, load=False):
+            sd = self.module.state_dict(*args, **kwargs)
         if self._state_names.ids:
             prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
             items = list(sd.items())
@@ -539,7 +541,8 @@ class MegatronFSDP(InnerModuleAttributes):
         self.hooks.use_distributed_params()
         names = self._state_names
         if not names.ids:
-            result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+            with row_placed_whole_params(self.hooks, load=True):
+                result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
             self.install_optimized_model_weights()
             return result
         local: dict[str, Any] = OrderedDict()
@@ -551,7 +554,8 @@ class MegatronFSDP(InnerModuleAttributes):
             else:
                 local[mine] = value
         local._metadata = getattr(state_dict, "_metadata", None)  # type: ignore[attr-defined]
-        result = self.module.load_state_dict(local, strict=False, assign=assign)
+        with row_placed_whole_params(self.hooks, load=True):
+            result = self.module.load_state_dict(local, strict=False, assign=assign)
         missing = [names.to_global(k) for k in result.missing_keys]
         unexpected = [*result.unexpected_keys, *foreign]
         if strict and (missing or unexpected):

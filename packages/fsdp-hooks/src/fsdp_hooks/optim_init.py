@@ -84,7 +84,8 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> InitialState:
     """Create the state of every trainable parameter of ``optimizer`` that has none (see
     the module note); gradients, hyperparameters and weights are left as they were."""
     params = _params(optimizer)
-    todo = [p for p in params if p.requires_grad and not optimizer.state.get(p)]
+    # A meta parameter is a whole-placed one that another rank holds and steps.
+    todo = [p for p in params if p.requires_grad and not p.is_meta and not optimizer.state.get(p)]
     if not todo:
         return InitialState()
     saved_grads = {p: p.grad for p in params}

@@ -10,31 +10,108 @@ tensor. Refused at wrap, with the reason:
   gradients before fsdp's ``step`` could reduce them, and it works on one flat vector
   of every parameter.
 - ``SparseAdam``: it needs sparse gradients; fsdp's gradients are dense buffers.
-- ``Adafactor`` and ``Muon`` under a sharding strategy (1-3): they need whole rows and
-  columns and each tensor's RMS (Adafactor's factored second moment and relative step,
-  1-D tensors included) or whole matrices (Muon's orthogonalization), which a row piece
-  does not hold locally (their exact
-  support under sharding is issue "whole-matrix optimizers"). Under ``no_shard`` (0)
-  every rank holds the whole matrix and they work.
+- ``Adafactor`` and ``Muon`` under a sharding strategy (1-3), for parameters that are not
+  whole-placed: they need whole rows and columns and per-tensor RMS (Adafactor, for every
+  parameter with a dim) or whole matrices (Muon's orthogonalization), which a row piece
+  does not hold locally.
+  ``fully_shard`` places their matrices whole (Note [whole placement] in
+  ``fsdp_buffers.layout``): each is held, with its gradient and state, by one rank, which
+  steps it exactly; ``fsdp_whole_placement`` marks parameters for
+  ``fully_shard_model`` + ``fully_shard_optimizer``. Under ``no_shard`` (0) every rank
+  holds the whole matrix anyway.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from fsdp_buffers.no_shard import FSDP_WHOLE_ATTR
+from fsdp_buffers.whole_param import WholeParameter, inner_of
+
 __all__ = [
     "check_optimizer_supported",
+    "inner_parameters",
+    "is_whole_matrix_optimizer",
+    "mark_whole_placement",
     "move_state_to_main_weights",
     "refuse_positional_expert_state_in_dcp",
+    "show_whole_parameters",
 ]
 
 
 def _class(name: str) -> type | None:
     return getattr(torch.optim, name, None)
+
+
+def _whole_matrix_classes() -> tuple[type, ...]:
+    return tuple(c for c in (_class("Adafactor"), _class("Muon")) if c is not None)
+
+
+def is_whole_matrix_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` steps each matrix as a whole (Muon, Adafactor)."""
+    classes = _whole_matrix_classes()
+    return bool(classes) and isinstance(optimizer, classes)
+
+
+def _is_whole(p: torch.Tensor) -> bool:
+    return bool(getattr(p, FSDP_WHOLE_ATTR, False)) or hasattr(p, "_fsdp_whole_owner")
+
+
+def _needs_whole(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> bool:
+    """Whether ``optimizer`` needs ``p`` whole: Muon's matrices; every Adafactor parameter
+    with a dim (it scales each update by the tensor's RMS and clips it by the update's
+    RMS: per-tensor norms, not element-wise, so a row piece steps differently)."""
+    adafactor = _class("Adafactor")
+    if adafactor is not None and isinstance(optimizer, adafactor):
+        return p.ndim >= 1
+    return p.ndim >= 2
+
+
+def mark_whole_placement(optimizer: torch.optim.Optimizer) -> None:
+    """Mark what a whole-matrix optimizer needs whole for whole placement (before the
+    model is wrapped): its step then holds each such parameter whole on one rank."""
+    if is_whole_matrix_optimizer(optimizer):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if _needs_whole(optimizer, p):
+                    setattr(p, FSDP_WHOLE_ATTR, True)
+
+
+def show_whole_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """Show the model's ``WholeParameter``s (``fsdp_buffers.whole_param``) in the param
+    groups and state keys instead of the tensors fsdp steps, as ``model.parameters()``
+    shows them: the optimizer's parameters are the model's, as under FSDP2."""
+    optimizer._fsdp_shows_whole = True  # type: ignore[attr-defined]
+    for group in optimizer.param_groups:
+        group["params"] = [getattr(p, "_fsdp_guard", p) for p in group["params"]]
+    state = optimizer.state
+    for key in [k for k in state if hasattr(k, "_fsdp_guard")]:
+        state[key._fsdp_guard] = state.pop(key)
+
+
+@contextlib.contextmanager
+def inner_parameters(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """While torch's own optimizer code runs (fsdp's ``step``/``zero_grad``), the param
+    groups and state keys hold the tensors fsdp steps (the whole main weight on the owner,
+    a meta placeholder elsewhere), then the ``WholeParameter``s again."""
+    if not getattr(optimizer, "_fsdp_shows_whole", False):  # the usual case: nothing to do
+        yield
+        return
+    for group in optimizer.param_groups:
+        group["params"] = [inner_of(p) for p in group["params"]]
+    state = optimizer.state
+    for key in [k for k in state if isinstance(k, WholeParameter)]:
+        state[key._fsdp_inner] = state.pop(key)  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        show_whole_parameters(optimizer)
 
 
 def check_optimizer_supported(
@@ -62,24 +139,22 @@ def check_optimizer_supported(
             f"{where}: {name} is not supported: it needs sparse gradients and fsdp's "
             "gradients are dense buffers; use Adam or AdamW"
         )
-    whole_matrix = tuple(c for c in (_class("Adafactor"), _class("Muon")) if c is not None)
-    if sharded and whole_matrix and isinstance(optimizer, whole_matrix):
-        # Adafactor also scales every update by its tensor's RMS (1-D ones too), which a
-        # row piece does not have: any sharded tensor is refused, not only matrices.
-        min_ndim = 1 if type(optimizer).__name__ == "Adafactor" else 2
+    if sharded and is_whole_matrix_optimizer(optimizer):
         matrices = [
             tuple(p.shape)
             for g in optimizer.param_groups
             for p in g["params"]
-            if p.ndim >= min_ndim
+            if _needs_whole(optimizer, p) and not _is_whole(p)
         ]
         if matrices:
             raise TypeError(
                 f"{where}: {name} needs whole matrices (their rows and columns) for each "
                 f"step, and a sharding strategy (zero_dp_strategy 1-3) gives each rank a "
                 f"row shard of the main weights (e.g. of {matrices[0]}), so the step would "
-                "not be the one of a single process; use zero_dp_strategy=0 (no_shard) "
-                "with it, or an element-wise optimizer (Adam, AdamW, SGD, ...)"
+                "not be the one of a single process; pass the optimizer to fully_shard "
+                "(which places its matrices whole on one rank each), or mark them with "
+                "fsdp_whole_placement(...) before fully_shard_model, or use "
+                "zero_dp_strategy=0 (no_shard)"
             )
 
 
@@ -120,7 +195,13 @@ def move_state_to_main_weights(
     moved: dict[nn.Parameter, dict[str, Any]] = {}
     for original, dparam in replaced.items():
         state = optimizer.state.get(original)
-        if state is None or dparam is None:
+        if state is None or dparam is None or dparam.is_meta:
+            continue  # frozen, or whole-placed on another rank (which keeps the state)
+        if not isinstance(dparam, DTensor):  # whole-placed here: the state as it is
+            moved[dparam] = {
+                k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                for k, v in state.items()
+            }
             continue
         moved[dparam] = {
             key: _shard_like(value, dparam, repr(key))

@@ -59,6 +59,7 @@ class ParamState:
         # The DTensor's own counter (in-place ops on it) and its local shard's, shared
         # with the buffer it views (writes through ``p.data``, which has a counter of its
         # own). Only optimizers, installs and users write main weights between steps.
+        dparam = getattr(dparam, "_fsdp_inner", dparam)  # a WholeParameter's real tensor
         local = getattr(dparam, "_local_tensor", dparam)
         return dparam._version, local._version
 

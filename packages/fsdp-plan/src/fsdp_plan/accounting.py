@@ -137,10 +137,11 @@ def comm_per_step(buffer: ParamAndGradBuffer) -> dict[str, CommStats]:
         assert mw is not None
         n = buffer.buckets[gid].shard.size
         total = mw.layout.total_numel
+        pad = mw.layout.padding_numel  # comm_stats()'s padding_bytes (whole placement)
         if mw.is_data_distributed:
             # Units gather for forward and again for backward; root buckets once.
             for _ in range(1 if gid in roots else 2):
-                shard.record(CollectiveKind.ALL_GATHER, total, mw.element_size, n)
+                shard.record(CollectiveKind.ALL_GATHER, total, mw.element_size, n, pad)
         if not group.requires_grad:
             continue
         comm = torch.empty((), dtype=policy.grad_comm_dtype_for(group.dtype)).element_size()
@@ -150,11 +151,12 @@ def comm_per_step(buffer: ParamAndGradBuffer) -> dict[str, CommStats]:
             if sharding.grads or sharding.main_weights
             else CollectiveKind.ALL_REDUCE
         )
-        shard.record(kind, total, comm, n)
-        outer_sharding = buffer.buckets[gid].outer
-        outer = outer_sharding.comm.size if outer_sharding is not None else 1
         gbuf = group.main_grad_buffer
         assert gbuf is not None
+        scattered = kind is CollectiveKind.REDUCE_SCATTER
+        shard.record(kind, total, comm, n, gbuf.layout.padding_numel if scattered else 0)
+        outer_sharding = buffer.buckets[gid].outer
+        outer = outer_sharding.comm.size if outer_sharding is not None else 1
         if buffer.buckets[gid].outer_sharded:
             # Fully-sharded HSDP (Note [hybrid sharding]): reduce-scatter the coarse
             # main-grad shard across the outer group; after the step, all-gather the
@@ -170,7 +172,7 @@ def comm_per_step(buffer: ParamAndGradBuffer) -> dict[str, CommStats]:
             )
             outer_stats.record(CollectiveKind.ALL_REDUCE, numel, comm, outer)
         if sharding.main_weights and not mw.is_data_distributed:
-            shard.record(CollectiveKind.ALL_GATHER, total, mw.element_size, n)
+            shard.record(CollectiveKind.ALL_GATHER, total, mw.element_size, n, pad)
     return {"dp_shard": shard, "dp_outer": outer_stats}
 
 
@@ -184,4 +186,5 @@ def total_comm(by_dim: dict[str, CommStats]) -> CommStats:
             mine.numel += count.numel
             mine.bytes += count.bytes
             mine.traffic_bytes += count.traffic_bytes
+            mine.padding_bytes += count.padding_bytes
     return out
