@@ -232,6 +232,11 @@ class FSDPHooks:
         # On unless FSDP_REGATHER_SAVED_WEIGHTS=0 (then such a path raises, see
         # _check_side_path, or crashes reading freed memory first).
         self.regather_saved_weights = os.environ.get(REGATHER_ENV, "1") != "0"
+        # Keyed by id for the pack hook, called for every saved tensor (a tensor's
+        # __hash__ is a Python call); the parameters live as long as the wrapper.
+        self._released_by_id = {
+            id(p): (gid, unit) for p, (gid, unit) in self._released_weights.items()
+        }
         # The wrapper's forward calls these: a compiled wrapper then breaks its graph at
         # these calls only, not at each Python step inside them.
         self.root_pre_forward = _eager(self.root_pre_forward)  # type: ignore[method-assign]
@@ -307,7 +312,7 @@ class FSDPHooks:
         return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
 
     def _pack_saved(self, tensor: torch.Tensor) -> Any:
-        entry = self._released_weights.get(tensor)  # type: ignore[call-overload]
+        entry = self._released_by_id.get(id(tensor))
         return tensor if entry is None else _SavedWeight(tensor, entry[0])
 
     def _unpack_saved(self, packed: Any) -> torch.Tensor:

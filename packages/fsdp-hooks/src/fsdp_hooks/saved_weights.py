@@ -25,8 +25,10 @@ own nodes (C++, no Python caller) get the parameter itself: no dispatch cost the
 
 from __future__ import annotations
 
+import enum
 import os
 import sys
+import types
 import weakref
 from typing import Any
 
@@ -78,10 +80,34 @@ def unpacked_for_python(param: torch.Tensor) -> torch.Tensor:
     if type(param) is not nn.Parameter:  # a DTensor (tensor parallelism): as it is
         return param
     caller = sys._getframe(1)  # the unpack hook; who unpacks lies past fsdp's own frames
-    while caller is not None and caller.f_code.co_filename.startswith(_OWN_DIR):
+    while caller is not None and _kind(caller.f_code) is _Caller.OWN:
         caller = caller.f_back
     # No Python caller: the engine's device thread; torch's own Python: the engine's
     # run_backward frame (a C++ node) or checkpointing.
-    if caller is None or caller.f_code.co_filename.startswith(_TORCH_DIR):
+    if caller is None or _kind(caller.f_code) is _Caller.TORCH:
         return param
     return SavedParameter.alias(param.detach(), param.__dict__)
+
+
+class _Caller(enum.Enum):
+    OWN = "fsdp's hooks"
+    TORCH = "torch"
+    OTHER = "other Python: a custom Function's backward"
+
+
+_KINDS: dict[types.CodeType, _Caller] = {}
+
+
+def _kind(code: types.CodeType) -> _Caller:
+    kind = _KINDS.get(code)
+    if kind is None:
+        name = code.co_filename
+        kind = (
+            _Caller.OWN
+            if name.startswith(_OWN_DIR)
+            else _Caller.TORCH
+            if name.startswith(_TORCH_DIR)
+            else _Caller.OTHER
+        )
+        _KINDS[code] = kind
+    return kind
