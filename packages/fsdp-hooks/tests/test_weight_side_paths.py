@@ -232,3 +232,57 @@ def test_aux_loss_on_weights_and_dataclass_outputs(trained, config):
         atol=0,
     )
     assert_tensors_close(got["params"], ref["params"], where=f"{mode}/{variant} zero{config[0]}")
+
+
+def test_a_custom_function_sees_the_saved_parameters_attributes():
+    """Under saved-tensor hooks a custom Function's backward gets a copy of a saved
+    parameter without its attributes (autograd's doing: reproduced here with identity
+    hooks); what fsdp's unpack hands it shares them, reads and writes, and computes
+    like the parameter, returning plain tensors."""
+    import gc
+
+    from fsdp_hooks import saved_weights
+
+    seen = {}
+
+    class Fused(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x @ w.t()
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, w = ctx.saved_tensors
+            seen["has_main_grad"] = hasattr(w, "main_grad")
+            if seen["has_main_grad"]:
+                w.main_grad.add_(grad.t() @ x)
+                w.grad_added_to_main_grad = True
+            out = grad @ w
+            seen["out_type"] = type(out)
+            return out, None
+
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(3, 4))
+    weight.main_grad = torch.zeros(3, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def run(unpack):
+        seen.clear()
+        x.grad = None
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            y = Fused.apply(x, weight)
+        y.sum().backward()
+
+    run(lambda t: t)  # plain hooks: the attributes are gone
+    assert seen == {"has_main_grad": False, "out_type": torch.Tensor}
+    run(lambda t: saved_weights.unpacked_for_python(t) if t is weight else t)
+    assert seen == {"has_main_grad": True, "out_type": torch.Tensor}
+    assert weight.__dict__.get("grad_added_to_main_grad") is True
+    ref_x = x.detach().clone().requires_grad_()
+    ref_w = weight.detach().clone().requires_grad_()
+    (ref_x @ ref_w.t()).sum().backward()
+    torch.testing.assert_close(weight.main_grad, ref_w.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-6, atol=1e-6)
+    gc.collect()
+    assert not saved_weights._PLAIN  # the aliases' bookkeeping went with them
