@@ -6,8 +6,14 @@ outputs, so under ZeRO-3 that unit's pre-backward (which gathers its buckets) ne
 have run when the auxiliary branch's backward reads the weights: it read freed memory (a
 segfault) or, with ``fsdp_double_buffer``, another unit's weights (silently wrong). And a
 unit returning a plain ``@dataclass`` hid its output tensors from the hooks. Under every
-strategy, with and without double buffering, the losses and final weights of AdamW steps
-must equal one process on the whole batch.
+strategy, with and without double buffering, on the default path (no option, no
+environment variable), the losses and final weights of AdamW steps must equal one
+process on the whole batch: the auxiliary loss added to the loss, or backpropagated on
+its own before the main loss; each block's linear a plain ``nn.Linear`` or a
+Megatron-Core-style ``autograd.Function`` that adds its weight gradient into
+``weight.main_grad`` and sets ``weight.grad_added_to_main_grad`` on the weight it saved
+(saved-tensor hooks hand a backward a copy of a saved parameter without its attributes:
+fsdp must keep them); the blocks plain or under activation recompute.
 """
 
 from __future__ import annotations
@@ -20,9 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from fsdp_hooks import fully_shard
 from fsdp_mesh.testing import assert_tensors_close, mean_over_ranks, run_distributed
+from fsdp_mesh.testing.models import FusedWeightGradLinear
 
 WORLD = 2
 STEPS = 3
@@ -32,9 +40,12 @@ LR = 1e-2
 AUX = 1e-2
 CONFIGS = ((0, False), (1, False), (2, False), (3, False), (3, True))
 # How the auxiliary loss reaches backward: added to the loss, or through a backward of
-# its own before the main one (its graph reaches no unit's output at all: only with
-# FSDP_REGATHER_SAVED_WEIGHTS=1, see test_separate_side_backward_raises_by_default).
+# its own before the main one (its graph reaches no unit's output at all).
 MODES = ("summed", "separate")
+# The blocks' linear: nn.Linear, or the fused-wgrad Function (fsdp only: one process
+# has no main_grad; the same math), and whether the blocks run under checkpoint (the
+# whole unit, non-reentrant; or, fused, the unit's body, reentrant).
+VARIANTS = ("plain", "fused", "recompute", "fused+recompute")
 
 
 @dataclasses.dataclass
@@ -51,10 +62,30 @@ class AuxBlock(nn.Module):
         self.fc = nn.Linear(DIM, DIM)
         self.gate = nn.Linear(DIM, 1)
         self.aux: torch.Tensor | None = None
+        self.fused = False
+        # A fused-wgrad weight takes no other gradient (Megatron-Core's protocol: with
+        # grad_added_to_main_grad set, .grad is a placeholder and dropped): the aux
+        # loss then reads fc's bias instead.
+        self.aux_on_bias = False
+        # Checkpoint the body (reentrant, as Megatron-Core does) inside the unit: torch's
+        # non-reentrant checkpoint itself hands a custom Function's backward a copy of
+        # its saved weight without attributes (measured without fsdp), and a reentrant
+        # one around the whole unit would leave the aux loss without a graph.
+        self.body_checkpoint = False
 
     def forward(self, x: torch.Tensor) -> BlockOut:
-        self.aux = self.fc.weight.pow(2).sum() + self.gate.weight.abs().sum()
-        return BlockOut(x + torch.tanh(self.fc(x)), torch.sigmoid(self.gate(x)))
+        fc = self.fc.bias if self.aux_on_bias else self.fc.weight
+        self.aux = fc.pow(2).sum() + self.gate.weight.abs().sum()
+        if self.body_checkpoint:
+            return BlockOut(*checkpoint(self._body, x, use_reentrant=True))
+        return BlockOut(*self._body(x))
+
+    def _body(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            h = FusedWeightGradLinear.apply(x, self.fc.weight) + self.fc.bias
+        else:
+            h = self.fc(x)
+        return x + torch.tanh(h), torch.sigmoid(self.gate(x))
 
 
 class Model(nn.Module):
@@ -63,21 +94,35 @@ class Model(nn.Module):
         self.inp = nn.Linear(DIM, DIM)
         self.blocks = nn.ModuleList(AuxBlock() for _ in range(4))
         self.head = nn.Linear(DIM, 2)
+        self.recompute = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
         for block in self.blocks:
-            out = block(h)
-            h = out.hidden * out.gate
+            if self.recompute:
+                hidden, gate = checkpoint(lambda t, b=block: _fields(b(t)), h, use_reentrant=False)
+            else:
+                hidden, gate = _fields(block(h))
+            h = hidden * gate
         return self.head(h)
 
     def aux_loss(self) -> torch.Tensor:
         return sum(block.aux for block in self.blocks)
 
 
-def build() -> Model:
+def _fields(out: BlockOut) -> tuple[torch.Tensor, torch.Tensor]:
+    return out.hidden, out.gate
+
+
+def build(variant: str, reference: bool = False) -> Model:
     torch.manual_seed(0)
-    return Model()
+    model = Model()
+    model.recompute = variant == "recompute" and not reference
+    for block in model.blocks:
+        block.fused = "fused" in variant and not reference
+        block.body_checkpoint = variant == "fused+recompute" and not reference
+        block.aux_on_bias = "fused" in variant
+    return model
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,11 +130,11 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, DIM, generator=g), torch.randn(ROWS, 2, generator=g)
 
 
-def _train(mode: str) -> dict:
+def _train(mode: str, variant: str) -> dict:
     rank = dist.get_rank()
     out = {}
     for strategy, double_buffer in CONFIGS:
-        module = build()
+        module = build(variant)
         optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
         model, optimizer = fully_shard(
             module,
@@ -121,9 +166,9 @@ def _loss(pred: torch.Tensor, y: torch.Tensor, aux: torch.Tensor, mode: str) -> 
 
 
 @functools.cache
-def reference() -> dict:
+def reference(variant: str) -> dict:
     """The same in either mode: the auxiliary loss is the same on every rank."""
-    model = build()
+    model = build(variant, reference=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
@@ -142,15 +187,15 @@ def reference() -> dict:
     }
 
 
-@pytest.fixture(scope="module", params=MODES)
-def trained(request) -> tuple[str, dict]:
-    env = {"FSDP_REGATHER_SAVED_WEIGHTS": "1"} if request.param == "separate" else {}
-    runs = run_distributed(_train, WORLD, args=(request.param,), timeout=120, env=env)
-    return request.param, runs[0]
+@pytest.fixture(scope="module", params=[(m, v) for m in MODES for v in VARIANTS], ids=str)
+def trained(request) -> tuple[str, str, dict]:
+    mode, variant = request.param
+    runs = run_distributed(_train, WORLD, args=(mode, variant), timeout=120)
+    return mode, variant, runs[0]
 
 
-def _separate_by_default() -> str:
-    module = build()
+def _separate_with_override_off() -> str:
+    module = build("plain")
     model, _opt = fully_shard(
         module,
         torch.optim.AdamW(module.parameters()),
@@ -166,18 +211,19 @@ def _separate_by_default() -> str:
     return "no error"
 
 
-def test_separate_side_backward_raises_by_default():
-    """Without FSDP_REGATHER_SAVED_WEIGHTS a backward that reads a released unit's weights
+def test_separate_side_backward_raises_with_the_override_off():
+    """With FSDP_REGATHER_SAVED_WEIGHTS=0 a backward that reads a released unit's weights
     (under double buffering: another unit's, silently, before) raises on every rank."""
-    for message in run_distributed(_separate_by_default, WORLD, timeout=60):
+    env = {"FSDP_REGATHER_SAVED_WEIGHTS": "0"}
+    for message in run_distributed(_separate_with_override_off, WORLD, timeout=60, env=env):
         assert "without going through the unit's outputs" in message, message
-        assert "FSDP_REGATHER_SAVED_WEIGHTS=1" in message, message
+        assert "FSDP_REGATHER_SAVED_WEIGHTS unset" in message, message
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"zero{c[0]}-double{int(c[1])}")
 def test_aux_loss_on_weights_and_dataclass_outputs(trained, config):
-    mode, runs = trained
-    ref = reference()
+    mode, variant, runs = trained
+    ref = reference(variant)
     got = runs[config]
     torch.testing.assert_close(
         torch.tensor(got["losses"], dtype=torch.float64),
@@ -185,4 +231,58 @@ def test_aux_loss_on_weights_and_dataclass_outputs(trained, config):
         rtol=1e-5,
         atol=0,
     )
-    assert_tensors_close(got["params"], ref["params"], where=f"{mode} zero{config[0]}")
+    assert_tensors_close(got["params"], ref["params"], where=f"{mode}/{variant} zero{config[0]}")
+
+
+def test_a_custom_function_sees_the_saved_parameters_attributes():
+    """Under saved-tensor hooks a custom Function's backward gets a copy of a saved
+    parameter without its attributes (autograd's doing: reproduced here with identity
+    hooks); what fsdp's unpack hands it shares them, reads and writes, and computes
+    like the parameter, returning plain tensors."""
+    import gc
+
+    from fsdp_hooks import saved_weights
+
+    seen = {}
+
+    class Fused(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x @ w.t()
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, w = ctx.saved_tensors
+            seen["has_main_grad"] = hasattr(w, "main_grad")
+            if seen["has_main_grad"]:
+                w.main_grad.add_(grad.t() @ x)
+                w.grad_added_to_main_grad = True
+            out = grad @ w
+            seen["out_type"] = type(out)
+            return out, None
+
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(3, 4))
+    weight.main_grad = torch.zeros(3, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def run(unpack):
+        seen.clear()
+        x.grad = None
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            y = Fused.apply(x, weight)
+        y.sum().backward()
+
+    run(lambda t: t)  # plain hooks: the attributes are gone
+    assert seen == {"has_main_grad": False, "out_type": torch.Tensor}
+    run(lambda t: saved_weights.unpacked_for_python(t) if t is weight else t)
+    assert seen == {"has_main_grad": True, "out_type": torch.Tensor}
+    assert weight.__dict__.get("grad_added_to_main_grad") is True
+    ref_x = x.detach().clone().requires_grad_()
+    ref_w = weight.detach().clone().requires_grad_()
+    (ref_x @ ref_w.t()).sum().backward()
+    torch.testing.assert_close(weight.main_grad, ref_w.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-6, atol=1e-6)
+    gc.collect()
+    assert not saved_weights._PLAIN  # the aliases' bookkeeping went with them

@@ -1,11 +1,13 @@
 """A wrap that raises leaves the module as it was (``fsdp_hooks.rollback``): its own
 parameter objects, plain tensors with their values, no fsdp hooks or attributes, and it
-wraps again. Two failures are forced on both ranks of world size 2, under every
-strategy: inside ``ParamAndGradBuffer`` after the first group's storage moved into its
-buffers, and at the very end of the wrap (hooks registered, parameters swapped for
-DTensors). Under ZeRO-3 a moved group's values exist on a rank only as its shard: those
-parameters go to the meta device and the error names them (printing them is safe; it
-used to read freed memory)."""
+wraps again. Two failures are forced at world size 2, under every strategy: inside
+``ParamAndGradBuffer`` after the first group's storage moved into its buffers, and at
+the very end of the wrap (hooks registered, parameters swapped for DTensors); on both
+ranks, or on rank 1 only (the other rank then finishes its wrap, every group split).
+Every rank raises (the failed one its own exception, the other a RuntimeError naming
+rank 1 and the exception) and every rank's module has its original values back, ZeRO-3
+included, whose moved groups exist on a rank only as shards (printing them used to read
+freed memory; before the agreement they went to the meta device)."""
 
 from __future__ import annotations
 
@@ -32,25 +34,31 @@ def _gpt() -> GPT:
     return GPT(CFG)
 
 
-def _fail_in_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+def _fail_in_buffer(monkeypatch: pytest.MonkeyPatch, ranks: tuple[int, ...]) -> None:
     original = Bucket.point_params_at_buffers
 
     def point(self):
-        if self.gid == 1:  # bucket 0's storage has moved into its buffers
+        if (
+            self.gid == 1 and dist.get_rank() in ranks
+        ):  # bucket 0's storage has moved into its buffers
             raise Boom("allocation failed")
         original(self)
 
     monkeypatch.setattr(Bucket, "point_params_at_buffers", point)
 
 
-def _fail_at_end(monkeypatch: pytest.MonkeyPatch) -> None:
+def _fail_at_end(monkeypatch: pytest.MonkeyPatch, ranks: tuple[int, ...]) -> None:
+    original = megatron_fsdp.log_unit_summary
+
     def summary(wrapper):
-        raise Boom("late failure")
+        if dist.get_rank() in ranks:
+            raise Boom("late failure")
+        original(wrapper)
 
     monkeypatch.setattr(megatron_fsdp, "log_unit_summary", summary)
 
 
-def _attempt(strategy: int, fail) -> dict:
+def _attempt(strategy: int, fail, ranks: tuple[int, ...], double_buffer: bool) -> dict:
     module = _gpt()
     slots = {n: p for n, p in module.named_parameters()}
     before = {n: p.detach().clone() for n, p in slots.items()}
@@ -58,10 +66,17 @@ def _attempt(strategy: int, fail) -> dict:
     with torch.no_grad():
         expected_out = module(x)
     with pytest.MonkeyPatch.context() as mp:
-        fail(mp)
+        fail(mp, ranks)
         opt = torch.optim.SGD(module.parameters(), lr=0.1)
-        with pytest.raises(Boom) as info:
-            fully_shard(module, opt, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+        failed_here = dist.get_rank() in ranks
+        with pytest.raises(Boom if failed_here else RuntimeError) as info:
+            fully_shard(
+                module,
+                opt,
+                fsdp_unit_modules=[Block],
+                zero_dp_strategy=strategy,
+                fsdp_double_buffer=double_buffer,
+            )
     after = dict(module.named_parameters())
     lost = sorted(n for n, p in after.items() if p.is_meta)
     # The same objects in their slots, but for lost ones (meta now; the old emptied).
@@ -73,6 +88,8 @@ def _attempt(strategy: int, fail) -> dict:
     kept = {n: p for n, p in after.items() if not p.is_meta}
     assert all(torch.equal(p, before[n]) for n, p in kept.items())
     notes = "\n".join(getattr(info.value, "__notes__", []))
+    message = notes if failed_here else str(info.value)
+    assert "wrapping failed on" in message and "rank 1: Boom" in message, message
     if lost:
         assert "now on the meta device" in notes and f"{len(lost)} parameter(s)" in notes
         return {"lost": lost}
@@ -87,21 +104,24 @@ def _attempt(strategy: int, fail) -> dict:
     return {"lost": lost}
 
 
+CASES = [
+    (where, ranks, s, False)
+    for where in ("buffer", "end")
+    for ranks in ((0, 1), (1,))
+    for s in (0, 1, 2, 3)
+] + [("buffer", (1,), 3, True), ("end", (1,), 3, True)]
+
+
 def _all() -> dict:
-    return {
-        (where, s): _attempt(s, fail)
-        for where, fail in (("buffer", _fail_in_buffer), ("end", _fail_at_end))
-        for s in (0, 1, 2, 3)
-    }
+    fails = {"buffer": _fail_in_buffer, "end": _fail_at_end}
+    return {case: _attempt(case[2], fails[case[0]], case[1], case[3]) for case in CASES}
 
 
 def test_a_failed_wrap_leaves_the_module_as_it_was():
+    """Nothing is lost on any rank, ZeRO-3 (the originals kept until the ranks agree)
+    included, whether one rank or both failed."""
     got = run_distributed(_all, 2, timeout=120)
-    assert got[0] == got[1]
-    for (where, strategy), result in got[0].items():
-        if strategy < 3:
-            assert result["lost"] == [], (where, strategy)
-        else:  # the groups moved before the failure, sharded
-            assert result["lost"], (where, strategy)
-    assert set(got[0][("buffer", 3)]["lost"]) < set(got[0][("end", 3)]["lost"])
-    assert dist.is_available()
+    for rank in (0, 1):
+        assert set(got[rank]) == set(CASES)
+        for case, result in got[rank].items():
+            assert result["lost"] == [], (rank, case)

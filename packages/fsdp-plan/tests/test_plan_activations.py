@@ -154,9 +154,9 @@ def _losses(modes):
 
     out = []
     for mode in modes:
-        os.environ.pop("FSDP_REGATHER_SAVED_WEIGHTS", None)
-        if mode == "measured+regather":
-            os.environ["FSDP_REGATHER_SAVED_WEIGHTS"] = "1"
+        os.environ.pop("FSDP_REGATHER_SAVED_WEIGHTS", None)  # on by default
+        if mode != "measured+regather":
+            os.environ["FSDP_REGATHER_SAVED_WEIGHTS"] = "0"
         torch.manual_seed(0)
         module = GPT(CFG)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
@@ -184,7 +184,8 @@ def _losses(modes):
 def test_measuring_changes_nothing_and_composes_with_regathered_weights():
     """Measured steps train exactly as unmeasured ones (same losses over three steps,
     so the same gradients), and inside the wrapper's own saved-weight hooks
-    (FSDP_REGATHER_SAVED_WEIGHTS=1) the count is the same: both hooks run."""
+    (on by default; FSDP_REGATHER_SAVED_WEIGHTS=0 turns them off) the count is the same:
+    both hooks run."""
     modes = ("plain", "measured", "measured+regather")
     for results in run_distributed(_losses, 2, args=(modes,), timeout=120):
         by_mode = {m: (losses, acts) for m, losses, acts in results}

@@ -90,6 +90,7 @@ from fsdp_hooks.backward import (
     wrap_inputs_for_post_backward,
 )
 from fsdp_hooks.param_state import ParamState
+from fsdp_hooks.saved_weights import unpacked_for_python
 from fsdp_hooks.schedule_check import Phase, ScheduleCheck, schedule_check_requested
 from fsdp_hooks.shared_buckets import SharedBuckets
 from fsdp_hooks.training_state import TrainingState
@@ -235,7 +236,14 @@ class FSDPHooks:
             for unit in self.units
             for _m, _a, compute, _d in unit.locations
         }
-        self.regather_saved_weights = os.environ.get(REGATHER_ENV, "0") not in ("", "0")
+        # On unless FSDP_REGATHER_SAVED_WEIGHTS=0 (then such a path raises, see
+        # _check_side_path, or crashes reading freed memory first).
+        self.regather_saved_weights = os.environ.get(REGATHER_ENV, "1") != "0"
+        # Keyed by id for the pack hook, called for every saved tensor (a tensor's
+        # __hash__ is a Python call); the parameters live as long as the wrapper.
+        self._released_by_id = {
+            id(p): (gid, unit) for p, (gid, unit) in self._released_weights.items()
+        }
         # The wrapper's forward calls these: a compiled wrapper then breaks its graph at
         # these calls only, not at each Python step inside them.
         self.root_pre_forward = _eager(self.root_pre_forward)  # type: ignore[method-assign]
@@ -296,34 +304,36 @@ class FSDPHooks:
 
     # ---- weights saved for backward -------------------------------------------------
     def saved_weights_hooks(self) -> contextlib.AbstractContextManager:
-        """Around the whole forward, with ``FSDP_REGATHER_SAVED_WEIGHTS=1`` at wrap: a
+        """Around the whole forward (unless ``FSDP_REGATHER_SAVED_WEIGHTS=0`` at wrap): a
         unit's weight that autograd saves for backward is packed as a reference, and
         unpacking it gathers its bucket if it is released. A gradient path into the
         weights that bypasses the unit's outputs and runs before the unit's backward
         (an auxiliary loss kept on the module, ``self.aux = f(self.fc.weight)``,
-        backpropagated on its own) then reads the right weights. Opt-in: with any
-        saved-tensor hooks, autograd hands a backward a new tensor object for a saved
-        parameter, without its Python attributes (``weight.main_grad`` of Megatron-Core's
-        fused weight-gradient accumulation). Without it such a path raises when its
-        gradient arrives (``_check_side_path``), or crashes reading freed memory first."""
+        backpropagated on its own) then reads the right weights. A custom Function's
+        backward gets a ``SavedParameter`` sharing the parameter's attributes
+        (``saved_weights``: autograd would hand it a copy without them). With the
+        override off such a path raises when its gradient arrives
+        (``_check_side_path``), or crashes reading freed memory first."""
         if not (self.regather_saved_weights and self._released_weights):
             return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
 
     def _pack_saved(self, tensor: torch.Tensor) -> Any:
-        entry = self._released_weights.get(tensor)  # type: ignore[call-overload]
+        entry = self._released_by_id.get(id(tensor))
         return tensor if entry is None else _SavedWeight(tensor, entry[0])
 
     def _unpack_saved(self, packed: Any) -> torch.Tensor:
         if type(packed) is not _SavedWeight:
-            return packed
+            # Any other parameter (root buckets, other models) too: hooks in force at
+            # save time cost it its attributes otherwise.
+            return unpacked_for_python(packed) if type(packed) is nn.Parameter else packed
         gid = packed.gid
         if self.buffer.buckets[gid].status is not BucketStatus.READY_TO_USE:
             # Every rank runs the same graph, so every rank gathers here; the end of
             # backward (queued now if no hook of this backward did) releases it.
             self._begin_backward()
             self.gather.gather_for_immediate_use(gid)
-        return packed.weight
+        return unpacked_for_python(packed.weight)
 
     def _check_side_path(self, param: nn.Parameter) -> None:
         """A gradient for a unit's weight while the unit is not in backward (its forward
@@ -341,8 +351,8 @@ class FSDPHooks:
                 "that reached the weight without going through the unit's outputs (e.g. an "
                 "auxiliary loss kept on the module, backpropagated on its own), while ZeRO-3 "
                 "had released the unit's weights: it read freed memory. Add that loss to the "
-                "main loss before one backward, or set FSDP_REGATHER_SAVED_WEIGHTS=1 before "
-                "wrapping to gather such weights when backward reads them"
+                "main loss before one backward, or leave FSDP_REGATHER_SAVED_WEIGHTS unset "
+                "(not 0) when wrapping, to gather such weights when backward reads them"
             )
 
     # ---- root -----------------------------------------------------------------------
@@ -441,6 +451,9 @@ class FSDPHooks:
 
     def _unit_pre_forward(self, unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict):
         with annotate("fsdp.pre_forward"):
+            if self.root_state is not TrainingState.PRE_BACKWARD and in_backward():
+                self._side_recompute(unit)
+                return args, kwargs
             # A forward inside this model's backward is a recompute (activation
             # checkpointing): the unit is in PRE_BACKWARD even when no pre-backward hook
             # of its own fired (a reentrant checkpoint ran its forward under no_grad).
@@ -461,6 +474,20 @@ class FSDPHooks:
                 post = functools.partial(self._unit_post_backward, unit)
                 args, kwargs = wrap_inputs_for_post_backward(post, args, kwargs)
         return args, kwargs
+
+    def _side_recompute(self, unit: FSDPUnit) -> None:
+        """A unit's forward run by a backward that reached no unit's outputs (an aux loss
+        backpropagated on its own, whose saved tensors a checkpoint recomputes): no
+        pre- or post-backward of the unit will come. Gather for immediate use, as an
+        unpacked saved weight is (evictable by the next double-buffer gather: the
+        recomputed tensors are read by the node that asked for them, next), and keep
+        it until the end of that backward; the unit stays in PRE_BACKWARD so that its
+        post-forward (if the checkpoint does not stop early) releases nothing."""
+        self._begin_backward()
+        unit.state = TrainingState.PRE_BACKWARD
+        for gid in unit.groups:
+            self.gather.gather_for_immediate_use(gid)
+        self._unit_use(unit, compute=True)
 
     def _unit_post_forward(self, unit: FSDPUnit, module: nn.Module, args: tuple, output: Any):
         if unit.state is TrainingState.PRE_BACKWARD:

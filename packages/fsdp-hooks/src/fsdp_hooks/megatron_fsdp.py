@@ -197,8 +197,13 @@ class MegatronFSDP(InnerModuleAttributes):
             broadcast_from_dp_rank0(module, differ, dist_index)
         tensor_parallel = check_tensor_parallel_replicas(module, dist_index)
         self.module = module
-        # From here storage moves into buffers: a failure restores the module.
-        with rollback_on_failure(module):
+        # From here storage moves into buffers: a failure on any rank restores the module
+        # on every rank (agreed at the end); ZeRO-3 keeps the original values until then.
+        with rollback_on_failure(
+            module,
+            dist_index.get_dp_group() if torch.distributed.is_initialized() else None,
+            keep_values=self.strategy is ShardingStrategy.OPTIM_GRADS_PARAMS,
+        ):
             if init_model_with_meta_device:
                 from fsdp_hooks.meta_init import prepare_meta_init
 
