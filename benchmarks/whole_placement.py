@@ -29,8 +29,12 @@ def _optimizers(module: torch.nn.Module, mode: str):
     return [torch.optim.Muon(hidden, lr=1e-4), torch.optim.AdamW(rest, lr=1e-4)]
 
 
-def measure(strategy: int, tiny: bool) -> dict[str, tuple[float, float]]:
-    """(ring bytes each rank sends in one step, padding share of them) per placement."""
+def measure(
+    strategy: int, tiny: bool, unit_size: int | None = None
+) -> dict[str, tuple[float, float]]:
+    """(ring bytes each rank sends in one step, padding share of them) per placement;
+    ``unit_size``: unit coalescing (``suggested_communication_unit_size``), which lets
+    the owners of one bucket balance over several blocks' matrices."""
     from fsdp_hooks import fully_shard
 
     size = WORKLOADS[WORKLOAD].tiny if tiny else WORKLOADS[WORKLOAD].full
@@ -43,6 +47,7 @@ def measure(strategy: int, tiny: bool) -> dict[str, tuple[float, float]]:
             _optimizers(module, mode),
             fsdp_unit_modules=unit_classes(WORKLOAD),
             zero_dp_strategy=strategy,
+            suggested_communication_unit_size=unit_size,
         )
         opts = opts if isinstance(opts, list) else [opts]
         for step in range(2):  # the second step is measured
@@ -62,11 +67,16 @@ def measure(strategy: int, tiny: bool) -> dict[str, tuple[float, float]]:
 
 def main() -> None:
     tiny = "--tiny" in sys.argv
+    # --unit-size N (elements): unit coalescing for both placements.
+    unit_size = None
+    if "--unit-size" in sys.argv:
+        unit_size = int(sys.argv[sys.argv.index("--unit-size") + 1])
+    print(f"unit coalescing: {unit_size}")
     print("| world | ZeRO | row MB/step | whole MB/step | whole/row | padding (whole) |")
     print("|---|---|---|---|---|---|")
     for world in (2, 4):
         for strategy in (3, 2):
-            got = run_distributed(measure, world, args=(strategy, tiny), timeout=900)[0]
+            got = run_distributed(measure, world, args=(strategy, tiny, unit_size), timeout=900)[0]
             (row, _), (whole, pad) = got["row"], got["whole"]
             print(
                 f"| {world} | {strategy} | {row / 1e6:.1f} | {whole / 1e6:.1f} | "

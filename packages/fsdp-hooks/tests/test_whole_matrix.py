@@ -159,9 +159,11 @@ def _train(
     strategies: tuple[int, ...] = STRATEGIES,
     steps: int = STEPS,
     hsdp: bool = False,
+    unit_size: int | None = None,
 ) -> dict | None:
     """Train every (kind, strategy) on this rank's slice; with ``hsdp``, on a
-    (dp_outer=2, dp_shard=world/2) mesh with the outer dim replicating."""
+    (dp_outer=2, dp_shard=world/2) mesh with the outer dim replicating; ``unit_size``:
+    unit coalescing (``suggested_communication_unit_size``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = GLOBAL_BATCH // world
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
@@ -182,6 +184,7 @@ def _train(
                 opts if kind == "split" else opts[0],
                 fsdp_unit_modules=[Layer],
                 zero_dp_strategy=strategy,
+                suggested_communication_unit_size=unit_size,
                 **mesh,
             )
             opts = opts if isinstance(opts, list) else [opts]
@@ -213,6 +216,7 @@ def _train(
                 "norms": norms,
                 "params": params,
                 "owners": owners,
+                "units_per_group": max(len(g.coalesced_unit_ids) for g in model.buffer.groups),
             }
     return results if rank == 0 else None
 
@@ -257,6 +261,22 @@ def test_muon_parity_every_strategy(world):
                 muon_names = list(ref["params"])
             assert sorted(got["owners"]) == sorted(muon_names), where
             assert set(got["owners"].values()) == set(range(world)), where
+
+
+def test_muon_parity_with_coalesced_units():
+    """Units coalesced into one bucket: owners are balanced over every unit's matrices
+    (less padding), and the step is still one process's."""
+    kinds = ("muon", "split")
+    results = run_distributed(_train, 4, args=(kinds, (3, 1), STEPS, False, 1 << 20), timeout=300)[
+        0
+    ]
+    for kind in kinds:
+        ref = reference(kind, 4)
+        for strategy in (3, 1):
+            got = results[(kind, strategy)]
+            _check(got, ref, f"{kind} coalesced zero={strategy}")
+            assert got["units_per_group"] > 1, got["units_per_group"]  # coalescing ran
+            assert set(got["owners"].values()) == set(range(4)), (kind, strategy)
 
 
 def test_muon_parity_hsdp():
