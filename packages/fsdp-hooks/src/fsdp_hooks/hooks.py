@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -82,7 +81,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_buffers import BucketStatus, PrefetchOrder, annotate, module_is_fully_no_shard
+from fsdp_buffers import PrefetchOrder, annotate, module_is_fully_no_shard
 from fsdp_hooks.backward import (
     in_backward,
     queue_end_of_backward_callback,
@@ -90,7 +89,7 @@ from fsdp_hooks.backward import (
     wrap_inputs_for_post_backward,
 )
 from fsdp_hooks.param_state import ParamState
-from fsdp_hooks.saved_weights import unpacked_for_python
+from fsdp_hooks.saved_weight_hooks import REGATHER_ENV, SavedWeightHooks
 from fsdp_hooks.schedule_check import Phase, ScheduleCheck, schedule_check_requested
 from fsdp_hooks.shared_buckets import SharedBuckets
 from fsdp_hooks.training_state import TrainingState
@@ -100,8 +99,6 @@ if TYPE_CHECKING:
     from fsdp_hooks.megatron_fsdp import MegatronFSDP
 
 __all__ = ["REGATHER_ENV", "FSDPHooks", "FSDPUnit"]
-
-REGATHER_ENV = "FSDP_REGATHER_SAVED_WEIGHTS"
 
 
 def _eager(hook: Any) -> Any:
@@ -113,14 +110,6 @@ def _eager(hook: Any) -> Any:
     trace (it broke each unit's hooks into several graphs). Skipped, they run eagerly
     around the unit's one compiled ``forward`` graph and break nothing."""
     return torch.compiler.disable(hook, recursive=True, reason="fsdp's hooks run eagerly")
-
-
-@dataclass(frozen=True, eq=False)
-class _SavedWeight:
-    """A unit's compute weight saved for backward, and its bucket."""
-
-    weight: torch.Tensor
-    gid: int
 
 
 @dataclass(eq=False)
@@ -230,20 +219,8 @@ class FSDPHooks:
             self.schedule = ScheduleCheck(
                 wrapper.dist_index.get_dp_group(), [u.name for u in self.units], device
             )
-        # Compute parameters a unit frees after its forward -> (bucket, unit).
-        self._released_weights: dict[nn.Parameter, tuple[int, FSDPUnit]] = {
-            compute: (self.buffer.group_of(compute)[0], unit)
-            for unit in self.units
-            for _m, _a, compute, _d in unit.locations
-        }
-        # On unless FSDP_REGATHER_SAVED_WEIGHTS=0 (then such a path raises, see
-        # _check_side_path, or crashes reading freed memory first).
-        self.regather_saved_weights = os.environ.get(REGATHER_ENV, "1") != "0"
-        # Keyed by id for the pack hook, called for every saved tensor (a tensor's
-        # __hash__ is a Python call); the parameters live as long as the wrapper.
-        self._released_by_id = {
-            id(p): (gid, unit) for p, (gid, unit) in self._released_weights.items()
-        }
+        # Saved-tensor hooks that gather released unit weights again (their module).
+        self._saved_weights = SavedWeightHooks(self)
         # The wrapper's forward calls these: a compiled wrapper then breaks its graph at
         # these calls only, not at each Python step inside them.
         self.root_pre_forward = _eager(self.root_pre_forward)  # type: ignore[method-assign]
@@ -304,56 +281,8 @@ class FSDPHooks:
 
     # ---- weights saved for backward -------------------------------------------------
     def saved_weights_hooks(self) -> contextlib.AbstractContextManager:
-        """Around the whole forward (unless ``FSDP_REGATHER_SAVED_WEIGHTS=0`` at wrap): a
-        unit's weight that autograd saves for backward is packed as a reference, and
-        unpacking it gathers its bucket if it is released. A gradient path into the
-        weights that bypasses the unit's outputs and runs before the unit's backward
-        (an auxiliary loss kept on the module, ``self.aux = f(self.fc.weight)``,
-        backpropagated on its own) then reads the right weights. A custom Function's
-        backward gets a ``SavedParameter`` sharing the parameter's attributes
-        (``saved_weights``: autograd would hand it a copy without them). With the
-        override off such a path raises when its gradient arrives
-        (``_check_side_path``), or crashes reading freed memory first."""
-        if not (self.regather_saved_weights and self._released_weights):
-            return contextlib.nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
-
-    def _pack_saved(self, tensor: torch.Tensor) -> Any:
-        entry = self._released_by_id.get(id(tensor))
-        return tensor if entry is None else _SavedWeight(tensor, entry[0])
-
-    def _unpack_saved(self, packed: Any) -> torch.Tensor:
-        if type(packed) is not _SavedWeight:
-            # Any other parameter (root buckets, other models) too: hooks in force at
-            # save time cost it its attributes otherwise.
-            return unpacked_for_python(packed) if type(packed) is nn.Parameter else packed
-        gid = packed.gid
-        if self.buffer.buckets[gid].status is not BucketStatus.READY_TO_USE:
-            # Every rank runs the same graph, so every rank gathers here; the end of
-            # backward (queued now if no hook of this backward did) releases it.
-            self._begin_backward()
-            self.gather.gather_for_immediate_use(gid)
-        return unpacked_for_python(packed.weight)
-
-    def _check_side_path(self, param: nn.Parameter) -> None:
-        """A gradient for a unit's weight while the unit is not in backward (its forward
-        ran, no gradient reached its outputs yet): it came through a path that bypasses
-        the unit's outputs and read the weight while it was released (freed, or another
-        unit's in a double-buffer slot). Every rank runs the same graph: all raise."""
-        entry = self._released_weights.get(param)  # type: ignore[call-overload]
-        if entry is None or self.regather_saved_weights:
-            return
-        unit = entry[1]
-        if unit.state is TrainingState.IDLE and unit.pending_backward > 0:
-            name = self._param_names[param]
-            raise RuntimeError(
-                f"the gradient of {name!r} (FSDP unit {unit.name!r}) was computed by a backward "
-                "that reached the weight without going through the unit's outputs (e.g. an "
-                "auxiliary loss kept on the module, backpropagated on its own), while ZeRO-3 "
-                "had released the unit's weights: it read freed memory. Add that loss to the "
-                "main loss before one backward, or leave FSDP_REGATHER_SAVED_WEIGHTS unset "
-                "(not 0) when wrapping, to gather such weights when backward reads them"
-            )
+        """Around the whole forward: ``SavedWeightHooks.saved_weights_hooks``."""
+        return self._saved_weights.saved_weights_hooks()
 
     # ---- root -----------------------------------------------------------------------
     def root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -547,7 +476,7 @@ class FSDPHooks:
 
     # ---- gradients ------------------------------------------------------------------
     def _on_param_grad(self, param: torch.Tensor) -> None:
-        self._check_side_path(param)  # type: ignore[arg-type]
+        self._saved_weights.check_side_path(param)  # type: ignore[arg-type]
         self.params.on_grad(param)  # type: ignore[arg-type]
         if self.wrapper.report_nan_in_param_grad and param.grad is not None:
             grad = param.grad
