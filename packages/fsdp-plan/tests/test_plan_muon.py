@@ -5,17 +5,23 @@ most-loaded rank's and the collectives move padding. The plan's collectives per 
 (calls, elements, bytes, ring traffic and ``padding_bytes``) equal ``model.comm_stats()``
 of the second step, and every rank's model-state bytes (``optimizer_state``: Muon's one
 momentum buffer on the owner, AdamW's two plus ``step`` for the rest) equal
-``model.memory_stats()``, at world 2 and 4, ZeRO-1/2/3, with and without unit coalescing
+``model.memory_stats()``, and its ``gathered_peak`` the gathered bytes held at once
+(``GatheredMeter`` of ``test_plan_gathered_peak``), so its ``peak`` is the rank's
+measured model state plus gathered weights, at world 2 and 4, ZeRO-1/2/3, with and without unit coalescing
 (``suggested_communication_unit_size``), for Muon over every matrix and over the hidden
 matrices only (embeddings to AdamW, through ``muon_params``).
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 
+from fsdp_buffers import collectives
 from fsdp_hooks import fully_shard
 from fsdp_mesh.testing import run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
@@ -52,7 +58,12 @@ def _muon_and_adamw(module, which: str) -> list[torch.optim.Optimizer]:
 
 
 def _one_step(configs):
+    # The spawned ranks import this file's neighbour too.
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_plan_gathered_peak import GatheredMeter
+
     results = []
+    original = collectives.all_gather
     for config in configs:
         strategy, unit_size, which = config
         torch.manual_seed(0)
@@ -66,15 +77,21 @@ def _one_step(configs):
         )
         # Two steps; the second is counted (the first forward after wrapping also
         # re-installs the weights that optimizer-state initialisation touched).
-        for step in range(2):
-            model.reset_comm_stats()
-            x, y = token_batch(step, 2, 8, CFG.vocab_size, seed=dist.get_rank())
-            logits = model(x)
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
-            loss.backward()
-            for opt in optimizers:
-                opt.step()
-                opt.zero_grad()
+        meter = GatheredMeter(model.buffer)
+        collectives.all_gather = meter.observe(original)
+        try:
+            for step in range(2):
+                model.reset_comm_stats()
+                meter.peak = 0
+                x, y = token_batch(step, 2, 8, CFG.vocab_size, seed=dist.get_rank())
+                logits = model(x)
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+                loss.backward()
+                for opt in optimizers:
+                    opt.step()
+                    opt.zero_grad()
+        finally:
+            collectives.all_gather = original
         params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
         whole = sum(hasattr(p, "_fsdp_whole_owner") for p in params)
         stats = model.memory_stats()
@@ -82,6 +99,7 @@ def _one_step(configs):
         stats["optimizer_state"] = sum(
             model.memory_stats(opt)["optimizer_state"] for opt in optimizers
         )
+        stats["gathered_peak"] = meter.peak
         results.append((config, stats, model.comm_stats(), whole))
     return results
 
@@ -113,6 +131,7 @@ def test_muon_plan_equals_comm_stats_and_memory_stats(world_size):
             (got, comm, whole) = next(r[1:] for r in results if r[0] == config)
             where = f"world {world_size}, {config}, rank {rank}"
             assert whole > 0, f"{where}: nothing was placed whole"
+            assert got["gathered_peak"] > 0, where
             for kind, counts in comm.items():
                 if kind == "broadcast":
                     continue
@@ -126,8 +145,10 @@ def test_muon_plan_equals_comm_stats_and_memory_stats(world_size):
             # are the ones whose state is its state, exactly.
             mine = [f for f in figures if f["optimizer_state"] == got["optimizer_state"]]
             assert mine, f"{where}: no planned rank has {got}; plan {figures}"
-            for key in MODEL_STATE_KEYS:
+            for key in (*MODEL_STATE_KEYS, "gathered_peak"):
                 assert mine[0][key] == got[key], (where, key, mine[0][key], got[key])
+            # So the planned peak is this rank's model state plus its gathered peak.
+            assert mine[0]["peak"] == sum(got[k] for k in (*MODEL_STATE_KEYS, "gathered_peak"))
             states.add(got["optimizer_state"])
         # Every distinct planned rank shows up in the run (none is invented).
         assert {f["optimizer_state"] for f in figures} == states, (world_size, config)
