@@ -8,7 +8,7 @@ momentum buffer on the owner, AdamW's two plus ``step`` for the rest) equal
 ``model.memory_stats()``, and its ``gathered_peak`` the gathered bytes held at once
 (``GatheredMeter`` of ``test_plan_gathered_peak``), so its ``peak`` is the rank's
 measured model state plus gathered weights, at world 2 and 4, ZeRO-1/2/3, with and without unit coalescing
-(``suggested_communication_unit_size``), for Muon over every matrix and over the hidden
+(``suggested_communication_unit_size``), and under HSDP (2 x 2, world 4), for Muon over every matrix and over the hidden
 matrices only (embeddings to AdamW, through ``muon_params``).
 """
 
@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from fsdp_buffers import collectives
 from fsdp_hooks import fully_shard
+from fsdp_mesh import build_device_mesh
 from fsdp_mesh.testing import run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
 from fsdp_plan import MODEL_STATE_KEYS, plan
@@ -34,14 +35,17 @@ pytestmark = pytest.mark.skipif(
 # Rows that do not divide by 4 (vocab 66, 108 qkv rows): uneven pieces and owners.
 CFG = GPTConfig(vocab_size=66, dim=36, n_heads=4, n_layers=3)
 COALESCE = 10**6  # every unit in one bucket
-# (strategy, suggested_communication_unit_size, which matrices Muon steps)
+# (strategy, suggested_communication_unit_size, which matrices Muon steps, dp_outer)
 CONFIGS = [
-    (3, None, "hidden"),
-    (3, COALESCE, "hidden"),
-    (1, None, "hidden"),
-    (2, COALESCE, "hidden"),
-    (3, None, "all"),
-    (1, COALESCE, "all"),
+    (3, None, "hidden", 1),
+    (3, COALESCE, "hidden", 1),
+    (1, None, "hidden", 1),
+    (2, COALESCE, "hidden", 1),
+    (3, None, "all", 1),
+    (1, COALESCE, "all", 1),
+    # HSDP (world 4 only): 2 replicas of 2-rank shard groups, owners per shard group.
+    (3, None, "hidden", 2),
+    (1, COALESCE, "hidden", 2),
 ]
 
 
@@ -65,12 +69,16 @@ def _one_step(configs):
     results = []
     original = collectives.all_gather
     for config in configs:
-        strategy, unit_size, which = config
+        strategy, unit_size, which, dp_outer = config
         torch.manual_seed(0)
         module = GPT(CFG)
+        mesh = {}
+        if dp_outer > 1:
+            mesh = build_device_mesh(dp_outer=dp_outer, dp_shard=4 // dp_outer).fsdp_kwargs()
         model, optimizers = fully_shard(
             module,
             _muon_and_adamw(module, which),
+            **mesh,
             fsdp_unit_modules=[Block],
             zero_dp_strategy=strategy,
             suggested_communication_unit_size=unit_size,
@@ -105,12 +113,13 @@ def _one_step(configs):
 
 
 def _plan(world_size: int, config, optimizer: str = "muon"):
-    strategy, unit_size, which = config
+    strategy, unit_size, which, dp_outer = config
     with torch.device("meta"):
         meta = GPT(CFG)
     return plan(
         meta,
         world_size,
+        dp_outer=dp_outer,
         optimizer=optimizer,
         muon_params=is_hidden if which == "hidden" and optimizer == "muon" else None,
         fsdp_unit_modules=[Block],
@@ -121,9 +130,10 @@ def _plan(world_size: int, config, optimizer: str = "muon"):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_muon_plan_equals_comm_stats_and_memory_stats(world_size):
-    measured = run_distributed(_one_step, world_size, args=(CONFIGS,), timeout=180)
+    configs = [c for c in CONFIGS if c[3] == 1 or world_size == 4]
+    measured = run_distributed(_one_step, world_size, args=(configs,), timeout=180)
     padding = {}
-    for config in CONFIGS:
+    for config in configs:
         p = _plan(world_size, config)
         figures = [p.per_rank, *p.ranks.values()]
         states = set()
@@ -165,7 +175,7 @@ def test_muon_plan_equals_comm_stats_and_memory_stats(world_size):
             assert padding[config] > rows, config
         assert p.per_rank["optimizer_state"] < adamw.per_rank["optimizer_state"] * 2, config
     # Coalescing balances owners over every unit's matrices: less padding (ZeRO-3, hidden).
-    assert padding[(3, COALESCE, "hidden")] < padding[(3, None, "hidden")], padding
+    assert padding[(3, COALESCE, "hidden", 1)] < padding[(3, None, "hidden", 1)], padding
 
 
 def test_muon_params_needs_muon_and_a_callable():
