@@ -7,8 +7,9 @@ of the second step, and every rank's model-state bytes (``optimizer_state``: Muo
 momentum buffer on the owner, AdamW's two plus ``step`` for the rest) equal
 ``model.memory_stats()``, and its ``gathered_peak`` the gathered bytes held at once
 (``GatheredMeter`` of ``test_plan_gathered_peak``), so its ``peak`` is the rank's
-measured model state plus gathered weights, at world 2 and 4, ZeRO-1/2/3, with and without unit coalescing
-(``suggested_communication_unit_size``), and under HSDP (2 x 2, world 4), for Muon over every matrix and over the hidden
+measured model state plus gathered weights, at world 2 and 4, ZeRO-1/2/3, with and
+without unit coalescing (``suggested_communication_unit_size``), fp32 and bf16, and
+under HSDP (2 x 2, world 4), for Muon over every matrix and over the hidden
 matrices only (embeddings to AdamW, through ``muon_params``).
 """
 
@@ -46,6 +47,9 @@ CONFIGS = [
     # HSDP (world 4 only): 2 replicas of 2-rank shard groups, owners per shard group.
     (3, None, "hidden", 2),
     (1, COALESCE, "hidden", 2),
+    # A bf16 model: fp32 main weights, gradients and state in their own buffers.
+    (3, None, "hidden", 1, torch.bfloat16),
+    (1, COALESCE, "all", 1, torch.bfloat16),
 ]
 
 
@@ -69,9 +73,9 @@ def _one_step(configs):
     results = []
     original = collectives.all_gather
     for config in configs:
-        strategy, unit_size, which, dp_outer = config
+        strategy, unit_size, which, dp_outer, dtype = (*config, torch.float32)[:5]
         torch.manual_seed(0)
-        module = GPT(CFG)
+        module = GPT(CFG).to(dtype)
         mesh = {}
         if dp_outer > 1:
             mesh = build_device_mesh(dp_outer=dp_outer, dp_shard=4 // dp_outer).fsdp_kwargs()
@@ -93,7 +97,7 @@ def _one_step(configs):
                 meter.peak = 0
                 x, y = token_batch(step, 2, 8, CFG.vocab_size, seed=dist.get_rank())
                 logits = model(x)
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
                 loss.backward()
                 for opt in optimizers:
                     opt.step()
@@ -113,9 +117,9 @@ def _one_step(configs):
 
 
 def _plan(world_size: int, config, optimizer: str = "muon"):
-    strategy, unit_size, which, dp_outer = config
+    strategy, unit_size, which, dp_outer, dtype = (*config, torch.float32)[:5]
     with torch.device("meta"):
-        meta = GPT(CFG)
+        meta = GPT(CFG).to(dtype)
     return plan(
         meta,
         world_size,
