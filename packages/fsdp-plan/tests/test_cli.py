@@ -163,3 +163,19 @@ def test_cli_activations(tmp_path, capsys):
     assert written["per_rank"] == expected.per_rank and expected.per_rank["activations"] > 0
     with pytest.raises(ValueError, match="seq_len must be a positive int"):
         main([*argv, "--batch-size", "2"])
+
+
+def test_cli_plans_muon(tmp_path):
+    out = tmp_path / "plan.json"
+    args = ["fsdp_mesh.testing.models:GPT", "--world-size", "4", "--units", "Block"]
+    assert main([*args, "--optimizer", "muon", "--json", str(out)]) == 0
+    (entry,) = json.loads(out.read_text())
+    with torch.device("meta"):
+        module = GPT()
+    expected = plan(module, 4, optimizer="muon", fsdp_unit_modules=[Block])
+    adamw = plan(module, 4, fsdp_unit_modules=[Block])
+    assert entry["options"]["optimizer"] == "muon"
+    assert entry["per_rank"] == expected.per_rank
+    assert entry["comm"] == json.loads(json.dumps(expected.comm))
+    # Whole placement pads the shards: the plan moves more than AdamW's row pieces.
+    assert expected.comm["all_gather"]["padding_bytes"] > adamw.comm["all_gather"]["padding_bytes"]

@@ -12,8 +12,10 @@ import torch
 
 from fsdp_buffers import ParamAndGradBuffer
 from fsdp_buffers.collectives import CollectiveKind, CommStats
+from fsdp_buffers.no_shard import FSDP_WHOLE_ATTR
 
 __all__ = [
+    "OPTIMIZERS",
     "OPTIMIZER_STATES",
     "comm_per_step",
     "model_state_bytes",
@@ -30,6 +32,11 @@ OPTIMIZER_STATES: dict[str, tuple[int, bool]] = {
     "sgd": (0, False),
     "sgd_momentum": (1, False),
 }
+# ``"muon"``: ``torch.optim.Muon`` (one ``momentum_buffer``, no ``step``) for the
+# parameters marked for whole placement (``FSDP_WHOLE_ATTR``: what ``fully_shard`` marks
+# from a Muon optimizer, ``fsdp_hooks.optimizers.mark_whole_placement``), AdamW for the rest.
+MUON_STATE = (1, False)
+OPTIMIZERS = (*OPTIMIZER_STATES, "muon")
 _STEP_BYTES = torch.empty((), dtype=torch.float32).element_size()
 
 
@@ -80,13 +87,12 @@ def optimizer_state_bytes(
     hybrid; else the whole parameter) plus a ``step`` scalar where the optimizer keeps
     one. ``piece_of[kind][r]``: the piece global rank ``r`` holds of a ``"dense"``,
     ``"expert"`` or ``"hybrid"`` (fully-sharded, shard x outer) group. Arithmetic per
-    parameter, not per rank, so 1,024 ranks cost no more than 8."""
-    try:
-        tensors, step = OPTIMIZER_STATES[optimizer]
-    except KeyError:
-        raise ValueError(
-            f"optimizer={optimizer!r} is not one plan() knows; allowed: {sorted(OPTIMIZER_STATES)}"
-        ) from None
+    parameter, not per rank, so 1,024 ranks cost no more than 8. A whole-placed
+    parameter (Note [whole placement] in ``fsdp_buffers.layout``) has all its state on
+    its owner's piece; under ``"muon"`` the marked parameters keep Muon's state
+    (``MUON_STATE``), the others AdamW's."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is not one plan() knows; allowed: {OPTIMIZERS}")
     everywhere = 0
     world_size = len(piece_of["dense"])
     # Per kind of group: a difference array over its pieces.
@@ -105,12 +111,24 @@ def optimizer_state_bytes(
         for i, p in enumerate(group.params):
             if not p.requires_grad:
                 continue
-            everywhere += _STEP_BYTES if step else 0
+            if optimizer != "muon":
+                tensors, step = OPTIMIZER_STATES[optimizer]
+            elif getattr(p, FSDP_WHOLE_ATTR, False):
+                tensors, step = MUON_STATE
+            else:
+                tensors, step = OPTIMIZER_STATES["adamw"]
+            step_bytes = _STEP_BYTES if step else 0
             slot = layout.slots[i]
             if not sharded or slot.replicated:
-                everywhere += tensors * slot.numel * elem
+                everywhere += step_bytes + tensors * slot.numel * elem
                 continue
             diff = diffs.setdefault(kind, [0] * (pieces + 1))
+            if slot.whole:  # all its state on its owner's piece, none elsewhere
+                assert slot.owner is not None
+                diff[slot.owner] += step_bytes + tensors * slot.numel * elem
+                diff[slot.owner + 1] -= step_bytes + tensors * slot.numel * elem
+                continue
+            everywhere += step_bytes
             for first, last, numel in _piece_numels(layout, i, pieces):
                 diff[first] += tensors * numel * elem
                 diff[last] -= tensors * numel * elem

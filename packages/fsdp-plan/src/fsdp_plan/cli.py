@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
-from fsdp_plan.accounting import OPTIMIZER_STATES
+from fsdp_plan.accounting import OPTIMIZERS
 from fsdp_plan.plan import MODEL_STATE_KEYS, Plan, plan
 from fsdp_plan.sweep import parse_bytes, sweep
 
@@ -90,7 +90,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="cast the model to this dtype first (main weights and grads stay fp32)",
     )
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adamw",
+        help="the optimizer whose state is planned; muon: torch.optim.Muon for every "
+        "trainable >= 2-D parameter, placed whole on one rank each as fully_shard places "
+        "them (the padding this adds is in the bytes moved), AdamW for the rest",
+    )
     p.add_argument(
         "--batch-size",
         type=int,

@@ -10,6 +10,7 @@ are then read off the buffers it built (``accounting``).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,13 +20,13 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_buffers import MixedPrecisionPolicy, ParamAndGradBuffer, ShardingStrategy
 from fsdp_buffers.collectives import CollectiveKind
-from fsdp_buffers.no_shard import copy_param_attributes
+from fsdp_buffers.no_shard import FSDP_WHOLE_ATTR, copy_param_attributes
 from fsdp_hooks import DistributedDataParallelConfig
 from fsdp_hooks.experts import resolve_is_expert_param
 from fsdp_hooks.validation import check_hybrid_index, check_outer_strategy, check_param_dtype
 from fsdp_mesh import FSDPDistributedIndex, build_device_mesh
 from fsdp_plan.accounting import (
-    OPTIMIZER_STATES,
+    OPTIMIZERS,
     comm_per_step,
     model_state_bytes,
     optimizer_state_bytes,
@@ -175,6 +176,19 @@ def _pieces(meshes, world_size: int) -> dict[str, list[int]]:
     }
 
 
+def _mark_muon(meta: nn.Module, muon_params: Callable[[str, nn.Parameter], bool] | None) -> None:
+    """Mark what ``fully_shard(model, [Muon(hidden), AdamW(rest)])`` places whole: the
+    trainable matrices (>= 2-D: ``fsdp_hooks.optimizers._needs_whole`` for Muon) that
+    ``muon_params(name, param)`` selects (all of them without it)."""
+    if muon_params is not None and not callable(muon_params):
+        raise TypeError(
+            f"muon_params must be a callable (name, parameter) -> bool; got {muon_params!r:.80}"
+        )
+    for name, p in meta.named_parameters():
+        if p.requires_grad and p.ndim >= 2 and (muon_params is None or muon_params(name, p)):
+            setattr(p, FSDP_WHOLE_ATTR, True)
+
+
 def _check_options(options: dict[str, Any]) -> None:
     for name, value in options.items():
         if name in _NOT_YET:
@@ -198,6 +212,7 @@ def plan(
     tp: int = 1,
     ep: int = 1,
     optimizer: str = "adamw",
+    muon_params: Callable[[str, nn.Parameter], bool] | None = None,
     batch_size: int | None = None,
     seq_len: int | None = None,
     example_inputs: Any = None,
@@ -214,18 +229,22 @@ def plan(
     ``fsdp_mesh.build_device_mesh`` lays them), the model-state bytes each rank holds,
     the gathered bytes
     at once, and the bytes each step moves. ``optimizer``: one of
-    ``fsdp_plan.accounting.OPTIMIZER_STATES`` ("adamw", "adam", "sgd",
-    "sgd_momentum"). ``batch_size`` and ``seq_len`` (token ids of that shape, one
+    ``fsdp_plan.accounting.OPTIMIZERS`` ("adamw", "adam", "sgd", "sgd_momentum",
+    "muon"). ``"muon"`` plans ``fully_shard(module, [Muon(matrices), AdamW(rest)])``:
+    the trainable >= 2-D parameters (those ``muon_params(name, param)`` selects, e.g.
+    the hidden matrices without embedding and head; all of them without it) are placed
+    whole on one rank each by the library's own owner assignment, with one momentum
+    buffer; the others are AdamW's. ``batch_size`` and ``seq_len`` (token ids of that shape, one
     rank's micro-batch) or ``example_inputs`` (a tensor, a tuple of positional or a dict
     of keyword arguments) add ``activations``: the tensors a meta-device training
     forward saves for backward (``fsdp_plan.activations``). ``module`` is not modified;
     build it under ``torch.device("meta")`` to plan a model that does not fit in host
     memory."""
     inputs = forward_inputs(batch_size, seq_len, example_inputs)
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(
-            f"optimizer={optimizer!r} is not one plan() knows; allowed: {sorted(OPTIMIZER_STATES)}"
-        )
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is not one plan() knows; allowed: {OPTIMIZERS}")
+    if muon_params is not None and optimizer != "muon":
+        raise ValueError(f"muon_params is for optimizer='muon'; got optimizer={optimizer!r}")
     _check_options(options)
     strategy = ShardingStrategy.parse(options.get("zero_dp_strategy", 3))
     outer = ShardingStrategy.parse(options.get("outer_dp_sharding_strategy", 0))
@@ -242,6 +261,8 @@ def plan(
         )
     double_buffer = bool(options.get("fsdp_double_buffer") or options.get("maxpool_double_buffer"))
     meta = _meta_copy(module)
+    if optimizer == "muon":
+        _mark_muon(meta, muon_params)
     activations = None if inputs is None else meta_activations(meta, *inputs)
     with fake_world(world_size, rank=0):
         meshes = build_device_mesh(
