@@ -589,3 +589,32 @@ def test_checkpoint_reshards_across_world_sizes(tmp_path, strategy):
         )
         for name, value in ref["params"].items():
             torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _padding_warnings(unit_size: int | None) -> list[str]:
+    """The whole-placement padding warnings of wrapping four bias-free 32x32 units for
+    Muon at this world size, one unit per bucket or coalesced into one."""
+    import warnings
+
+    torch.manual_seed(0)
+    module = nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(4)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fully_shard(
+            module,
+            torch.optim.Muon(module.parameters(), lr=1e-3),
+            fsdp_unit_modules=[nn.Linear],
+            zero_dp_strategy=3,
+            suggested_communication_unit_size=unit_size,
+        )
+    return [str(w.message) for w in caught if "whole placement" in str(w.message)]
+
+
+def test_wrap_warns_when_whole_placement_pads():
+    """A bucket with one matrix at four ranks moves 4x its elements (each rank's shard is
+    one whole matrix): the wrap says so on every rank; four matrices in one bucket
+    (coalesced) pad nothing and say nothing."""
+    for rank_warnings in run_distributed(_padding_warnings, 4, args=(None,), timeout=120):
+        assert len(rank_warnings) == 1 and "4.00x" in rank_warnings[0], rank_warnings
+    for rank_warnings in run_distributed(_padding_warnings, 4, args=(1 << 16,), timeout=120):
+        assert rank_warnings == [], rank_warnings

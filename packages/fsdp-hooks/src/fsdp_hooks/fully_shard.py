@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -253,7 +254,36 @@ def fully_shard_model(
     model.preproc_state_dict_for_dcp_ckpt = (
         preproc_state_dict_for_dcp_ckpt and strategy is not ShardingStrategy.NO_SHARD
     )
+    _warn_whole_padding(model)
     return model
+
+
+# Whole placement pads a bucket's shards to its most-loaded owner's matrices; past this
+# factor of the bytes it holds, the wrap says so (the same figures on every rank).
+_WHOLE_PADDING_WARN = 1.25
+
+
+def _warn_whole_padding(model: MegatronFSDP) -> None:
+    """Warn when whole placement makes the buckets holding whole-placed matrices move
+    more than ``_WHOLE_PADDING_WARN`` times their parameters' elements: a bucket with
+    fewer matrices than ranks sizes every rank's shard by one whole matrix, so the
+    padding grows with the world size (``fsdp-plan --optimizer muon`` shows it before
+    launch)."""
+    whole = [b.layout for b in model.buffer.buckets if b.layout.has_whole]
+    used = sum(layout.used_numel for layout in whole)
+    moved = sum(layout.total_numel for layout in whole)
+    if used and moved > _WHOLE_PADDING_WARN * used:
+        warnings.warn(
+            f"fsdp: whole placement (for a whole-matrix optimizer such as Muon) pads the "
+            f"shards of {len(whole)} bucket(s) to {moved / used:.2f}x their parameters' "
+            "elements: each rank's shard is as large as its most-loaded owner's matrices, "
+            "so collectives and sharded buffers grow by that factor. Put more matrices in "
+            "a bucket (suggested_communication_unit_size joins consecutive units; at "
+            "least as many matrices per bucket as ranks) or shard fewer ranks "
+            "(fsdp-plan --optimizer muon predicts it)",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _check_reads_decoupled_grad(
