@@ -135,8 +135,14 @@ def test_lr_schedulers_built_after_fully_shard():
     _check([("SGD", "StepLR", 1)])
 
 
-def _refused(factory: _Factory, strategy: int) -> list[str]:
+def _with_0d() -> nn.Module:
     module = _model()
+    module.register_parameter("scale", nn.Parameter(torch.tensor(1.5)))
+    return module
+
+
+def _refused(factory: _Factory, strategy: int, make_model=_model) -> list[str]:
+    module = make_model()
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     opt = factory(list(module.parameters()))
     try:
@@ -155,6 +161,8 @@ def _all_refusals() -> list[list[str]]:
         _refused(lambda p: torch.optim.LBFGS(p), 0),
         _refused(lambda p: torch.optim.SparseAdam(p), 0),
     ]
+    # A 0-d parameter, under every strategy (no_shard steps a replicated DTensor too).
+    out += [_refused(lambda p: torch.optim.Rprop(p), s, _with_0d) for s in STRATEGIES]
     return out
 
 
@@ -165,4 +173,39 @@ def test_unsupported_optimizers_are_refused_on_every_rank():
     assert all(len(m) == 1 for m in messages), messages
     assert "LBFGS is not supported" in messages[0][0] and "closure" in messages[0][0]
     assert "SparseAdam is not supported" in messages[1][0] and "sparse" in messages[1][0]
-    assert len(messages) == 2, messages  # whole-matrix optimizers are placed, not refused
+    for message in messages[2:]:
+        assert "Rprop cannot step a 0-d parameter" in message[0], message
+    assert len(messages) == 2 + len(STRATEGIES), messages  # whole-matrix ones are placed
+
+
+class _Counting(torch.optim.Optimizer):
+    """Not a torch optimizer: fsdp does not know its state keys."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {"lr": 0.1})
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["seen"] = torch.zeros_like(p)
+
+    def step(self, closure=None):
+        return None
+
+
+def _unknown_0d_state() -> list[str]:
+    messages = []
+    for make in (_model, _with_0d):
+        module = make()
+        try:
+            fully_shard(module, _Counting(list(module.parameters())))
+        except ValueError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def test_unknown_0d_state_of_a_0d_parameter_is_refused_on_every_rank():
+    """Whether a 0-d tensor of an unknown optimizer's state is per-element or a scalar
+    cannot be told for a 0-d parameter: refused, not guessed (nd state is moved)."""
+    per_rank = run_distributed(_unknown_0d_state, WORLD, timeout=120)
+    assert per_rank[0] == per_rank[1]
+    assert len(per_rank[0]) == 1, per_rank[0]
+    assert "'seen'" in per_rank[0][0] and "0-d parameter" in per_rank[0][0], per_rank[0]
