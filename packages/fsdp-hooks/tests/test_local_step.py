@@ -4,7 +4,8 @@
   (world 2) and HSDP, outer replicate and fully sharded (world 4), 4 steps of a model with
   an uneven shard, a 0-d parameter and an unused parameter (grad None), against the same
   model and optimizer in one process on the whole batch, step by step (fp32, 1e-5); the
-  step after the first must run locally.
+  step after the first must run locally. Every other element-wise optimizer (Rprop is
+  refused over a 0-d parameter) likewise under ZeRO-1/2/3, locally and on the DTensors.
 - Against the DTensor step itself (an ``AdamW`` subclass is not stepped locally): every
   element-wise optimizer gives bit-identical weights and state, and the state has the same
   types and placements (DTensor per-element state, plain 0-d scalars).
