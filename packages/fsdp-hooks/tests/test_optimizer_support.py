@@ -4,7 +4,8 @@ LR schedulers built after ``fully_shard`` (the usual order) work.
 
 Parity: world size 2, ZeRO-3 (and the other strategies for some), 3 steps of a two-layer MLP whose shapes
 split evenly over the ranks, each rank on its half of a global batch, against the
-same model and optimizer in one process on the whole batch (fp32, 1e-5).
+same model and optimizer in one process on the whole batch (fp32, 1e-5). Rprop over a
+0-d parameter is refused unless ``capturable`` (which then matches one process).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim import rprop
 
 from fsdp_hooks import fully_shard
 from fsdp_mesh.testing import assert_tensors_close, run_distributed
@@ -209,3 +211,56 @@ def test_unknown_0d_state_of_a_0d_parameter_is_refused_on_every_rank():
     assert per_rank[0] == per_rank[1]
     assert len(per_rank[0]) == 1, per_rank[0]
     assert "'seen'" in per_rank[0][0] and "0-d parameter" in per_rank[0][0], per_rank[0]
+
+
+def _cpu_too(supports_xla: bool = True) -> list[str]:
+    # torch allows capturable=True only on accelerators; its update (torch.where instead
+    # of boolean indexing) is the same on CPU, which is what these tests have.
+    return ["cpu"]
+
+
+def _allow_capturable_on_cpu() -> None:
+    """In a worker process (its own interpreter)."""
+    rprop._get_capturable_supported_devices = _cpu_too
+
+
+def _capturable_rprop(cases: list[tuple[int, bool]]) -> dict:
+    _allow_capturable_on_cpu()
+    rank = dist.get_rank()
+    rows = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    out = {}
+    for strategy, local in cases:
+        module = _with_0d()
+        model, opt = fully_shard(
+            module,
+            torch.optim.Rprop(list(module.parameters()), lr=0.01, capturable=True),
+            zero_dp_strategy=strategy,
+        )
+        if not local:  # the DTensor step
+            opt._fsdp_local_step._kind = None
+        for step in range(STEPS):
+            x, y = _batch(step)
+            opt.zero_grad()
+            ((model(x[rows]) * model.module.scale - y[rows]) ** 2).mean().backward()
+            opt.step()
+        out[(strategy, local)] = model.buffer.views.full_parameters()
+    return out
+
+
+def test_capturable_rprop_steps_a_0d_parameter_as_one_process(monkeypatch):
+    """``capturable`` Rprop does not index with a boolean mask: it is not refused over a
+    0-d parameter, and both the local and the DTensor step match one process."""
+    cases = [(s, local) for s in (1, 2, 3) for local in (True, False)]
+    got = run_distributed(_capturable_rprop, WORLD, args=(cases,), timeout=120)[0]
+    monkeypatch.setattr(rprop, "_get_capturable_supported_devices", _cpu_too)
+    module = _with_0d()
+    opt = torch.optim.Rprop(list(module.parameters()), lr=0.01, capturable=True)
+    for step in range(STEPS):
+        x, y = _batch(step)
+        opt.zero_grad()
+        ((module(x) * module.scale - y) ** 2).mean().backward()
+        opt.step()
+    ref = {n: p.detach().clone() for n, p in module.named_parameters()}
+    assert ref["scale"] != 1.5
+    for case in cases:
+        assert_tensors_close(got[case], ref, where=f"capturable Rprop {case}")
