@@ -196,7 +196,8 @@ def test_every_elementwise_optimizer_with_a_0d_parameter_matches_one_process():
 
 
 def test_local_step_matches_one_process_hsdp():
-    cases = [(name, c) for name in ("AdamW", "SGD") for c in ("hsdp", "hsdp-optim")]
+    # Adagrad: its state from __init__ is placed on the 0-d parameter's 2-d mesh too.
+    cases = [(name, c) for name in ("AdamW", "SGD", "Adagrad") for c in ("hsdp", "hsdp-optim")]
     _check_parity(cases, 4)
 
 

@@ -143,6 +143,12 @@ def _with_0d() -> nn.Module:
     return module
 
 
+def _with_frozen_0d() -> nn.Module:
+    module = _with_0d()
+    module.scale.requires_grad_(False)
+    return module
+
+
 def _refused(factory: _Factory, strategy: int, make_model=_model) -> list[str]:
     module = make_model()
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
@@ -165,6 +171,7 @@ def _all_refusals() -> list[list[str]]:
     ]
     # A 0-d parameter, under every strategy (no_shard steps a replicated DTensor too).
     out += [_refused(lambda p: torch.optim.Rprop(p), s, _with_0d) for s in STRATEGIES]
+    out.append(_refused(lambda p: torch.optim.Rprop(p), 3, _with_frozen_0d))  # not stepped
     return out
 
 
@@ -172,12 +179,13 @@ def test_unsupported_optimizers_are_refused_on_every_rank():
     per_rank = run_distributed(_all_refusals, WORLD, timeout=120)
     assert per_rank[0] == per_rank[1]
     messages = per_rank[0]
-    assert all(len(m) == 1 for m in messages), messages
+    assert all(len(m) == 1 for m in messages[:-1]), messages
     assert "LBFGS is not supported" in messages[0][0] and "closure" in messages[0][0]
     assert "SparseAdam is not supported" in messages[1][0] and "sparse" in messages[1][0]
-    for message in messages[2:]:
+    for message in messages[2:-1]:
         assert "Rprop cannot step a 0-d parameter" in message[0], message
-    assert len(messages) == 2 + len(STRATEGIES), messages  # whole-matrix ones are placed
+    assert messages[-1] == [], messages  # a frozen 0-d parameter is not stepped
+    assert len(messages) == 3 + len(STRATEGIES), messages  # whole-matrix ones are placed
 
 
 class _Counting(torch.optim.Optimizer):

@@ -119,7 +119,7 @@ def inner_parameters(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 
 
 def _has_0d(params: list[torch.Tensor]) -> bool:
-    return any(p.ndim == 0 for p in params)
+    return any(p.ndim == 0 and p.requires_grad for p in params)  # frozen: not stepped
 
 
 def check_optimizer_supported(
