@@ -4,7 +4,8 @@
   (world 2) and HSDP, outer replicate and fully sharded (world 4), 4 steps of a model with
   an uneven shard, a 0-d parameter and an unused parameter (grad None), against the same
   model and optimizer in one process on the whole batch, step by step (fp32, 1e-5); the
-  step after the first must run locally.
+  step after the first must run locally. Every other element-wise optimizer (Rprop is
+  refused over a 0-d parameter) likewise under ZeRO-1/2/3, locally and on the DTensors.
 - Against the DTensor step itself (an ``AdamW`` subclass is not stepped locally): every
   element-wise optimizer gives bit-identical weights and state, and the state has the same
   types and placements (DTensor per-element state, plain 0-d scalars).
@@ -58,12 +59,12 @@ def _model(scalar: bool = True) -> nn.Module:
     return _Model(scalar)
 
 
-# The DTensor step of these fails on a 0-d parameter, with or without the local step:
-# Adagrad's state made in __init__ is not moved onto a 0-d main weight
-# (``move_state_to_main_weights`` tells per-element state from ``step`` by shape, and
-# both are 0-d there); Rprop's boolean indexing of a 0-d DTensor mixes in a plain tensor
-# (at wrap, in init_optimizer_state). Tested here without the 0-d parameter.
-_NO_SCALAR = {"Adagrad", "Rprop"}
+# Refused at wrap over a 0-d parameter (its DTensor step indexes the 0-d DTensor with a
+# boolean mask, which torch turns into a plain index tensor; test_optimizer_support
+# tests the refusal). Tested here without the 0-d parameter.
+_NO_SCALAR = {"Rprop"}
+# State from __init__ (moved onto the main weights at wrap): its first step is local too.
+_STATE_BEFORE_STEP = {"SGD-plain", "Adagrad"}
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,13 +137,15 @@ def _wrap(opt_name: str, config: str):
             zero_dp_strategy=3,
             outer_dp_sharding_strategy="optim" if config == "hsdp-optim" else "no_shard",
         )
-    return fully_shard(module, opt, zero_dp_strategy=int(config[-1]))
+    return fully_shard(module, opt, zero_dp_strategy=int(config.removesuffix("-dtensor")[-1]))
 
 
 def _train(cases: list[tuple[str, str]], world: int) -> dict:
     out = {}
     for opt_name, config in cases:
         model, opt = _wrap(opt_name, config)
+        if config.endswith("-dtensor"):  # the DTensor step of the same optimizer
+            opt._fsdp_local_step._kind = None
         params, local = [], []
         for step in range(STEPS):
             _step(model, opt, step, _rows(world))
@@ -160,7 +163,10 @@ def _check_parity(cases: list[tuple[str, str]], world: int) -> None:
         for rank_got in got:
             params, local = rank_got[(opt_name, config)]
             # The first step creates the state on the DTensors (plain SGD keeps none).
-            assert local == [opt_name == "SGD-plain"] + [True] * (STEPS - 1), (opt_name, config)
+            expected = [opt_name in _STATE_BEFORE_STEP] + [True] * (STEPS - 1)
+            if config.endswith("-dtensor"):
+                expected = [False] * STEPS
+            assert local == expected, (opt_name, config)
             for step in range(STEPS):
                 assert_tensors_close(params[step], ref[step], where=f"{opt_name} {config} {step}")
             assert torch.equal(params[-1]["unused.weight"], _model().unused.weight)
@@ -174,8 +180,24 @@ def test_local_step_matches_one_process_zero123():
     _check_parity(cases, 2)
 
 
+def test_every_elementwise_optimizer_with_a_0d_parameter_matches_one_process():
+    """Both the local and the DTensor step, under ZeRO-1/2/3, of a model with a 0-d
+    parameter (replicated on every rank, its state alike). Adagrad's state from
+    ``__init__`` was left a plain tensor on the 0-d parameter (mixed with DTensors)."""
+    names = [n for n in OPTIMIZERS if n not in _NO_SCALAR and not n.startswith("Adam-")]
+    cases = [
+        (name, f"zero{s}{how}")
+        for name in names
+        for s in (1, 2, 3)
+        for how in ("", "-dtensor")
+        if how or name not in ("Adam", "AdamW", "SGD", "SGD-plain")  # tested above
+    ]
+    _check_parity(cases, 2)
+
+
 def test_local_step_matches_one_process_hsdp():
-    cases = [(name, c) for name in ("AdamW", "SGD") for c in ("hsdp", "hsdp-optim")]
+    # Adagrad: its state from __init__ is placed on the 0-d parameter's 2-d mesh too.
+    cases = [(name, c) for name in ("AdamW", "SGD", "Adagrad") for c in ("hsdp", "hsdp-optim")]
     _check_parity(cases, 4)
 
 

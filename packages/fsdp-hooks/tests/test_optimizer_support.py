@@ -4,7 +4,8 @@ LR schedulers built after ``fully_shard`` (the usual order) work.
 
 Parity: world size 2, ZeRO-3 (and the other strategies for some), 3 steps of a two-layer MLP whose shapes
 split evenly over the ranks, each rank on its half of a global batch, against the
-same model and optimizer in one process on the whole batch (fp32, 1e-5).
+same model and optimizer in one process on the whole batch (fp32, 1e-5). Rprop over a
+0-d parameter is refused unless ``capturable`` (which then matches one process).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim import rprop
 
 from fsdp_hooks import fully_shard
 from fsdp_mesh.testing import assert_tensors_close, run_distributed
@@ -135,8 +137,20 @@ def test_lr_schedulers_built_after_fully_shard():
     _check([("SGD", "StepLR", 1)])
 
 
-def _refused(factory: _Factory, strategy: int) -> list[str]:
+def _with_0d() -> nn.Module:
     module = _model()
+    module.register_parameter("scale", nn.Parameter(torch.tensor(1.5)))
+    return module
+
+
+def _with_frozen_0d() -> nn.Module:
+    module = _with_0d()
+    module.scale.requires_grad_(False)
+    return module
+
+
+def _refused(factory: _Factory, strategy: int, make_model=_model) -> list[str]:
+    module = make_model()
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     opt = factory(list(module.parameters()))
     try:
@@ -155,6 +169,9 @@ def _all_refusals() -> list[list[str]]:
         _refused(lambda p: torch.optim.LBFGS(p), 0),
         _refused(lambda p: torch.optim.SparseAdam(p), 0),
     ]
+    # A 0-d parameter, under every strategy (no_shard steps a replicated DTensor too).
+    out += [_refused(lambda p: torch.optim.Rprop(p), s, _with_0d) for s in STRATEGIES]
+    out.append(_refused(lambda p: torch.optim.Rprop(p), 3, _with_frozen_0d))  # not stepped
     return out
 
 
@@ -162,7 +179,96 @@ def test_unsupported_optimizers_are_refused_on_every_rank():
     per_rank = run_distributed(_all_refusals, WORLD, timeout=120)
     assert per_rank[0] == per_rank[1]
     messages = per_rank[0]
-    assert all(len(m) == 1 for m in messages), messages
+    assert all(len(m) == 1 for m in messages[:-1]), messages
     assert "LBFGS is not supported" in messages[0][0] and "closure" in messages[0][0]
     assert "SparseAdam is not supported" in messages[1][0] and "sparse" in messages[1][0]
-    assert len(messages) == 2, messages  # whole-matrix optimizers are placed, not refused
+    for message in messages[2:-1]:
+        assert "Rprop cannot step a 0-d parameter" in message[0], message
+    assert messages[-1] == [], messages  # a frozen 0-d parameter is not stepped
+    assert len(messages) == 3 + len(STRATEGIES), messages  # whole-matrix ones are placed
+
+
+class _Counting(torch.optim.Optimizer):
+    """Not a torch optimizer: fsdp does not know its state keys."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {"lr": 0.1})
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["seen"] = torch.zeros_like(p)
+
+    def step(self, closure=None):
+        return None
+
+
+def _unknown_0d_state() -> list[str]:
+    messages = []
+    for make in (_model, _with_0d):
+        module = make()
+        try:
+            fully_shard(module, _Counting(list(module.parameters())))
+        except ValueError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def test_unknown_0d_state_of_a_0d_parameter_is_refused_on_every_rank():
+    """Whether a 0-d tensor of an unknown optimizer's state is per-element or a scalar
+    cannot be told for a 0-d parameter: refused, not guessed (nd state is moved)."""
+    per_rank = run_distributed(_unknown_0d_state, WORLD, timeout=120)
+    assert per_rank[0] == per_rank[1]
+    assert len(per_rank[0]) == 1, per_rank[0]
+    assert "'seen'" in per_rank[0][0] and "0-d parameter" in per_rank[0][0], per_rank[0]
+
+
+def _cpu_too(supports_xla: bool = True) -> list[str]:
+    # torch allows capturable=True only on accelerators; its update (torch.where instead
+    # of boolean indexing) is the same on CPU, which is what these tests have.
+    return ["cpu"]
+
+
+def _allow_capturable_on_cpu() -> None:
+    """In a worker process (its own interpreter)."""
+    rprop._get_capturable_supported_devices = _cpu_too
+
+
+def _capturable_rprop(cases: list[tuple[int, bool]]) -> dict:
+    _allow_capturable_on_cpu()
+    rank = dist.get_rank()
+    rows = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    out = {}
+    for strategy, local in cases:
+        module = _with_0d()
+        model, opt = fully_shard(
+            module,
+            torch.optim.Rprop(list(module.parameters()), lr=0.01, capturable=True),
+            zero_dp_strategy=strategy,
+        )
+        if not local:  # the DTensor step
+            opt._fsdp_local_step._kind = None
+        for step in range(STEPS):
+            x, y = _batch(step)
+            opt.zero_grad()
+            ((model(x[rows]) * model.module.scale - y[rows]) ** 2).mean().backward()
+            opt.step()
+        out[(strategy, local)] = model.buffer.views.full_parameters()
+    return out
+
+
+def test_capturable_rprop_steps_a_0d_parameter_as_one_process(monkeypatch):
+    """``capturable`` Rprop does not index with a boolean mask: it is not refused over a
+    0-d parameter, and both the local and the DTensor step match one process."""
+    cases = [(s, local) for s in (1, 2, 3) for local in (True, False)]
+    got = run_distributed(_capturable_rprop, WORLD, args=(cases,), timeout=120)[0]
+    monkeypatch.setattr(rprop, "_get_capturable_supported_devices", _cpu_too)
+    module = _with_0d()
+    opt = torch.optim.Rprop(list(module.parameters()), lr=0.01, capturable=True)
+    for step in range(STEPS):
+        x, y = _batch(step)
+        opt.zero_grad()
+        ((module(x) * module.scale - y) ** 2).mean().backward()
+        opt.step()
+    ref = {n: p.detach().clone() for n, p in module.named_parameters()}
+    assert ref["scale"] != 1.5
+    for case in cases:
+        assert_tensors_close(got[case], ref, where=f"capturable Rprop {case}")

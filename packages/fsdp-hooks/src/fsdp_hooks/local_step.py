@@ -51,7 +51,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import optimizer as torch_optimizer
 
-__all__ = ["LocalStep"]
+__all__ = ["LocalStep", "state_keys"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,16 @@ _KINDS: dict[type, _Kind] = {
     for name, kind in _KINDS_BY_NAME.items()
     if (cls := getattr(torch.optim, name, None)) is not None
 }
+
+
+def state_keys(optimizer: torch.optim.Optimizer) -> _Kind | None:
+    """The state keys of ``optimizer``'s class, or of its nearest listed base class (a
+    subclass creates its base's state, whatever it does to the update); None: unknown."""
+    for cls in type(optimizer).__mro__:
+        kind = _KINDS.get(cls)
+        if kind is not None:
+            return kind
+    return None
 
 
 def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:

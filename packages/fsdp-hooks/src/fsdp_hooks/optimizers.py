@@ -10,6 +10,9 @@ tensor. Refused at wrap, with the reason:
   gradients before fsdp's ``step`` could reduce them, and it works on one flat vector
   of every parameter.
 - ``SparseAdam``: it needs sparse gradients; fsdp's gradients are dense buffers.
+- ``Rprop`` (unless ``capturable``) over a 0-d parameter: its step indexes the parameter's
+  0-d DTensor with a boolean mask, which torch turns into a plain index tensor that
+  DTensor refuses to mix in (a torch limit; its ``capturable`` path uses ``torch.where``).
 - ``Adafactor`` and ``Muon`` under a sharding strategy (1-3), for parameters that are not
   whole-placed: they need whole rows and columns and per-tensor RMS (Adafactor, for every
   parameter with a dim) or whole matrices (Muon's orthogonalization), which a row piece
@@ -33,6 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from fsdp_buffers.no_shard import FSDP_WHOLE_ATTR
 from fsdp_buffers.whole_param import WholeParameter, inner_of
+from fsdp_hooks.local_step import state_keys
 
 __all__ = [
     "check_optimizer_supported",
@@ -114,6 +118,10 @@ def inner_parameters(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         show_whole_parameters(optimizer)
 
 
+def _has_0d(params: list[torch.Tensor]) -> bool:
+    return any(p.ndim == 0 and p.requires_grad for p in params)  # frozen: not stepped
+
+
 def check_optimizer_supported(
     optimizer: torch.optim.Optimizer, sharded: bool, where: str = "fully_shard"
 ) -> None:
@@ -139,6 +147,19 @@ def check_optimizer_supported(
             f"{where}: {name} is not supported: it needs sparse gradients and fsdp's "
             "gradients are dense buffers; use Adam or AdamW"
         )
+    rprop = _class("Rprop")
+    if rprop is not None and isinstance(optimizer, rprop):
+        scalars = [
+            g for g in optimizer.param_groups if not g.get("capturable") and _has_0d(g["params"])
+        ]
+        if scalars:
+            raise TypeError(
+                f"{where}: {name} cannot step a 0-d parameter (a scalar, shape ()) of fsdp's "
+                "main weights: its step indexes the 0-d DTensor with a boolean mask "
+                "(sign[sign.gt(0)] = etaplus), which torch turns into a plain index tensor "
+                "that DTensor refuses to mix in; give the parameter shape (1,), or step it "
+                "with another optimizer (e.g. Adam)"
+            )
     if sharded and is_whole_matrix_optimizer(optimizer):
         matrices = [
             tuple(p.shape)
@@ -183,15 +204,44 @@ def _shard_like(value: torch.Tensor, dparam: DTensor, what: str) -> DTensor:
     return piece
 
 
+def _is_per_element(
+    optimizer: torch.optim.Optimizer, key: str, value: Any, original: torch.Tensor
+) -> bool:
+    """Whether the state ``value`` has one entry per element of ``original`` (to be
+    placed as its main weight) rather than being a scalar (``step``, kept as it is).
+    The shape tells them apart except for a 0-d parameter, whose per-element state is
+    0-d too (Adagrad's ``sum``): there the optimizer's known keys do."""
+    if (
+        not isinstance(value, torch.Tensor)
+        or isinstance(value, DTensor)
+        or value.shape != original.shape
+    ):
+        return False
+    kind = state_keys(optimizer)
+    if kind is not None and key in kind.per_element:
+        return True
+    if key == "step" or (kind is not None and key in kind.scalars):
+        return False
+    if original.ndim > 0:
+        return True
+    raise ValueError(
+        f"cannot move the state {key!r} that {type(optimizer).__name__} already holds "
+        "for a 0-d parameter onto the main weights: it is 0-d too, and this optimizer's "
+        "state keys are not known, so whether it is per-element (placed as the "
+        "parameter) or a scalar (kept) cannot be told; build the optimizer's state "
+        "after fully_shard"
+    )
+
+
 def move_state_to_main_weights(
     optimizer: torch.optim.Optimizer, replaced: dict[nn.Parameter, nn.Parameter | None]
 ) -> None:
     """Re-key the state an optimizer already holds (``Adagrad`` creates it in
     ``__init__``; any optimizer after steps taken before wrapping) from each original
     parameter to its main-weight DTensor (``None``: dropped, a frozen parameter).
-    Tensors of the parameter's shape become this rank's piece of them, placed as the
-    parameter (so state from steps before wrapping carries over exactly); others
-    (``step`` counters) are kept."""
+    Per-element tensors (``_is_per_element``) become this rank's piece of them, placed
+    as the parameter (so state from steps before wrapping carries over exactly);
+    others (``step`` counters) are kept."""
     moved: dict[nn.Parameter, dict[str, Any]] = {}
     for original, dparam in replaced.items():
         state = optimizer.state.get(original)
@@ -205,10 +255,7 @@ def move_state_to_main_weights(
             continue
         moved[dparam] = {
             key: _shard_like(value, dparam, repr(key))
-            if isinstance(value, torch.Tensor)
-            and not isinstance(value, DTensor)
-            and value.ndim > 0
-            and value.shape == original.shape
+            if _is_per_element(optimizer, key, value, original)
             else value
             for key, value in state.items()
         }
