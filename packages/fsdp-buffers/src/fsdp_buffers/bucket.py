@@ -369,13 +369,12 @@ class Bucket:
         bucket = buf.fetch_bucket()
         label = f"fsdp.all_gather.{self.gid}"
         pg = self.shard.group
+        pad = buf.layout.padding_fraction
         if buf.layout.is_rank_major(buf.coarse):  # straight into the bucket
-            pad = buf.layout.padding_fraction
             work = collectives.all_gather(bucket, buf.data, pg, self.ctx.stats, label, pad)
             self._gather = PendingCollective(work, keepalive=(bucket,))
         else:
             gathered = torch.empty(buf.layout.total_numel, dtype=buf.dtype, device=buf.device)
-            pad = buf.layout.padding_fraction
             work = collectives.all_gather(gathered, buf.data, pg, self.ctx.stats, label, pad)
 
             def unpack() -> None:

@@ -182,9 +182,9 @@ def group_parameters(
     target = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
     units = find_fsdp_units(module, unit_classes)
     named = list(module.named_parameters())
+    unit_of = [_unit_of(name, units) for name, _p in named]  # once per parameter
     unit_numels = [0] * len(units)
-    for name, p in named:
-        u = _unit_of(name, units)
+    for (_name, p), u in zip(named, unit_of, strict=True):
         if u is not None:
             unit_numels[u] += p.numel()
     comm_unit = coalesce_units(unit_numels, communication_unit_size)
@@ -194,9 +194,8 @@ def group_parameters(
 
     groups: list[ParameterGroup] = []
     open_groups: dict[tuple, ParameterGroup] = {}
-    for name, p in named:
+    for (name, p), unit_id in zip(named, unit_of, strict=True):
         is_float = p.dtype.is_floating_point or p.dtype.is_complex
-        unit_id = _unit_of(name, units)
         if unit_id is not None:
             unit_id = comm_unit[unit_id]
         expert = bool(is_expert_param(name, p)) if is_expert_param else False
