@@ -67,6 +67,12 @@ def _is_whole(p: torch.Tensor) -> bool:
     return bool(getattr(p, FSDP_WHOLE_ATTR, False)) or hasattr(p, "_fsdp_whole_owner")
 
 
+def muon_needs_whole(p: torch.Tensor) -> bool:
+    """Whether Muon needs ``p`` whole: its matrices (it orthogonalizes each update).
+    The planner marks a Muon job's parameters by this rule too."""
+    return p.ndim >= 2
+
+
 def _needs_whole(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> bool:
     """Whether ``optimizer`` needs ``p`` whole: Muon's matrices; every Adafactor parameter
     with a dim (it scales each update by the tensor's RMS and clips it by the update's
@@ -74,7 +80,7 @@ def _needs_whole(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> bool:
     adafactor = _class("Adafactor")
     if adafactor is not None and isinstance(optimizer, adafactor):
         return p.ndim >= 1
-    return p.ndim >= 2
+    return muon_needs_whole(p)
 
 
 def mark_whole_placement(optimizer: torch.optim.Optimizer) -> None:

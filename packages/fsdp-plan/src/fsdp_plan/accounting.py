@@ -125,8 +125,9 @@ def optimizer_state_bytes(
             diff = diffs.setdefault(kind, [0] * (pieces + 1))
             if slot.whole:  # all its state on its owner's piece, none elsewhere
                 assert slot.owner is not None
-                diff[slot.owner] += step_bytes + tensors * slot.numel * elem
-                diff[slot.owner + 1] -= step_bytes + tensors * slot.numel * elem
+                whole = step_bytes + tensors * slot.numel * elem
+                diff[slot.owner] += whole
+                diff[slot.owner + 1] -= whole
                 continue
             everywhere += step_bytes
             for first, last, numel in _piece_numels(layout, i, pieces):

@@ -23,6 +23,7 @@ from fsdp_buffers.collectives import CollectiveKind
 from fsdp_buffers.no_shard import FSDP_WHOLE_ATTR, copy_param_attributes
 from fsdp_hooks import DistributedDataParallelConfig
 from fsdp_hooks.experts import resolve_is_expert_param
+from fsdp_hooks.optimizers import muon_needs_whole
 from fsdp_hooks.validation import check_hybrid_index, check_outer_strategy, check_param_dtype
 from fsdp_mesh import FSDPDistributedIndex, build_device_mesh
 from fsdp_plan.accounting import (
@@ -178,14 +179,18 @@ def _pieces(meshes, world_size: int) -> dict[str, list[int]]:
 
 def _mark_muon(meta: nn.Module, muon_params: Callable[[str, nn.Parameter], bool] | None) -> None:
     """Mark what ``fully_shard(model, [Muon(hidden), AdamW(rest)])`` places whole: the
-    trainable matrices (>= 2-D: ``fsdp_hooks.optimizers._needs_whole`` for Muon) that
+    trainable parameters Muon needs whole (``fsdp_hooks.optimizers.muon_needs_whole``) that
     ``muon_params(name, param)`` selects (all of them without it)."""
     if muon_params is not None and not callable(muon_params):
         raise TypeError(
             f"muon_params must be a callable (name, parameter) -> bool; got {muon_params!r:.80}"
         )
     for name, p in meta.named_parameters():
-        if p.requires_grad and p.ndim >= 2 and (muon_params is None or muon_params(name, p)):
+        if (
+            p.requires_grad
+            and muon_needs_whole(p)
+            and (muon_params is None or muon_params(name, p))
+        ):
             setattr(p, FSDP_WHOLE_ATTR, True)
 
 
