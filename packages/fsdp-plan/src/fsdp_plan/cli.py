@@ -21,12 +21,12 @@ import torch
 
 from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
 from fsdp_plan.accounting import OPTIMIZERS
-from fsdp_plan.plan import MODEL_STATE_KEYS, Plan, plan
+from fsdp_plan.plan import PEAK_KEYS, Plan, plan
 from fsdp_plan.sweep import parse_bytes, sweep
 
 __all__ = ["main"]
 
-_MEMORY_ROWS = (*MODEL_STATE_KEYS, "gathered_peak", "activations", "peak")
+_MEMORY_ROWS = (*PEAK_KEYS, "peak")  # the figures, then their sum
 _TRAFFIC_ROWS = ("all_gather", "reduce_scatter", "all_reduce")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
