@@ -32,9 +32,11 @@ unit's pre-backward (or, when the unit itself was checkpointed reentrantly, its 
 forward ran under no_grad and no pre-backward was registered: gathers them itself),
 prefetches in backward order and puts the unit in PRE_BACKWARD; its post-forward, seeing
 PRE_BACKWARD, keeps them for the backward that follows, so a recomputed unit is gathered
-once for both. The engine's own "is a backward running" query is asked in one place
-only: to tell a backward that raised (its end-of-backward callback never ran, the root
-is left in PRE_BACKWARD) from one still under way (``recover_if_backward_aborted``).
+once for both. The engine's own "is a backward running" query is asked in two places
+only: at a unit's pre-forward when the root is not in PRE_BACKWARD (a forward run by a
+backward that reached no unit's outputs, ``_side_recompute``), and to tell a backward
+that raised (its end-of-backward callback never ran, the root is left in PRE_BACKWARD)
+from one still under way (``recover_if_backward_aborted``).
 
 When reductions start. A bucket's reduction is launched only at points that every rank
 reaches in the same order, so that reductions and the gathers of ZeRO-3's backward are
@@ -380,13 +382,13 @@ class FSDPHooks:
 
     def _unit_pre_forward(self, unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict):
         with annotate("fsdp.pre_forward"):
-            if self.root_state is not TrainingState.PRE_BACKWARD and in_backward():
-                self._side_recompute(unit)
-                return args, kwargs
             # A forward inside this model's backward is a recompute (activation
             # checkpointing): the unit is in PRE_BACKWARD even when no pre-backward hook
             # of its own fired (a reentrant checkpoint ran its forward under no_grad).
             recompute = self.root_state is TrainingState.PRE_BACKWARD
+            if not recompute and in_backward():
+                self._side_recompute(unit)
+                return args, kwargs
             unit.state = TrainingState.PRE_BACKWARD if recompute else TrainingState.FORWARD
             if not recompute and self.schedule is not None:
                 self.schedule.check(Phase.UNIT_FORWARD, unit.index)

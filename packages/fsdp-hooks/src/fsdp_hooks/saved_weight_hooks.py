@@ -46,20 +46,17 @@ class SavedWeightHooks:
 
     def __init__(self, hooks: FSDPHooks) -> None:
         self._hooks = hooks
-        # Compute parameters a unit frees after its forward -> (bucket, unit).
-        self._released_weights: dict[nn.Parameter, tuple[int, FSDPUnit]] = {
-            compute: (hooks.buffer.group_of(compute)[0], unit)
+        # id of each compute parameter a unit frees after its forward -> (bucket, unit).
+        # Keyed by id for the pack hook, called for every saved tensor (a tensor's
+        # __hash__ is a Python call); the parameters live as long as the wrapper.
+        self._released_by_id: dict[int, tuple[int, FSDPUnit]] = {
+            id(compute): (hooks.buffer.group_of(compute)[0], unit)
             for unit in hooks.units
             for _m, _a, compute, _d in unit.locations
         }
         # On unless FSDP_REGATHER_SAVED_WEIGHTS=0 (then such a path raises, see
         # check_side_path, or crashes reading freed memory first).
         self.regather_saved_weights = os.environ.get(REGATHER_ENV, "1") != "0"
-        # Keyed by id for the pack hook, called for every saved tensor (a tensor's
-        # __hash__ is a Python call); the parameters live as long as the wrapper.
-        self._released_by_id = {
-            id(p): (gid, unit) for p, (gid, unit) in self._released_weights.items()
-        }
 
     def saved_weights_hooks(self) -> contextlib.AbstractContextManager:
         """Around the whole forward (unless ``FSDP_REGATHER_SAVED_WEIGHTS=0`` at wrap): a
@@ -72,7 +69,7 @@ class SavedWeightHooks:
         (``saved_weights``: autograd would hand it a copy without them). With the
         override off such a path raises when its gradient arrives
         (``check_side_path``), or crashes reading freed memory first."""
-        if not (self.regather_saved_weights and self._released_weights):
+        if not (self.regather_saved_weights and self._released_by_id):
             return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
 
@@ -99,8 +96,10 @@ class SavedWeightHooks:
         ran, no gradient reached its outputs yet): it came through a path that bypasses
         the unit's outputs and read the weight while it was released (freed, or another
         unit's in a double-buffer slot). Every rank runs the same graph: all raise."""
-        entry = self._released_weights.get(param)  # type: ignore[call-overload]
-        if entry is None or self.regather_saved_weights:
+        if self.regather_saved_weights:  # the default: checked first, no lookup per gradient
+            return
+        entry = self._released_by_id.get(id(param))
+        if entry is None:
             return
         unit = entry[1]
         if unit.state is TrainingState.IDLE and unit.pending_backward > 0:
