@@ -88,7 +88,13 @@ from fsdp_mesh.device import warn_once
 if TYPE_CHECKING:
     from fsdp_hooks.megatron_fsdp import MegatronFSDP
 
-__all__ = ["META_INIT_PENDING_ATTR", "initialize_from_meta", "prepare_meta_init"]
+__all__ = [
+    "META_INIT_PENDING_ATTR",
+    "initialize_from_meta",
+    "local_of",
+    "prepare_meta_init",
+    "set_local",
+]
 
 logger = logging.getLogger("fsdp_hooks")
 
@@ -111,7 +117,7 @@ def prepare_meta_init(module: nn.Module, device: torch.device) -> None:
                 continue
             seen.add(id(p))
             if not p.is_meta:
-                setattr(p, _VALUE_ATTR, _local(p).detach())
+                setattr(p, _VALUE_ATTR, local_of(p).detach())
                 continue
             # One element, expanded: the buffers replace .data with a view right away.
             placeholder = _placeholder(p, device)
@@ -131,12 +137,12 @@ def prepare_meta_init(module: nn.Module, device: torch.device) -> None:
             setattr(p, META_INIT_PENDING_ATTR, True)
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
+def local_of(p: torch.Tensor) -> torch.Tensor:
     """What fsdp stores of ``p``: its local tensor (this rank's tp piece) for a DTensor."""
     return p._local_tensor if isinstance(p, DTensor) else p.data
 
 
-def _set_local(p: nn.Parameter, t: torch.Tensor) -> None:
+def set_local(p: nn.Parameter, t: torch.Tensor) -> None:
     """Point ``p`` at ``t`` (a DTensor's local tensor: the object, its mesh and
     placements stay, as the buffers do it)."""
     if isinstance(p, DTensor):
@@ -192,9 +198,9 @@ class _Materializer:
             flat = torch.zeros(buf.layout.total_numel, dtype=group.dtype, device=buf.device)
             self._track(flat.numel() * flat.element_size())
             for i, p in enumerate(group.params):
-                bucket_views[p] = _local(p)
+                bucket_views[p] = local_of(p)
                 views[p] = buf.param_view(flat, i)
-                _set_local(p, views[p])
+                set_local(p, views[p])
         else:
             flat = buf.data
             for i, p in enumerate(group.params):
@@ -241,7 +247,7 @@ class _Materializer:
             if fine is not None and fine.data.data_ptr() != outer.fine_slice(buf.data).data_ptr():
                 fine.load_from_unsharded(og.flat)
         for p, bucket_view in og.bucket_views.items():
-            _set_local(p, bucket_view)
+            set_local(p, bucket_view)
         if og.flat is not buf.data:
             self._track(-og.flat.numel() * og.flat.element_size())
 

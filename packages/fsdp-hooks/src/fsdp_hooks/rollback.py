@@ -43,6 +43,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_hooks.meta_init import local_of, set_local
+
 __all__ = ["rollback_on_failure"]
 
 _MODULE_HOOK_DICTS = (
@@ -81,11 +83,6 @@ def _readable(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() >= (end + 1) * t.element_size()
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """The tensor holding ``p``'s values on this rank (a DTensor's local tensor)."""
-    return p._local_tensor if isinstance(p, DTensor) else p.data  # type: ignore[attr-defined]
-
-
 class _Snapshot:
     def __init__(self, module: nn.Module, keep_values: bool) -> None:
         self.modules = list(module.modules())
@@ -107,7 +104,7 @@ class _Snapshot:
         # The original value tensors, alive until the agreement (module note).
         self.kept: dict[int, torch.Tensor] = {}
         if keep_values:
-            self.kept = {i: _local(r.param) for i, r in self.params.items() if not r.meta}
+            self.kept = {i: local_of(r.param) for i, r in self.params.items() if not r.meta}
 
     def restore(self) -> list[str]:
         """Put everything back; return the names of parameters whose values are lost."""
@@ -131,10 +128,7 @@ class _Snapshot:
             with torch.no_grad():
                 kept = self.kept.get(id(p))
                 if kept is not None:
-                    if isinstance(p, DTensor):
-                        p._local_tensor = kept  # type: ignore[attr-defined]
-                    else:
-                        p.data = kept
+                    set_local(p, kept)
                 elif record.meta or not _readable(p.data):
                     # A tensor cannot change device in place: a new meta Parameter takes
                     # the slots; the old object keeps an empty tensor (safe to print).
