@@ -265,24 +265,21 @@ class DTensorViews:
         b = self._buffer.buckets[gid]
         slot = b.layout.slots[i]
         shape, dtype = like if like is not None else (slot.shape, b.main_weights.dtype)
-        group = b.shard.group
-        src = slot.owner if group is None else dist.get_global_rank(group, slot.owner)
         device = b.main_weights.device
         if slot.owner == b.shard.rank:
             full = value.detach().to(device=device, dtype=dtype, copy=True)
         else:
             full = torch.empty(shape, dtype=dtype, device=device)
-        dist.broadcast(full, src=src, group=group)
+        dist.broadcast(full, src=_global_rank(b, slot.owner), group=b.shard.group)
         return full
 
     def whole_owner_object(self, name: str, obj: object) -> object:
         """``obj`` (on parameter ``name``'s owner) on every rank of its shard group."""
         gid, i = self.index_of(name)
         b = self._buffer.buckets[gid]
-        group, owner = b.shard.group, b.layout.slots[i].owner
-        src = owner if group is None else dist.get_global_rank(group, owner)
+        owner = b.layout.slots[i].owner
         box = [obj if owner == b.shard.rank else None]
-        dist.broadcast_object_list(box, src=src, group=group)
+        dist.broadcast_object_list(box, src=_global_rank(b, owner), group=b.shard.group)
         return box[0]
 
     def whole_is_mine(self, name: str) -> bool:
@@ -366,9 +363,7 @@ class DTensorViews:
                 full = buf.local_param_view(i).clone()
             else:
                 full = torch.empty(slot.shape, dtype=buf.dtype, device=buf.device)
-            group = b.shard.group
-            src = slot.owner if group is None else dist.get_global_rank(group, slot.owner)
-            dist.broadcast(full, src=src, group=group)
+            dist.broadcast(full, src=_global_rank(b, slot.owner), group=b.shard.group)
             return full
         if slot.replicated:
             return tp.full(p, buf.local_param_view(i).clone())
@@ -382,3 +377,9 @@ class DTensorViews:
         local = buf.local_param_view(i).reshape(-1, *slot.shape[1:])
         full = collectives.all_gather_uneven(local, 0, partition, pg)
         return tp.full(p, full.view(slot.shape))
+
+
+def _global_rank(b: Bucket, shard_rank: int) -> int:
+    """The global rank of ``b``'s shard-group rank ``shard_rank`` (a broadcast's ``src``)."""
+    group = b.shard.group
+    return shard_rank if group is None else dist.get_global_rank(group, shard_rank)

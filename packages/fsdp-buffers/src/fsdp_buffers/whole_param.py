@@ -70,6 +70,12 @@ _ALLOWED: frozenset[Any] = _metadata_getters()
 
 def _torch_function(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
     kwargs = kwargs or {}
+    if func == torch.Tensor.device.__get__:  # type: ignore[attr-defined]
+        return args[0]._fsdp_device
+    if func in _ALLOWED:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    # Refused: find the guard to name it (only on this error path).
     guard = next((a for a in args if isinstance(a, (WholeParameter, WholeGrad))), None)
     if guard is None:  # inside a list: torch._foreach_norm([...]), torch.stack([...])
         for a in args:
@@ -77,11 +83,6 @@ def _torch_function(cls: type, func: Any, types: Any, args: Any = (), kwargs: An
                 guard = next((x for x in a if isinstance(x, (WholeParameter, WholeGrad))), None)
                 if guard is not None:
                     break
-    if func == torch.Tensor.device.__get__:  # type: ignore[attr-defined]
-        return args[0]._fsdp_device
-    if func in _ALLOWED:
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
     what = "the gradient of parameter" if isinstance(guard, WholeGrad) else "parameter"
     raise RuntimeError(
         _MESSAGE.format(
