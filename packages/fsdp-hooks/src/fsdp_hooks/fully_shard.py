@@ -59,7 +59,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
-from fsdp_buffers.whole_param import inner_of
+from fsdp_buffers.whole_param import inner_of, is_whole_parameter
 from fsdp_hooks.config import DistributedDataParallelConfig
 from fsdp_hooks.local_step import LocalStep
 from fsdp_hooks.megatron_fsdp import MegatronFSDP
@@ -463,7 +463,7 @@ def _patch_optimizer(
         if shows_whole and kwargs.get("set_to_none", args[0] if args else True):
             for group in self.param_groups:  # WholeParameters: as torch does to the others
                 for p in group["params"]:
-                    if hasattr(p, "_fsdp_inner"):
+                    if is_whole_parameter(p):
                         p.grad = None
         if zero_buffer:
             model.zero_grad_buffer()
