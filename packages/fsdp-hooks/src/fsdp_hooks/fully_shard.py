@@ -351,10 +351,11 @@ def fully_shard_optimizer(
             if id(p) in ours:
                 new_params.append(inner_of(p))
             elif p in by_compute:
-                # frozen: nothing to optimize
-                replaced[p] = inner_of(by_compute[p]) if p.requires_grad else None
-                if p.requires_grad:
-                    new_params.append(inner_of(by_compute[p]))
+                # frozen (None): nothing to optimize
+                target = inner_of(by_compute[p]) if p.requires_grad else None
+                replaced[p] = target
+                if target is not None:
+                    new_params.append(target)
             else:
                 unknown.append(f"{type(p).__name__}{tuple(p.shape)}")
         new_groups.append(new_params)
