@@ -59,7 +59,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
-from fsdp_buffers.whole_param import inner_of
+from fsdp_buffers.whole_param import inner_of, is_whole_parameter
 from fsdp_hooks.config import DistributedDataParallelConfig
 from fsdp_hooks.local_step import LocalStep
 from fsdp_hooks.megatron_fsdp import MegatronFSDP
@@ -351,10 +351,11 @@ def fully_shard_optimizer(
             if id(p) in ours:
                 new_params.append(inner_of(p))
             elif p in by_compute:
-                # frozen: nothing to optimize
-                replaced[p] = inner_of(by_compute[p]) if p.requires_grad else None
-                if p.requires_grad:
-                    new_params.append(inner_of(by_compute[p]))
+                # frozen (None): nothing to optimize
+                target = inner_of(by_compute[p]) if p.requires_grad else None
+                replaced[p] = target
+                if target is not None:
+                    new_params.append(target)
             else:
                 unknown.append(f"{type(p).__name__}{tuple(p.shape)}")
         new_groups.append(new_params)
@@ -463,7 +464,7 @@ def _patch_optimizer(
         if shows_whole and kwargs.get("set_to_none", args[0] if args else True):
             for group in self.param_groups:  # WholeParameters: as torch does to the others
                 for p in group["params"]:
-                    if hasattr(p, "_fsdp_inner"):
+                    if is_whole_parameter(p):
                         p.grad = None
         if zero_buffer:
             model.zero_grad_buffer()

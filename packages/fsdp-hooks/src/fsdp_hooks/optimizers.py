@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from fsdp_buffers.no_shard import FSDP_WHOLE_ATTR
-from fsdp_buffers.whole_param import WholeParameter, inner_of
+from fsdp_buffers.whole_param import inner_of, is_whole_parameter
 from fsdp_hooks.local_step import state_keys
 
 __all__ = [
@@ -116,8 +116,8 @@ def inner_parameters(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     for group in optimizer.param_groups:
         group["params"] = [inner_of(p) for p in group["params"]]
     state = optimizer.state
-    for key in [k for k in state if isinstance(k, WholeParameter)]:
-        state[key._fsdp_inner] = state.pop(key)  # type: ignore[attr-defined]
+    for key in [k for k in state if is_whole_parameter(k)]:
+        state[inner_of(key)] = state.pop(key)
     try:
         yield
     finally:

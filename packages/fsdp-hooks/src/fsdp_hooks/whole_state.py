@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_buffers.whole_param import inner_of
+
 if TYPE_CHECKING:
     from fsdp_buffers.dtensor_views import DTensorViews
     from fsdp_hooks.hooks import FSDPHooks
@@ -87,7 +89,7 @@ def register_whole_optimizer_state(optimizer: torch.optim.Optimizer, views: DTen
     positions: list[tuple[int, str, torch.Size]] = []
     flat = [p for group in optimizer.param_groups for p in group["params"]]
     for index, p in enumerate(flat):
-        inner = getattr(p, "_fsdp_inner", p)
+        inner = inner_of(p)
         if hasattr(inner, "_fsdp_whole_owner"):
             positions.append((index, names[id(inner)], p.shape))
 
