@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_buffers.whole_param import inner_of
 from fsdp_ckpt import _dist
 from fsdp_ckpt.errors import CheckpointMismatchError
 from fsdp_ckpt.names import entry_of, keys_may_differ_across_ranks, param_fqns
@@ -195,7 +196,7 @@ def init_optimizer_state(
     wanted = list(_ordered_params(optimizer) if params is None else params)
     # fsdp's whole-placed parameters step through their inner tensor (a meta placeholder
     # on the ranks that do not own it: no state there); fsdp swaps them in for this.
-    wanted = [getattr(p, "_fsdp_inner", p) for p in wanted]
+    wanted = [inner_of(p) for p in wanted]
     swap = getattr(optimizer, "_fsdp_inner_parameters", None)
     with swap() if swap is not None else contextlib.nullcontext():
         todo = {p for p in wanted if not p.is_meta and not optimizer.state.get(p)}

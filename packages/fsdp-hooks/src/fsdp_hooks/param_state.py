@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_buffers.whole_param import inner_of
 from fsdp_mesh.device import control_device
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ class ParamState:
         # The DTensor's own counter (in-place ops on it) and its local shard's, shared
         # with the buffer it views (writes through ``p.data``, which has a counter of its
         # own). Only optimizers, installs and users write main weights between steps.
-        dparam = getattr(dparam, "_fsdp_inner", dparam)  # a WholeParameter's real tensor
+        dparam = inner_of(dparam)  # a WholeParameter's real tensor
         local = getattr(dparam, "_local_tensor", dparam)
         return dparam._version, local._version
 
