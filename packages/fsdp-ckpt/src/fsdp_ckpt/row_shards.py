@@ -35,11 +35,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_ckpt import _dist
 from fsdp_ckpt.errors import CheckpointError
+from fsdp_mesh.dtensor_chunks import chunk_of
 
 __all__ = [
     "Partition",
@@ -154,8 +154,7 @@ def _local(dt: DTensor) -> torch.Tensor:
 def _chunk_sized(dt: DTensor) -> bool:
     if dt.device_mesh.get_coordinate() is None:
         return True
-    shape, _ = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
-    return tuple(_local(dt).shape) == tuple(shape)
+    return tuple(_local(dt).shape) == tuple(chunk_of(dt).sizes)
 
 
 Entry = tuple[Any, Partition | None, TensorParallelPart | None]

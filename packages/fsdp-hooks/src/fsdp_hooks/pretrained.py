@@ -15,7 +15,7 @@ The checkpoint's names and shapes are mapped by transformers' own loading machin
 each converter's ``convert``: per-expert tensors fused into 3-D, renamed keys, split or
 concatenated projections, exactly as ``PreTrainedModel.from_pretrained`` would do them.
 No table of our own. The slice a rank keeps is the DTensor's own
-(``compute_local_shape_and_global_offset``: the ``torch.chunk`` piece of ``Shard(d)``).
+(``fsdp_mesh.dtensor_chunks.chunk_piece``: the ``torch.chunk`` piece of ``Shard(d)``).
 
 Never silently wrong: a checkpoint key that maps to nothing in the model, a shape that
 differs from the model's, a conversion that fails and a parameter or persistent buffer
@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from fsdp_hooks.fully_shard import fully_shard_model
 from fsdp_hooks.megatron_fsdp import MegatronFSDP
+from fsdp_mesh.dtensor_chunks import chunk_piece
 
 __all__ = ["from_pretrained", "save_pretrained"]
 
@@ -115,19 +115,6 @@ def _matches_any(key: str, patterns: list[str] | None) -> bool:
     return any(re.search(p, key) for p in patterns or ())
 
 
-def _local_piece(full: torch.Tensor, dest: DTensor) -> torch.Tensor:
-    """This rank's piece of ``full`` under ``dest``'s placements (the DTensor contract:
-    ``compute_local_shape_and_global_offset``)."""
-    shape, offset = compute_local_shape_and_global_offset(
-        dest.shape, dest.device_mesh, dest.placements
-    )
-    piece = full
-    for dim, (size, start) in enumerate(zip(shape, offset, strict=True)):
-        if size != full.shape[dim]:
-            piece = piece.narrow(dim, start, size)
-    return piece
-
-
 def _copy_into(name: str, dest: torch.Tensor, full: torch.Tensor) -> None:
     if tuple(full.shape) != tuple(dest.shape):
         raise ValueError(
@@ -136,7 +123,7 @@ def _copy_into(name: str, dest: torch.Tensor, full: torch.Tensor) -> None:
             f"config does not describe this checkpoint"
         )
     if isinstance(dest, DTensor):
-        piece = _local_piece(full, dest)
+        piece = chunk_piece(full, dest)
         local = dest.to_local()
         if piece.shape != local.shape:
             raise RuntimeError(

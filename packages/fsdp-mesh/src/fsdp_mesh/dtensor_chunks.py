@@ -7,7 +7,10 @@ each sharded mesh dim (gathered, so it holds for any split, even or not), and
 and read the local tensor at that offset. fsdp's DTensors are ``torch.chunk`` pieces,
 so this agrees with the DTensor metadata; it is kept for code written against
 Megatron-FSDP and for DTensors built elsewhere (``fsdp_ckpt.uneven_dtensor``). Every
-function here is a collective over the DTensor's mesh.
+function here is a collective over the DTensor's mesh, except ``chunk_of`` and
+``chunk_piece``: where DTensor's contract puts the piece (no communication), the one
+helper for every user that relies on that contract (checkpoint adapters, pretrained
+loading, the chunk-size check before trusting DCP's own offsets).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -23,13 +27,43 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = [
+    "chunk_of",
+    "chunk_piece",
     "gather_and_compute_chunk_metadata",
     "preprocess_state_dict_for_uneven_dtensor",
     "update_uneven_dtensor_chunk_metadata",
 ]
+
+
+def chunk_of(dtensor: DTensor) -> ChunkStorageMetadata:
+    """The offsets and sizes of this rank's local tensor as DTensor's contract gives
+    them (``torch.chunk`` pieces of every ``Shard(d)``), without communication; a rank
+    outside the mesh gets an empty chunk."""
+    shape, offset = compute_local_shape_and_global_offset(
+        dtensor.shape, dtensor.device_mesh, dtensor.placements
+    )
+    return ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(shape))
+
+
+def chunk_piece(full: torch.Tensor, dtensor: DTensor) -> torch.Tensor:
+    """This rank's piece (``chunk_of``) of ``full``, a tensor of ``dtensor``'s global
+    shape: a view of ``full``."""
+    if tuple(full.shape) != tuple(dtensor.shape):
+        raise ValueError(
+            f"chunk_piece: the full tensor has shape {tuple(full.shape)}, the DTensor's "
+            f"global shape is {tuple(dtensor.shape)}; they must be equal"
+        )
+    if dtensor.device_mesh.get_coordinate() is None:
+        raise ValueError("chunk_piece: this rank is not in the DTensor's mesh, so it has no piece")
+    chunk = chunk_of(dtensor)
+    piece = full
+    for dim, (start, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+        piece = piece.narrow(dim, start, size)
+    return piece
 
 
 def _shard_mesh_dims(dtensor: DTensor) -> list[int]:

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from fsdp_mesh.dtensor_chunks import chunk_of
 
 __all__ = ["dtensor_sharded_state_dict"]
 
@@ -62,7 +63,8 @@ def _factory(sharded: Any, mapping: Any) -> Any:
             "torch.distributed.checkpoint instead"
         )
     mesh, placements = dtensor.device_mesh, dtensor.placements
-    local_shape, offset = compute_local_shape_and_global_offset(dtensor.shape, mesh, placements)
+    chunk = chunk_of(dtensor)
+    local_shape, offset = tuple(chunk.sizes), tuple(chunk.offsets)
     prepend = sharded.prepend_axis_num
     global_offset = (
         *sharded.global_offset[:prepend],
