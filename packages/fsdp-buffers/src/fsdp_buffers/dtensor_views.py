@@ -259,15 +259,19 @@ class DTensorViews:
         main weight) whole on every rank of the shard group: a broadcast from the owner,
         on the buffer's device. ``like``: its (shape, dtype), which the other ranks must
         know (default: the parameter's shape and the main weights' dtype)."""
-        if value is None:
-            return self.full_parameter(name)
         gid, i = self.index_of(name)
         b = self._buffer.buckets[gid]
         slot = b.layout.slots[i]
+        if not slot.whole:
+            raise ValueError(
+                f"whole_full: parameter {name!r} is not whole-placed (no rank owns it "
+                "whole); use full_parameter for a row-placed or replicated one"
+            )
         shape, dtype = like if like is not None else (slot.shape, b.main_weights.dtype)
         device = b.main_weights.device
         if slot.owner == b.shard.rank:
-            full = value.detach().to(device=device, dtype=dtype, copy=True)
+            source = b.main_weights.local_param_view(i) if value is None else value
+            full = source.detach().to(device=device, dtype=dtype, copy=True)
         else:
             full = torch.empty(shape, dtype=dtype, device=device)
         dist.broadcast(full, src=_global_rank(b, slot.owner), group=b.shard.group)
@@ -357,14 +361,8 @@ class DTensorViews:
         slot = buf.layout.slots[i]
         if not sharded:
             return tp.full(p, buf.param_view(buf.data, i).clone())
-        if slot.whole:  # the owner holds it all: a broadcast from it
-            assert slot.owner is not None
-            if slot.owner == b.shard.rank:
-                full = buf.local_param_view(i).clone()
-            else:
-                full = torch.empty(slot.shape, dtype=buf.dtype, device=buf.device)
-            dist.broadcast(full, src=_global_rank(b, slot.owner), group=b.shard.group)
-            return full
+        if slot.whole:  # the owner holds it all (in the main weights): a broadcast from it
+            return self.whole_full(name, None)
         if slot.replicated:
             return tp.full(p, buf.local_param_view(i).clone())
         partition = buf.layout.row_partition(i)
