@@ -104,6 +104,16 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(GLOBAL_BATCH, IN, generator=g), torch.randn(GLOBAL_BATCH, OUT, generator=g)
 
 
+def edit_groups(opts: list[torch.optim.Optimizer], step: int, moved: list) -> None:
+    """Param-group edits between steps, as a user makes them: before step 2 the first of
+    Muon's matrices leaves its group (popped in place: the same list object), before step
+    4 it comes back in a group of its own at twice the learning rate."""
+    if step == 2:
+        moved.append(opts[0].param_groups[0]["params"].pop(0))
+    elif step == 4:
+        opts[0].add_param_group({"params": moved, "lr": 2 * MUON_LR})
+
+
 @functools.cache
 def reference(
     kind: str,
@@ -111,20 +121,27 @@ def reference(
     steps: int = STEPS,
     pairwise: bool = False,
     resumed: tuple[int, int] | None = None,
+    edits: bool = False,
 ) -> dict:
     """One process, no fsdp, the global batch; its gradient is the mean of the gradients
     of ``slices`` equal slices (as the ranks compute it), summed in slice order, or in
     pairs first with ``pairwise`` (HSDP's order: over each shard group, then across the
     outer dim; see MUON_LR on summation order). ``resumed=(step, slices)``: from that step
-    on, that many slices (a checkpoint loaded at another world size)."""
+    on, that many slices (a checkpoint loaded at another world size). ``edits``: with
+    ``edit_groups``."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as on the ranks
     try:
         module = build(kind)
         opts = optimizers(kind, module)
         losses, norms = [], []
-        first = slices
+        first, moved = slices, []
         for step in range(steps):
+            if edits:
+                edit_groups(opts, step, moved)
+                # fsdp's zero_grad clears every gradient (its whole buffer), torch's only
+                # those of its groups: the matrix outside them must not accumulate here.
+                module.zero_grad()
             slices = resumed[1] if resumed is not None and step >= resumed[0] else first
             per = GLOBAL_BATCH // slices
             x, y = batch(step)
@@ -160,10 +177,12 @@ def _train(
     steps: int = STEPS,
     hsdp: bool = False,
     unit_size: int | None = None,
+    edits: bool = False,
 ) -> dict | None:
     """Train every (kind, strategy) on this rank's slice; with ``hsdp``, on a
     (dp_outer=2, dp_shard=world/2) mesh with the outer dim replicating; ``unit_size``:
-    unit coalescing (``suggested_communication_unit_size``)."""
+    unit coalescing (``suggested_communication_unit_size``); ``edits``: with
+    ``edit_groups``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = GLOBAL_BATCH // world
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
@@ -193,8 +212,10 @@ def _train(
                 for name, p in model.buffer.views.optimizer_named_parameters()
                 if hasattr(p, "_fsdp_whole_owner")
             }
-            losses, norms = [], []
+            losses, norms, moved = [], [], []
             for step in range(steps):
+                if edits:
+                    edit_groups(opts, step, moved)
                 x, y = batch(step)
                 loss = F.mse_loss(model(x[mine]), y[mine])
                 loss.backward()
@@ -289,6 +310,20 @@ def test_muon_parity_hsdp():
             got = results[(kind, strategy)]
             _check(got, reference(kind, 4, pairwise=True), f"hsdp {kind} zero={strategy}")
             assert set(got["owners"].values()) == {0, 1}
+
+
+def test_muon_parity_when_param_groups_change():
+    """The tensors fsdp swaps in for Muon's step follow the user's edits of its param
+    groups (a matrix popped in place, then added back in a new group): still one
+    process's step."""
+    results = run_distributed(
+        _train, 2, args=(("split",), STRATEGIES, STEPS, False, None, True), timeout=300
+    )[0]
+    ref = reference("split", 2, edits=True)
+    moved = next(n for n in ref["params"] if is_hidden_matrix(n, ref["params"][n]))
+    assert not torch.equal(ref["params"][moved], reference("split", 2)["params"][moved])
+    for strategy in STRATEGIES:
+        _check(results[("split", strategy)], ref, f"edited groups zero={strategy}")
 
 
 def _refusals() -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -105,23 +106,69 @@ def show_whole_parameters(optimizer: torch.optim.Optimizer) -> None:
         state[key._fsdp_guard] = state.pop(key)
 
 
+@dataclass(frozen=True)
+class _InnerLists:
+    """What ``inner_parameters`` swaps in, built for param groups holding exactly the
+    parameters ``shown`` (one tuple per group; kept, so their ids stay theirs): each
+    group's list of the tensors fsdp steps, and the (WholeParameter, inner tensor) pairs
+    whose state keys move."""
+
+    shown: tuple[tuple[torch.Tensor, ...], ...]
+    ids: tuple[tuple[int, ...], ...]
+    inner: tuple[list[torch.Tensor], ...]
+    whole: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+    @classmethod
+    def of(cls, groups: list[dict[str, Any]]) -> _InnerLists:
+        shown = tuple(tuple(g["params"]) for g in groups)
+        whole = {id(p): (p, inner_of(p)) for ps in shown for p in ps if is_whole_parameter(p)}
+        return cls(
+            shown=shown,
+            ids=tuple(tuple(map(id, ps)) for ps in shown),
+            inner=tuple([inner_of(p) for p in ps] for ps in shown),
+            whole=tuple(whole.values()),
+        )
+
+
+def _inner_lists(optimizer: torch.optim.Optimizer) -> _InnerLists:
+    """The optimizer's ``_InnerLists``, rebuilt only when its param groups no longer hold
+    the very parameters it was built for (a user's edit: a new group, a list replaced or
+    changed in place)."""
+    ids = tuple(tuple(map(id, g["params"])) for g in optimizer.param_groups)
+    lists = getattr(optimizer, "_fsdp_inner_lists", None)
+    if lists is None or lists.ids != ids:
+        lists = _InnerLists.of(optimizer.param_groups)
+        optimizer._fsdp_inner_lists = lists  # type: ignore[attr-defined]
+    return lists
+
+
 @contextlib.contextmanager
 def inner_parameters(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """While torch's own optimizer code runs (fsdp's ``step``/``zero_grad``), the param
     groups and state keys hold the tensors fsdp steps (the whole main weight on the owner,
-    a meta placeholder elsewhere), then the ``WholeParameter``s again."""
+    a meta placeholder elsewhere), then the ``WholeParameter``s again (the groups' own
+    lists). The inner lists are built once per set of param groups (``_inner_lists``)."""
     if not getattr(optimizer, "_fsdp_shows_whole", False):  # the usual case: nothing to do
         yield
         return
-    for group in optimizer.param_groups:
-        group["params"] = [inner_of(p) for p in group["params"]]
+    lists = _inner_lists(optimizer)
+    groups = optimizer.param_groups
+    shown = [g["params"] for g in groups]
+    for group, inner in zip(groups, lists.inner, strict=True):
+        group["params"] = inner
     state = optimizer.state
-    for key in [k for k in state if is_whole_parameter(k)]:
-        state[inner_of(key)] = state.pop(key)
+    for guard, inner in lists.whole:
+        if guard in state:
+            state[inner] = state.pop(guard)
     try:
         yield
     finally:
-        show_whole_parameters(optimizer)
+        for group, params in zip(groups, shown, strict=True):
+            group["params"] = params
+        state = optimizer.state  # the step may have replaced it
+        for guard, inner in lists.whole:
+            if inner in state:
+                state[guard] = state.pop(inner)
 
 
 def _has_0d(params: list[torch.Tensor]) -> bool:
