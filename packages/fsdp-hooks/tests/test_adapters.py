@@ -37,7 +37,7 @@ from fsdp_hooks import (
     fully_shard,
     fully_shard_optimizer,
 )
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import assert_same_training, run_distributed
 from fsdp_mesh.testing.models import GPT, Block, FusedWeightGradLinear, GPTConfig, token_batch
 
 STEPS = 4
@@ -163,32 +163,15 @@ def _ddp_parity() -> dict[str, Any]:
     return out
 
 
-def _assert_same_training(got: dict[str, Any], ref: dict[str, Any], where: str) -> None:
-    torch.testing.assert_close(
-        torch.tensor(got["losses"]),
-        torch.tensor(ref["losses"]),
-        rtol=1e-5,
-        atol=1e-6,
-        msg=lambda m: f"{where}: losses differ\n{m}",
-    )
-    assert got["params"].keys() == ref["params"].keys(), where
-    for name, value in ref["params"].items():
-        torch.testing.assert_close(
-            got["params"][name],
-            value,
-            rtol=1e-5,
-            atol=1e-6,
-            msg=lambda m, n=name: f"{where}: parameter {n} differs\n{m}",
-        )
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_ddp_matches_torch_ddp(world):
     results = run_distributed(_ddp_parity, world, timeout=240)
     for rank, per_rank in enumerate(results):
         ref = per_rank["reference"]
         for name in DDP_SETTINGS:
-            _assert_same_training(per_rank[name], ref, f"world={world} rank={rank} {name}")
+            assert_same_training(
+                per_rank[name], ref, where=f"world={world} rank={rank} {name}", loss_atol=1e-6
+            )
         # All-reduce issues all-reduces only; the distributed optimizer reduce-scatters
         # gradients and all-gathers the stepped parameters.
         stats = per_rank["all_reduce"]["stats"]
@@ -229,7 +212,9 @@ def test_ddp_over_part_of_the_world_matches_torch_ddp():
     results = run_distributed(_ddp_subgroups, 4, timeout=240)
     for rank, out in enumerate(results):
         for name in ("all_reduce", "distributed_optimizer"):
-            _assert_same_training(out[name], out["reference"], f"rank={rank} {name}")
+            assert_same_training(
+                out[name], out["reference"], where=f"rank={rank} {name}", loss_atol=1e-6
+            )
         assert "not in the data_parallel_group" in out["foreign_group"], out["foreign_group"]
     # One model per group: the same on ranks 0 and 2, another on ranks 1 and 3.
     p = [out["distributed_optimizer"]["params"]["tok.weight"] for out in results]
@@ -273,7 +258,7 @@ def _mcore_module_parity() -> dict[str, Any]:
 
 def test_mcore_style_module_with_fused_weight_grads():
     for rank, out in enumerate(run_distributed(_mcore_module_parity, 2, timeout=120)):
-        _assert_same_training(out["got"], out["reference"], f"rank={rank}")
+        assert_same_training(out["got"], out["reference"], where=f"rank={rank}", loss_atol=1e-6)
 
 
 # ---- DistributedDataParallel: errors that need ranks ----------------------------------

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fsdp_hooks import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import assert_same_training, run_distributed
 from fsdp_mesh.testing.models import GPT, GPTConfig, token_batch
 
 WORLD = 2
@@ -357,31 +357,13 @@ def _explicit_sync() -> dict[str, Any]:
     return out
 
 
-def _assert_same_training(got: dict[str, Any], ref: dict[str, Any], where: str) -> None:
-    torch.testing.assert_close(
-        torch.tensor(got["losses"]),
-        torch.tensor(ref["losses"]),
-        rtol=1e-5,
-        atol=1e-6,
-        msg=lambda m: f"{where}: losses differ\n{m}",
-    )
-    for name, value in ref["params"].items():
-        torch.testing.assert_close(
-            got["params"][name],
-            value,
-            rtol=1e-5,
-            atol=1e-6,
-            msg=lambda m, n=name: f"{where}: parameter {n} differs\n{m}",
-        )
-
-
 def test_explicit_start_and_finish_grad_sync_match_torch_ddp():
     for rank, out in enumerate(
         run_distributed(_explicit_sync, WORLD, timeout=120, device_type="cpu")
     ):
         ref = out["reference"]
         for name in (*SETTINGS, "after_overlapped_backward"):
-            _assert_same_training(out[name], ref, f"rank={rank} {name}")
+            assert_same_training(out[name], ref, where=f"rank={rank} {name}", loss_atol=1e-6)
         for name in SETTINGS:
             # Nothing was reduced inside no_sync; start_grad_sync reduced every bucket
             # (one or more a step); finish_grad_sync had nothing left.

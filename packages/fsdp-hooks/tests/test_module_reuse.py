@@ -27,7 +27,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_hooks import TrainingState, fully_shard
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import assert_same_training, gather_rows, run_distributed
 
 WORLD = 2
 STRATEGIES = (0, 1, 2, 3)
@@ -97,12 +97,7 @@ def _full(model, name: str, local: torch.Tensor, placement) -> torch.Tensor:
     """A whole tensor from the ranks' dim-0 row shards."""
     if placement.is_replicate():
         return local.clone()
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (model.buffer.views.local_rows(name), local.clone()))
-    out = torch.empty((sum(r1 - r0 for (r0, r1), _ in parts), *local.shape[1:]))
-    for (r0, r1), part in parts:
-        out[r0:r1] = part
-    return out
+    return gather_rows(local, model.buffer.views.local_rows(name))
 
 
 def _train(configs: tuple[tuple[str, str], ...]) -> dict:
@@ -176,18 +171,4 @@ def trained() -> dict:
 def test_reused_unit_matches_reference(trained, strategy, layout, recompute):
     ref = reference(layout)
     record = trained[(strategy, layout, recompute)]
-    torch.testing.assert_close(
-        torch.tensor(record["losses"], dtype=torch.float64),
-        torch.tensor(ref["losses"], dtype=torch.float64),
-        rtol=1e-5,
-        atol=0,
-    )
-    assert record["params"].keys() == ref["params"].keys()
-    for name, expected in ref["params"].items():
-        torch.testing.assert_close(
-            record["params"][name],
-            expected,
-            rtol=1e-5,
-            atol=1e-6,
-            msg=lambda m, n=name: f"{n}: {m}",
-        )
+    assert_same_training(record, ref, where=f"zero{strategy} {layout} {recompute}")

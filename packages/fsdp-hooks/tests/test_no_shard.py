@@ -10,7 +10,7 @@ from torch.nn import functional as F
 
 from fsdp_buffers import fsdp_no_shard
 from fsdp_hooks import fully_shard
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import gather_rows, run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
 
 CFG = GPTConfig(vocab_size=40, max_seq_len=8, dim=16, n_heads=2, n_layers=3)
@@ -98,12 +98,7 @@ def _full(model, name, p):
     local = p.to_local().detach()
     if isinstance(p.placements[0], Replicate):
         return local
-    pieces = [None] * dist.get_world_size()
-    dist.all_gather_object(pieces, (model.buffer.views.local_rows(name), local))
-    out = torch.empty(p.shape)
-    for (r0, r1), rows in pieces:
-        out[r0:r1] = rows
-    return out
+    return gather_rows(local, model.buffer.views.local_rows(name))
 
 
 def _body(kind):

@@ -36,7 +36,7 @@ from torch.nn import functional as F
 
 from fsdp_buffers import MixedPrecisionPolicy
 from fsdp_hooks import fully_shard
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import gather_rows, run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
 
 STRATEGIES = (0, 1, 2, 3)
@@ -146,18 +146,12 @@ def _full_params(model) -> dict[str, torch.Tensor]:
     The shards are uneven dim-0 row ranges, so ``DTensor.full_tensor()`` does not apply:
     each rank sends its rows and their range."""
     out = {}
-    world = dist.get_world_size()
     for name, shard in model.buffer.views.local_shard_dtensors().items():
         local = shard.to_local().detach().clone()
         if shard.placements[0].is_replicate():
             out[name] = local
             continue
-        parts: list[Any] = [None] * world
-        dist.all_gather_object(parts, (model.buffer.views.local_rows(name), local))
-        full = torch.empty(shard.shape, dtype=local.dtype)
-        for (r0, r1), part in parts:
-            full[r0:r1] = part
-        out[name] = full
+        out[name] = gather_rows(local, model.buffer.views.local_rows(name))
     return out
 
 

@@ -29,7 +29,12 @@ from torch.utils.checkpoint import checkpoint
 
 from fsdp_hooks import TrainingState, fully_shard
 from fsdp_hooks.backward import in_backward
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import (
+    assert_losses_close,
+    assert_tensors_close,
+    gather_rows,
+    run_distributed,
+)
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
 
 WORLD = 2
@@ -101,13 +106,7 @@ def _full(model, name: str, local: torch.Tensor, placement) -> torch.Tensor:
     """A whole tensor from the ranks' uneven dim-0 row shards."""
     if placement.is_replicate():
         return local.clone()
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (model.buffer.views.local_rows(name), local.clone()))
-    rows = sum(r1 - r0 for (r0, r1), _ in parts)
-    out = torch.empty((rows, *local.shape[1:]), dtype=local.dtype)
-    for (r0, r1), part in parts:
-        out[r0:r1] = part
-    return out
+    return gather_rows(local, model.buffer.views.local_rows(name))
 
 
 def _probe_bodies(module: GPT, wrapped: list) -> tuple[list[int], list]:
@@ -242,27 +241,12 @@ def test_recompute_matches_reference(trained, mode):
     recomputed = mode != "none"
     # The recompute really happened: each block's body ran twice per step (once here).
     assert record["body_runs"] == [[2 if recomputed else 1] * CFG.n_layers] * STEPS, mode
-    torch.testing.assert_close(
-        torch.tensor(record["losses"], dtype=torch.float64),
-        torch.tensor(ref["losses"], dtype=torch.float64),
-        rtol=1e-5,
-        atol=0,
-    )
+    assert_losses_close(record["losses"], ref["losses"], where=mode)
     for step in range(STEPS):
-        got, want = record["grads"][step], ref["grads"][step]
-        assert got.keys() == want.keys()
-        for name, value in want.items():
-            torch.testing.assert_close(
-                got[name],
-                value,
-                rtol=1e-5,
-                atol=1e-7,
-                msg=lambda m, s=step, n=name: f"{mode} step {s} grad of {n}\n{m}",
-            )
-    for name, value in ref["params"].items():
-        torch.testing.assert_close(
-            record["params"][name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}\n{m}"
+        assert_tensors_close(
+            record["grads"][step], ref["grads"][step], atol=1e-7, where=f"{mode} step {step} grad"
         )
+    assert_tensors_close(record["params"], ref["params"], where=mode)
 
 
 @pytest.mark.parametrize("mode", MODES)

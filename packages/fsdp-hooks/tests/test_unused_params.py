@@ -31,7 +31,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from fsdp_hooks import TrainingState, fully_shard
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import (
+    assert_losses_close,
+    assert_tensors_close,
+    gather_rows,
+    run_distributed,
+)
 
 WORLD = 2
 STRATEGIES = (0, 1, 2, 3)
@@ -99,12 +104,7 @@ def _full(model, name: str, local: torch.Tensor, placement) -> torch.Tensor:
     """A whole tensor from the ranks' dim-0 row shards."""
     if placement.is_replicate():
         return local.clone()
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (model.buffer.views.local_rows(name), local.clone()))
-    out = torch.empty((sum(r1 - r0 for (r0, r1), _ in parts), *local.shape[1:]))
-    for (r0, r1), part in parts:
-        out[r0:r1] = part
-    return out
+    return gather_rows(local, model.buffer.views.local_rows(name))
 
 
 def _named_full(model, get) -> dict[str, torch.Tensor]:
@@ -205,26 +205,9 @@ def test_branch_decisions_differ_across_ranks():
 def test_unused_branch_matches_reference(trained, config):
     ref = reference()
     record = trained[config]
-    torch.testing.assert_close(
-        torch.tensor(record["losses"], dtype=torch.float64),
-        torch.tensor(ref["losses"], dtype=torch.float64),
-        rtol=1e-5,
-        atol=0,
-    )
+    assert_losses_close(record["losses"], ref["losses"])
     for step in range(STEPS):
-        for name, expected in ref["grads"][step].items():
-            torch.testing.assert_close(
-                record["grads"][step][name],
-                expected,
-                rtol=1e-5,
-                atol=1e-7,
-                msg=lambda m, n=name, s=step: f"step {s} grad {n}: {m}",
-            )
-    for name, expected in ref["params"].items():
-        torch.testing.assert_close(
-            record["params"][name],
-            expected,
-            rtol=1e-5,
-            atol=1e-6,
-            msg=lambda m, n=name: f"{n}: {m}",
+        assert_tensors_close(
+            record["grads"][step], ref["grads"][step], atol=1e-7, where=f"step {step} grad"
         )
+    assert_tensors_close(record["params"], ref["params"])

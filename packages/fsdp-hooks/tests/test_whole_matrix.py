@@ -24,7 +24,7 @@ from torch.nn import functional as F
 
 from fsdp_hooks import fully_shard
 from fsdp_mesh import build_device_mesh
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import assert_losses_close, assert_same_training, run_distributed
 
 pytestmark = pytest.mark.skipif(
     not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9"
@@ -243,23 +243,8 @@ def _train(
 
 
 def _check(got: dict, ref: dict, where: str) -> None:
-    for key in ("losses", "norms"):
-        torch.testing.assert_close(
-            torch.tensor(got[key], dtype=torch.float64),
-            torch.tensor(ref[key], dtype=torch.float64),
-            rtol=1e-5,
-            atol=0,
-            msg=lambda m, k=key: f"{where} {k}\n{m}",
-        )
-    assert got["params"].keys() == ref["params"].keys(), where
-    for name, value in ref["params"].items():
-        torch.testing.assert_close(
-            got["params"][name],
-            value,
-            rtol=1e-5,
-            atol=1e-6,
-            msg=lambda m, n=name: f"{where} {n}\n{m}",
-        )
+    assert_same_training(got, ref, where=where)
+    assert_losses_close(got["norms"], ref["norms"], where=f"{where} norms")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -616,12 +601,7 @@ def test_checkpoint_reshards_across_world_sizes(tmp_path, strategy):
     for kind in ("split", "muon"):
         ref = reference(kind, 4, resumed=(half, 2))
         losses, params = got[kind]
-        torch.testing.assert_close(
-            torch.tensor(losses, dtype=torch.float64),
-            torch.tensor(ref["losses"][half:], dtype=torch.float64),
-            rtol=1e-5,
-            atol=0,
-        )
+        assert_losses_close(losses, ref["losses"][half:], where=kind)
         for name, value in ref["params"].items():
             torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=name)
 

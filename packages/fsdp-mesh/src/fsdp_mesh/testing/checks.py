@@ -1,14 +1,22 @@
-"""Checks that parity tests share: a value averaged over the ranks, and whole dicts of
-tensors compared with the one-process reference."""
+"""Checks that parity tests share: a value averaged over the ranks, a tensor gathered
+from the ranks' row ranges, and losses and whole dicts of tensors compared with the
+one-process reference."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["assert_tensors_close", "mean_over_ranks"]
+__all__ = [
+    "assert_losses_close",
+    "assert_same_training",
+    "assert_tensors_close",
+    "gather_rows",
+    "mean_over_ranks",
+]
 
 
 def mean_over_ranks(value: torch.Tensor | float) -> float:
@@ -17,6 +25,46 @@ def mean_over_ranks(value: torch.Tensor | float) -> float:
     total = torch.as_tensor(value).detach().clone().float()
     dist.all_reduce(total)
     return total.item() / dist.get_world_size()
+
+
+def gather_rows(local: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor:
+    """The whole tensor from every rank's dim-0 rows (a collective over the default
+    group): this rank holds rows ``rows`` = [start, end) as ``local``. For shards whose
+    rows are not where DTensor's metadata puts them, so ``full_tensor()`` does not apply."""
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (tuple(rows), local.detach().clone()))
+    end = max(r1 for (_r0, r1), _part in parts)
+    out = torch.empty((end, *local.shape[1:]), dtype=local.dtype)
+    for (r0, r1), part in parts:
+        out[r0:r1] = part
+    return out
+
+
+def assert_losses_close(
+    got: Sequence[float],
+    expected: Sequence[float],
+    *,
+    rtol: float = 1e-5,
+    atol: float = 0.0,
+    where: str = "",
+) -> None:
+    """Step-by-step values (losses, norms) close to the reference's, compared in float64."""
+    torch.testing.assert_close(
+        torch.tensor(got, dtype=torch.float64),
+        torch.tensor(expected, dtype=torch.float64),
+        rtol=rtol,
+        atol=atol,
+        msg=lambda m: f"{where}: losses differ: {m}",
+    )
+
+
+def assert_same_training(
+    got: Mapping[str, Any], expected: Mapping[str, Any], *, where: str = "", loss_atol: float = 0.0
+) -> None:
+    """A run's ``"losses"`` (step by step, within 1e-5 relative) and final ``"params"``
+    (within 1e-5 relative, 1e-6 absolute) are the one-process reference's."""
+    assert_losses_close(got["losses"], expected["losses"], atol=loss_atol, where=where)
+    assert_tensors_close(got["params"], expected["params"], where=where)
 
 
 def assert_tensors_close(
