@@ -104,8 +104,10 @@ def main() -> None:
             print(f"\n{path.name}: {ht.steps} steps, top own time (s, calls)")
             for tt, nc, what in top_own(path, args.top, args.package):
                 print(f"  {tt:7.3f} {nc:7d}  {what}")
-    print("\n| workload | peer | ms host/unit/step (rank 0 / 1) | ×FSDP2 | host / collective / "
-          "compute s (rank 0) |")
+    print(
+        "\n| workload | peer | ms host/unit/step (rank 0 / 1) | ×FSDP2 | host / collective / "
+        "compute s (rank 0) |"
+    )
     print("|---|---|---:|---:|---:|")
     for (workload, strategy), impls in sorted(rows.items()):
         ref = impls.get("fsdp2", {})

@@ -78,12 +78,7 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 def _plain_tensors(args: tuple, kwargs: dict) -> bool:
     """Whether ``args`` holds only tensors and ``kwargs`` is empty (most units' calls):
     then the pytree of ``(args, kwargs)`` is ``args`` itself, walked without pytree."""
-    if kwargs:
-        return False
-    for x in args:
-        if not isinstance(x, torch.Tensor):
-            return False
-    return True
+    return not kwargs and all(isinstance(x, torch.Tensor) for x in args)
 
 
 def wrap_inputs_for_post_backward(
