@@ -6,6 +6,7 @@ measure memory and communication. :func:`bench_rank` must stay a module-level fu
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,10 @@ def bench_rank(
     counter.reset()
     if options is not None:
         model.comm_stats(reset=True)
+    # Collect what building and wrapping left (every peer alike): else the one full
+    # collection it triggers (0.2-1 s on 2 loaded cores) lands in some peer's timed
+    # steps and not another's, inside whatever function allocated at that moment.
+    gc.collect()
     profiler = _profiler(profile_dir, impl, workload, strategy, no_shard_encoder, rank)
     with profiler:
         times = [one_step(warmup + step) for step in range(steps)]

@@ -227,6 +227,11 @@ class AllGatherPipeline:
         bucket = self.buckets[gid]
         if not bucket.is_distributed:
             return
+        if bucket.status is BucketStatus.EMPTY and not bucket.model.has_unsharded_data:
+            # Already released (most buckets at each reset): nothing in flight (EMPTY
+            # has no pending gather) and nothing to free.
+            self._asked.discard(gid)
+            return
         if bucket.status is not BucketStatus.EMPTY and gid not in self._asked:
             self.wasted_prefetches += 1
         bucket.release(self._what[gid])

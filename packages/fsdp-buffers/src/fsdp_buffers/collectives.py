@@ -169,6 +169,10 @@ def describe_bucket(buffer, gid: int, kind: str) -> str:  # buffer: ParamAndGrad
 
 
 def _size(group: dist.ProcessGroup | None) -> int:
+    # A group this rank belongs to answers itself (a C++ call, once per collective);
+    # get_world_size's Python lookups cost more than some small collectives' copies.
+    if isinstance(group, dist.ProcessGroup):
+        return group.size()
     return dist.get_world_size(group)
 
 

@@ -139,6 +139,8 @@ class FlatLayout:
     _region_end: int = field(init=False, repr=False, compare=False)
     _uniform: tuple[ParamSlot, ...] = field(init=False, repr=False, compare=False)
     _rank_end: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    # Widths of ``_regions``' entries along their last dim (what ``unpack`` splits into).
+    _split_sizes: list[int] = field(init=False, repr=False, compare=False)
     # Views made once per (parameter-major tensor, g, c): bucket tensors live as long as
     # their buffer (a freed bucket keeps its storage object, so views stay valid), and
     # building the views is most of a copy-out's host time on small buckets.
@@ -198,6 +200,8 @@ class FlatLayout:
         object.__setattr__(self, "_region_end", cursor)
         object.__setattr__(self, "_uniform", tuple(x for x in self.slots if not x.whole))
         object.__setattr__(self, "_rank_end", tuple(rank_end))
+        sizes = [x.width for x in self._uniform] + [self.shard_numel - cursor]
+        object.__setattr__(self, "_split_sizes", sizes)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -352,9 +356,7 @@ class FlatLayout:
         parameter-major tensor ``pm``."""
         g, c = self._coarse(coarse)
         src = gathered.view(c, g, self.shard_numel).transpose(0, 1)
-        regions = self._regions(pm, g, c)
-        sizes = [region.shape[2] for region in regions]
-        torch.split_with_sizes_copy(src, sizes, dim=2, out=regions)
+        torch.split_with_sizes_copy(src, self._split_sizes, dim=2, out=self._regions(pm, g, c))
 
     def pack(self, pm: torch.Tensor, out: torch.Tensor, coarse: int | None = None) -> None:
         """Copy the parameter-major ``pm`` into ``out``, rank-major over ``coarse`` ranks

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = [
@@ -76,12 +75,20 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return tree_unflatten(flat, spec)
 
 
+def _plain_tensors(args: tuple, kwargs: dict) -> bool:
+    """Whether ``args`` holds only tensors and ``kwargs`` is empty (most units' calls):
+    then the pytree of ``(args, kwargs)`` is ``args`` itself, walked without pytree."""
+    return not kwargs and all(isinstance(x, torch.Tensor) for x in args)
+
+
 def wrap_inputs_for_post_backward(
     post_backward: Callable[[], None], args: tuple, kwargs: dict
 ) -> tuple[tuple, dict]:
     """Route every input tensor that requires grad (dataclass fields included) through
     the backward function."""
-    unique = {id(x): x for x in flatten_tensors((args, kwargs)) if x.requires_grad}
+    plain = _plain_tensors(args, kwargs)
+    leaves = args if plain else flatten_tensors((args, kwargs))
+    unique = {id(x): x for x in leaves if x.requires_grad}
     tensors = list(unique.values())
     if not tensors:
         return args, kwargs
@@ -89,17 +96,48 @@ def wrap_inputs_for_post_backward(
     if len(tensors) == 1:
         outs = (outs,)
     routed = {id(t): out for t, out in zip(tensors, outs, strict=True)}
+    if plain:
+        return tuple(routed.get(id(t), t) for t in args), {}
     return _map_tensors((args, kwargs), lambda t: routed.get(id(t), t))
+
+
+class _FirstGradHook:
+    """The hook ``register_pre_backward`` puts on each output: calls ``callback`` at the
+    first gradient of each backward (graph task) reaching any of them, as
+    ``register_multi_grad_hook(mode="any")`` does, without its lock and closures (one
+    per unit per step). Hooks of one graph task run on one thread."""
+
+    __slots__ = ("_callback", "_ran")
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self._callback = callback
+        self._ran: set[int] | None = None  # graph tasks it ran in; only with several outputs
+
+    def __call__(self, _grad: torch.Tensor) -> None:
+        if self._ran is not None:
+            task = torch._C._current_graph_task_id()
+            if task in self._ran:
+                return
+            self._ran.add(task)
+        self._callback()
 
 
 def register_pre_backward(output: Any, callback: Callable[[], None]) -> bool:
     """Call ``callback`` once, when the first gradient reaches any output tensor that
     requires grad (dataclass fields included). Returns False when no output requires
     grad (nothing registered)."""
-    tensors = [x for x in flatten_tensors(output) if x.requires_grad]
+    if isinstance(output, torch.Tensor):  # the usual unit output: no pytree walk
+        tensors = [output] if output.requires_grad else []
+    else:
+        tensors = [x for x in flatten_tensors(output) if x.requires_grad]
     if not tensors:
         return False
-    register_multi_grad_hook(tensors, lambda _grads: callback(), mode="any")
+    hook = _FirstGradHook(callback)
+    if len(tensors) > 1:
+        # A node runs once per graph task, so one output needs no record of tasks.
+        hook._ran = set()
+    for t in tensors:
+        t.register_hook(hook)
     return True
 
 

@@ -93,7 +93,7 @@ from fsdp_hooks.backward import (
 from fsdp_hooks.param_state import ParamState
 from fsdp_hooks.saved_weight_hooks import REGATHER_ENV, SavedWeightHooks
 from fsdp_hooks.schedule_check import Phase, ScheduleCheck, schedule_check_requested
-from fsdp_hooks.shared_buckets import SharedBuckets
+from fsdp_hooks.shared_buckets import SharedBuckets, backward_done
 from fsdp_hooks.training_state import TrainingState
 from fsdp_mesh.device import control_device
 
@@ -128,6 +128,9 @@ class FSDPUnit:
     # (module, attr, compute, distributed) of the parameters whose gathered bucket this
     # unit releases: swapped to the DTensor shard while released (see the module note).
     locations: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = field(default_factory=list)
+    # Its pre- and post-backward as callbacks, made once at wrap (not per forward call).
+    on_pre_backward: Any = None
+    on_post_backward: Any = None
 
 
 class FSDPHooks:
@@ -171,6 +174,8 @@ class FSDPHooks:
                 # Replicated: nothing to gather or release; hooks that keep its state.
                 self._register_state_hooks(unit)
                 continue
+            unit.on_pre_backward = functools.partial(self._unit_pre_backward, unit)
+            unit.on_post_backward = functools.partial(self._unit_post_backward, unit)
             for gid in unit.release_groups:
                 if overlap and buffer.groups[gid].requires_grad:
                     self._markers.setdefault(gid, []).append(unit)
@@ -402,8 +407,7 @@ class FSDPHooks:
             self.gather.all_gather_params(unit.groups, prefetch=True, prefetch_order=order)
             self._unit_use(unit, compute=True)
             if torch.is_grad_enabled():
-                post = functools.partial(self._unit_post_backward, unit)
-                args, kwargs = wrap_inputs_for_post_backward(post, args, kwargs)
+                args, kwargs = wrap_inputs_for_post_backward(unit.on_post_backward, args, kwargs)
         return args, kwargs
 
     def _side_recompute(self, unit: FSDPUnit) -> None:
@@ -433,9 +437,7 @@ class FSDPHooks:
                 # Autograd on, yet no output needs a gradient (a frozen unit): no
                 # backward will gather it, so none should prefetch it. (Under no_grad,
                 # a reentrant checkpoint's first forward, its recompute will.)
-                expected = register_pre_backward(
-                    output, functools.partial(self._unit_pre_backward, unit)
-                )
+                expected = register_pre_backward(output, unit.on_pre_backward)
                 self.gather.record_backward(unit.release_groups, expected)
         return output
 
@@ -468,7 +470,7 @@ class FSDPHooks:
         """Mark bucket ``gid`` ready for reduction once no unit that uses it has a call
         whose backward is still to come; missing gradients count as zeros."""
         units = self._markers.get(gid)
-        if not units or self.reduce.is_ready(gid) or any(u.pending_backward for u in units):
+        if not units or self.reduce.is_ready(gid) or not backward_done(units):
             return
         self.reduce.mark_bucket_ready(gid)
 

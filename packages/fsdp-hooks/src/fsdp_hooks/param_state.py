@@ -49,29 +49,26 @@ class ParamState:
         self._expert = [
             bool(buffer.groups[buffer.group_of(c)[0]].is_expert_param) for c, _d in self._trainable
         ]
-        self._versions: list[int] = []
+        self._inner = [inner_of(d) for _c, d in self._trainable]
+        self._versions: list[tuple[int, int]] = []
         self.reached: set[nn.Parameter] = set()  # compute parameters a gradient reached
         self.unreached: list[nn.Parameter] = []  # DTensor parameters whose .grad stays None
         self.record_versions()
 
     # ---- in-place writes ------------------------------------------------------------
-    @staticmethod
-    def _version(dparam: nn.Parameter) -> tuple[int, int]:
-        # The DTensor's own counter (in-place ops on it) and its local shard's, shared
-        # with the buffer it views (writes through ``p.data``, which has a counter of its
-        # own). Only optimizers, installs and users write main weights between steps.
-        dparam = inner_of(dparam)  # a WholeParameter's real tensor
-        local = getattr(dparam, "_local_tensor", dparam)
-        return dparam._version, local._version
+    # Per trainable parameter, the DTensor's own counter (in-place ops on it) and its
+    # local shard's, shared with the buffer it views (writes through ``p.data``, which
+    # has a counter of its own); a WholeParameter's are its real tensor's (``inner_of``).
+    # Only optimizers, installs and users write main weights between steps. Read twice
+    # a step: one comprehension, no call per parameter.
+    def _all_versions(self) -> list[tuple[int, int]]:
+        return [(d._version, getattr(d, "_local_tensor", d)._version) for d in self._inner]
 
     def record_versions(self) -> None:
-        self._versions = [self._version(d) for _c, d in self._trainable]
+        self._versions = self._all_versions()
 
     def main_weights_changed(self) -> bool:
-        return any(
-            self._version(d) != v
-            for (_c, d), v in zip(self._trainable, self._versions, strict=True)
-        )
+        return self._all_versions() != self._versions
 
     # ---- requires_grad ----------------------------------------------------------------
     def sync_requires_grad(self) -> None:

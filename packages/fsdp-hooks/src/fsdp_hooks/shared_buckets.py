@@ -8,8 +8,8 @@ released after every unit sharing it has run its forward (a unit the forward ski
 leaves it gathered until the root post-forward, which releases it), and, in backward,
 after the post-backward of the last of them whose backward was pending. It is one
 tensor, so memory is freed per communication unit, not per unit. Its reduction starts
-at that same point (``FSDPHooks._mark_ready_if_complete``: no unit that releases it has
-a pending backward), so the units' gradients reduce as one.
+at that same point (``FSDPHooks._mark_ready_if_complete``: ``backward_done`` of the
+units that release it), so the units' gradients reduce as one.
 
 A bucket used by one unit only is not tracked here: it is released at that unit's
 post-forward and post-backward, as without coalescing.
@@ -23,7 +23,14 @@ if TYPE_CHECKING:
     from fsdp_buffers import ParamAndGradBuffer
     from fsdp_hooks.hooks import FSDPUnit
 
-__all__ = ["SharedBuckets"]
+__all__ = ["SharedBuckets", "backward_done"]
+
+
+def backward_done(units: list[FSDPUnit]) -> bool:
+    """Whether none of ``units`` has a forward call whose backward is still to come: the
+    one rule for releasing a shared bucket after backward and for marking a bucket
+    ready for reduction (``FSDPHooks._mark_ready_if_complete``)."""
+    return not any(u.pending_backward for u in units)
 
 
 class SharedBuckets:
@@ -54,7 +61,7 @@ class SharedBuckets:
     def release_after_backward(self, gid: int) -> bool:
         """A unit using ``gid`` finished a backward: whether it can be released now."""
         sharers = self.sharers.get(gid)
-        return sharers is None or not any(u.pending_backward for u in sharers)
+        return sharers is None or backward_done(sharers)
 
     def take_partly_run(self) -> list[int]:
         """End of a forward: the shared buckets some of whose units it skipped (still

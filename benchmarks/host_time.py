@@ -1,0 +1,130 @@
+"""Host time per unit from ``benchmarks.compare --profile`` output (issue "host overhead",
+target 4).
+
+From each cProfile dump (``OUT/profiles/<workload>-zero<k>-<impl>-rank<r>.prof``), own
+time summed over every function, split three ways:
+
+- compute: torch's C++ operators (``torch._C`` methods, ``torch.*`` and
+  ``torch._C._nn.*`` built-ins) and the autograd engine's own time (``run_backward``);
+- collectives: the c10d built-ins (``torch._C._distributed_c10d.*``: calls and ``wait``);
+- host: everything else (Python of fsdp/FSDP2, DTensor, torch.optim, nn.Module calls,
+  autograd hooks, the benchmark's collective counters).
+
+Host time per step (steps = calls of ``run_backward``) divided by the workload's units.
+cProfile inflates Python time, for every peer alike: compare peers of one run.
+
+    uv run python -m benchmarks.host_time OUT/profiles [--top 15] [--package fsdp_]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pstats
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.workloads import WORKLOADS
+
+_NAME = re.compile(r"(?P<workload>[a-z]+)-zero(?P<strategy>\d)-(?P<impl>.+)-rank(?P<rank>\d+)$")
+_COLLECTIVE = "torch._C._distributed_c10d."
+
+
+def kind_of(func: tuple[str, int, str]) -> str:
+    """``compute``, ``collective`` or ``host`` for one pstats key."""
+    filename, _line, name = func
+    if filename != "~":
+        return "host"
+    if _COLLECTIVE in name:
+        return "collective"
+    if "run_backward" in name:
+        return "compute"
+    if "torch._C." in name or name.startswith("<built-in method torch."):
+        return "compute"
+    return "host"
+
+
+@dataclass(frozen=True)
+class HostTime:
+    steps: int
+    units: int
+    total: float
+    compute: float
+    collective: float
+    host: float
+
+    @property
+    def host_per_unit_ms(self) -> float:
+        return 1e3 * self.host / self.steps / self.units
+
+
+def host_time(path: Path, units: int) -> HostTime:
+    stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
+    sums = {"compute": 0.0, "collective": 0.0, "host": 0.0}
+    steps = 0
+    for func, (_cc, nc, tt, _ct, _callers) in stats.items():
+        sums[kind_of(func)] += tt
+        if func[0] == "~" and "run_backward" in func[2]:
+            steps += nc
+    if steps == 0:
+        raise ValueError(f"{path}: no run_backward call, so no step to divide by")
+    return HostTime(steps, units, sum(sums.values()), **sums)
+
+
+def top_own(path: Path, count: int, package: str | None) -> list[tuple[float, int, str]]:
+    """The ``count`` entries with the most own time (only files under ``package``)."""
+    stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
+    rows = []
+    for (filename, line, name), (_cc, nc, tt, _ct, _callers) in stats.items():
+        if package is not None and package not in filename:
+            continue
+        short = "/".join(filename.split("/")[-2:]) if filename != "~" else ""
+        rows.append((tt, nc, f"{short}:{line} {name}" if short else name))
+    return sorted(rows, reverse=True)[:count]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("profiles", type=Path, help="folder of .prof files")
+    parser.add_argument("--top", type=int, default=0, help="also list the top own-time entries")
+    parser.add_argument("--package", default=None, help="with --top: only files under this")
+    args = parser.parse_args()
+    rows: dict[tuple[str, str], dict[str, dict[int, HostTime]]] = {}
+    for path in sorted(args.profiles.glob("*.prof")):
+        m = _NAME.match(path.stem)
+        if m is None:
+            continue
+        units = WORKLOADS[m["workload"]].full.get("n_units")
+        if units is None:
+            continue
+        key = (m["workload"], m["strategy"])
+        ht = host_time(path, units)
+        rows.setdefault(key, {}).setdefault(m["impl"], {})[int(m["rank"])] = ht
+        if args.top:
+            print(f"\n{path.name}: {ht.steps} steps, top own time (s, calls)")
+            for tt, nc, what in top_own(path, args.top, args.package):
+                print(f"  {tt:7.3f} {nc:7d}  {what}")
+    print(
+        "\n| workload | peer | ms host/unit/step (rank 0 / 1) | ×FSDP2 | host / collective / "
+        "compute s (rank 0) |"
+    )
+    print("|---|---|---:|---:|---:|")
+    for (workload, strategy), impls in sorted(rows.items()):
+        ref = impls.get("fsdp2", {})
+        for impl, ranks in sorted(impls.items()):
+            per = [ranks[r].host_per_unit_ms for r in sorted(ranks)]
+            ratio = [
+                ranks[r].host_per_unit_ms / ref[r].host_per_unit_ms
+                for r in sorted(ranks)
+                if r in ref
+            ]
+            r0 = ranks[min(ranks)]
+            print(
+                f"| {workload} ZeRO-{strategy} | {impl} | {' / '.join(f'{v:.2f}' for v in per)} "
+                f"| {' / '.join(f'{v:.2f}' for v in ratio)} "
+                f"| {r0.host:.2f} / {r0.collective:.2f} / {r0.compute:.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
