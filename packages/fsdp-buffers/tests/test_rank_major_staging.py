@@ -3,8 +3,8 @@ sharded gradients stage rank-major (no ``main_grad`` views, no zeroing pass, no 
 copy); the reduced gradients are the same bits as the first backward's, which staged
 parameter-major, with ragged ``torch.chunk`` pieces, 0-d (replicated) parameters, whole
 placement, parameters without a gradient, and a gradient arriving twice. A fused write
-(``grad_added_to_main_grad``) in the first backward keeps the bucket parameter-major; one
-arriving only later raises.
+(``grad_added_to_main_grad``), or a parameter that never got a gradient, keeps the bucket
+parameter-major; a fused write arriving only once it stages rank-major raises.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Block(nn.Module):
         self.lin = nn.Linear(5, 3)  # 3 rows over 2 ranks: ragged pieces
         self.scale = nn.Parameter(torch.tensor(1.5))  # 0-d: a replicated slot
         self.mat = nn.Parameter(torch.randn(4, 6))
-        self.unused = nn.Parameter(torch.randn(7))  # no gradient in any backward
+        self.sometimes = nn.Parameter(torch.randn(7))  # no gradient in some backwards
 
 
 class Net(nn.Module):
@@ -47,7 +47,7 @@ def _setup(strategy, whole):
     return model, buf
 
 
-def _backward(model, buf, gr, rank, step, fused=()):
+def _backward(model, buf, gr, rank, step, fused=(), skip=()):
     """One backward's gradients (the same every step), bucket by bucket in backward
     order; ``lin.bias`` gets its gradient in two parts, as a parameter used twice."""
     g = torch.Generator().manual_seed(7 + 100 * rank)
@@ -56,7 +56,7 @@ def _backward(model, buf, gr, rank, step, fused=()):
     for gid in reversed(range(len(buf.groups))):
         gr.prepare(gid)
         for name in buf.groups[gid].names:
-            if name.endswith("unused"):
+            if name in skip:
                 continue
             p = params[name]
             if name in fused:
@@ -84,9 +84,19 @@ def _same_bits_every_step(strategy, whole):
     staged = [b.gid for b in buf.buckets if b.sharding.grads]
     assert staged and (not whole or any(b.layout.has_whole for b in buf.buckets))
     first = None
-    for step in range(3):
-        grads = _backward(model, buf, gr, rank, step)
+    for step in range(4):
+        skip = {f"blocks.{i}.sometimes" for i in range(3)} if step == 2 else set()
+        grads = _backward(model, buf, gr, rank, step, skip=skip)
         shards = [buf.buckets[gid].main_grad_shard().clone() for gid in staged]
+        if step == 2:  # what the skipped parameters had is zero now
+            for j, gid in enumerate(staged):
+                bucket = buf.buckets[gid]
+                for i, name in enumerate(bucket.group.names):
+                    if name in skip:
+                        start = bucket.layout.rank_offset(i, rank)
+                        width = bucket.layout.rank_width(i, rank)
+                        assert shards[j][start : start + width].count_nonzero() == 0
+                        shards[j][start : start + width] = first[j][start : start + width]
         if first is None:
             first = shards
             # Parameter-major staging, checked against the mean over ranks.
@@ -96,8 +106,6 @@ def _same_bits_every_step(strategy, whole):
                 if whole and name.endswith(("mat", "0.lin.weight")):
                     continue  # whole-placed: covered by the same-bits check below
                 want = sum(g[name] for g in everyone) / world
-                if name.endswith("unused"):
-                    want = torch.zeros_like(want)
                 r0, r1 = buf.views.local_rows(name)
                 got = dparam.grad.to_local()
                 torch.testing.assert_close(got, want[r0:r1] if want.dim() else want)
@@ -122,14 +130,20 @@ def _fused_writes():
     rank = dist.get_rank()
     model, buf = _setup(3, False)
     gr = GradReducePipeline(buf)
-    fused = {"blocks.1.mat"}
+    fused, never = {"blocks.1.mat"}, {"blocks.0.lin.bias"}
     first = None
     for step in range(3):  # the fused bucket stays parameter-major: main_grad exists
-        _backward(model, buf, gr, rank, step, fused=fused)
+        _backward(model, buf, gr, rank, step, fused=fused, skip=never)
         shards = [b.main_grad_shard().clone() for b in buf.buckets]
         if first is None:
             first = shards
         assert all(torch.equal(a, b) for a, b in zip(first, shards, strict=True))
+        for bucket in buf.buckets:
+            gr.prepare(bucket.gid)
+            views = [p.main_grad is not None for p in bucket.group.params]
+            # A parameter that never got a gradient, or a fused write: main_grad views.
+            keep = not bucket.sharding.grads or any(n in fused | never for n in bucket.group.names)
+            assert all(views) == keep and any(views) == keep, (step, bucket.gid)
         buf.zero_grad_buffer()
     # A fused write first seen once the bucket stages rank-major: a clear error.
     with pytest.raises(RuntimeError, match="grad_added_to_main_grad=True in a backward"):

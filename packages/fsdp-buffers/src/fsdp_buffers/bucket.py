@@ -31,11 +31,13 @@ the owning rank and 0 elsewhere for reduce-scatter), so syncing every microbatch
 double-counts. The outer reduction of hybrid sharding is rebased the same way (Note
 [hybrid sharding]).
 
-Note [rank-major staging]. A sharded-grad bucket's first backward stages parameter-major,
-zeroed, with ``param.main_grad`` views (what frameworks that add into ``main_grad``
-themselves need), and packs the staging bucket into a rank-major tensor for the
-reduce-scatter. If no parameter of the bucket came with ``grad_added_to_main_grad`` in
-it, later backwards stage rank-major instead: each gradient goes straight to its
+Note [rank-major staging]. A sharded-grad bucket stages parameter-major, zeroed, with
+``param.main_grad`` views (what frameworks that add into ``main_grad`` themselves need),
+and packs the staging bucket into a rank-major tensor for the reduce-scatter, until every
+trainable parameter of it has brought a plain ``.grad`` at least once and none came with
+``grad_added_to_main_grad``. From the next backward on it stages rank-major instead
+(a parameter that never gets a gradient keeps its bucket parameter-major): each
+gradient goes straight to its
 ``torch.chunk`` pieces in reduce-scatter order (copied when it is the parameter's first
 in the backward, added after), the staging bucket is not zeroed first (only what no
 gradient reached, and padding, is zeroed at the reduction), and the bucket itself is the
@@ -142,11 +144,12 @@ class Bucket:
         self._grad_views: list[torch.Tensor] = []
         # Note [rank-major staging]: whether the staging bucket fetched now is rank-major,
         # which parameters got a gradient since, the views (made once), and what decides
-        # the mode (a backward staged parameter-major without a fused write).
+        # the mode (which parameters brought a plain gradient; whether any a fused one).
         self._direct = False
         self._touched: list[bool] = []
         self._targets: StagingTargets | None = None
-        self._views_backwards = 0
+        self._plain = [not p.requires_grad for p in group.params]
+        self._plain_missing = self._plain.count(False)
         self._fused = False
         # The optimizer's gradients cast to the main weights' dtype, when the main
         # grads are in another (made on first use; see ``grads_for_optimizer``).
@@ -439,7 +442,7 @@ class Bucket:
                 self._rebase_shard()
             self.grad_state = GradState.ACCUMULATING
         if gbuf.is_data_distributed and not gbuf.has_unsharded_data:
-            self._direct = self._views_backwards > 0 and not self._fused
+            self._direct = self._plain_missing == 0 and not self._fused
             if self._direct:  # Note [rank-major staging]: written before it is read
                 gbuf.fetch_bucket()
                 self._touched = [False] * len(self.group.params)
@@ -468,9 +471,9 @@ class Bucket:
                 raise RuntimeError(
                     f"{self.group.names[index]!r} came with grad_added_to_main_grad=True in "
                     f"a backward where its bucket {self.gid} stages gradients rank-major "
-                    "(param.main_grad is None): its first backward saw no fused write, so "
-                    "later ones do not keep main_grad views. A module must add into "
-                    "main_grad in every backward, the first included"
+                    "(param.main_grad is None): every parameter of it brought a plain .grad "
+                    "before and none a fused one, so main_grad views are no longer kept. "
+                    "A parameter must take the same gradient path in every backward"
                 )
             self._fused = True
             param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
@@ -483,6 +486,9 @@ class Bucket:
         elif param.grad is not None:
             with torch.no_grad():
                 self._grad_views[index].add_(self.tp.local_grad(param, param.grad))
+            if not self._plain[index]:
+                self._plain[index] = True
+                self._plain_missing -= 1
         param.grad = None
 
     def _scale_and_op(self) -> tuple[float, dist.ReduceOp.RedOpType]:
@@ -542,8 +548,6 @@ class Bucket:
             if direct:  # already rank-major (Note [rank-major staging])
                 self._staging_targets().zero_rest(self._touched)
                 self._direct = False
-            elif gbuf.is_data_distributed:
-                self._views_backwards += 1
             if (direct or layout.is_rank_major(gbuf.coarse)) and comm_dtype == gbuf.dtype:
                 send = unsharded  # in place: freed once the reduction is waited on
             elif direct:
