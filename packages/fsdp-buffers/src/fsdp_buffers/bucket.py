@@ -30,6 +30,20 @@ the unreduced value that reduces back to R (R/(N·f) on every rank for all-reduc
 the owning rank and 0 elsewhere for reduce-scatter), so syncing every microbatch never
 double-counts. The outer reduction of hybrid sharding is rebased the same way (Note
 [hybrid sharding]).
+
+Note [rank-major staging]. A sharded-grad bucket stages parameter-major, zeroed, with
+``param.main_grad`` views (what frameworks that add into ``main_grad`` themselves need),
+and packs the staging bucket into a rank-major tensor for the reduce-scatter, until every
+trainable parameter of it has brought a plain ``.grad`` at least once and none came with
+``grad_added_to_main_grad``. From the next backward on it stages rank-major instead
+(a parameter that never gets a gradient keeps its bucket parameter-major): each
+gradient goes straight to its
+``torch.chunk`` pieces in reduce-scatter order (copied when it is the parameter's first
+in the backward, added after), the staging bucket is not zeroed first (only what no
+gradient reached, and padding, is zeroed at the reduction), and the bucket itself is the
+reduce-scatter's input: no zeroing pass, no pack copy, and a copy instead of an add.
+The values sent are the same bits. ``main_grad`` then stays None, and a fused write
+seen later raises.
 """
 
 from __future__ import annotations
@@ -57,7 +71,7 @@ from fsdp_buffers.data_parallel_buffer import (
     DoubleBufferAllocator,
 )
 from fsdp_buffers.hybrid_sharding import OuterSharding
-from fsdp_buffers.layout import FlatLayout, assign_owners, compute_layout
+from fsdp_buffers.layout import FlatLayout, StagingTargets, assign_owners, compute_layout
 from fsdp_buffers.no_shard import FSDP_WHOLE_ATTR
 from fsdp_buffers.param_group import ParameterGroup
 from fsdp_buffers.profiling import annotate
@@ -128,6 +142,15 @@ class Bucket:
         self.grad_state = GradState.EMPTY
         self._gather: PendingCollective | None = None
         self._grad_views: list[torch.Tensor] = []
+        # Note [rank-major staging]: whether the staging bucket fetched now is rank-major,
+        # which parameters got a gradient since, the views (made once), and what decides
+        # the mode (which parameters brought a plain gradient; whether any a fused one).
+        self._direct = False
+        self._touched: list[bool] = []
+        self._targets: StagingTargets | None = None
+        self._plain = [not p.requires_grad for p in group.params]
+        self._plain_missing = self._plain.count(False)
+        self._fused = False
         # The optimizer's gradients cast to the main weights' dtype, when the main
         # grads are in another (made on first use; see ``grads_for_optimizer``).
         self._grads_cast: DataParallelBuffer | None = None
@@ -419,8 +442,23 @@ class Bucket:
                 self._rebase_shard()
             self.grad_state = GradState.ACCUMULATING
         if gbuf.is_data_distributed and not gbuf.has_unsharded_data:
-            gbuf.fetch_bucket().zero_()
-            self._attach_main_grads()
+            self._direct = self._plain_missing == 0 and not self._fused
+            if self._direct:  # Note [rank-major staging]: written before it is read
+                gbuf.fetch_bucket()
+                self._touched = [False] * len(self.group.params)
+            else:
+                gbuf.fetch_bucket().zero_()
+                self._attach_main_grads()
+
+    def _staging_targets(self) -> StagingTargets:
+        targets = self._targets
+        if targets is None:
+            gbuf = self.main_grads
+            made = gbuf.allocator.make_views(
+                gbuf, lambda rm: [gbuf.layout.staging_targets(rm, gbuf.coarse)]
+            )
+            targets = self._targets = made[0]
+        return targets
 
     def accumulate(self, index: int, param: nn.Parameter) -> None:
         """Move ``param.grad`` (parameter ``index`` of the bucket) into the gradient
@@ -429,10 +467,28 @@ class Bucket:
         Engine)."""
         self.begin_accumulating()
         if getattr(param, "grad_added_to_main_grad", False):
+            if self._direct:
+                raise RuntimeError(
+                    f"{self.group.names[index]!r} came with grad_added_to_main_grad=True in "
+                    f"a backward where its bucket {self.gid} stages gradients rank-major "
+                    "(param.main_grad is None): every parameter of it brought a plain .grad "
+                    "before and none a fused one, so main_grad views are no longer kept. "
+                    "A parameter must take the same gradient path in every backward"
+                )
+            self._fused = True
             param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+        elif param.grad is not None and self._direct:
+            with torch.no_grad():
+                grad = self.tp.local_grad(param, param.grad)
+                touched = self._touched
+                self._staging_targets().write(index, grad, not touched[index])
+                touched[index] = True
         elif param.grad is not None:
             with torch.no_grad():
                 self._grad_views[index].add_(self.tp.local_grad(param, param.grad))
+            if not self._plain[index]:
+                self._plain[index] = True
+                self._plain_missing -= 1
         param.grad = None
 
     def _scale_and_op(self) -> tuple[float, dist.ReduceOp.RedOpType]:
@@ -488,8 +544,16 @@ class Bucket:
             # Parameter-major gradients to rank-major pieces (Note [shard layout]); the
             # staging bucket is free once they are packed.
             layout = gbuf.layout
-            if layout.is_rank_major(gbuf.coarse) and comm_dtype == gbuf.dtype:
+            direct = gbuf.is_data_distributed and self._direct
+            if direct:  # already rank-major (Note [rank-major staging])
+                self._staging_targets().zero_rest(self._touched)
+                self._direct = False
+            if (direct or layout.is_rank_major(gbuf.coarse)) and comm_dtype == gbuf.dtype:
                 send = unsharded  # in place: freed once the reduction is waited on
+            elif direct:
+                send = unsharded.to(comm_dtype)
+                if self.sharding.grads:
+                    gbuf.free_bucket()
             else:
                 send = torch.empty(layout.total_numel, dtype=comm_dtype, device=unsharded.device)
                 with annotate(f"fsdp.copy_in.{self.gid}"):

@@ -59,7 +59,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_ALIGNMENT", "FlatLayout", "ParamSlot", "assign_owners", "compute_layout"]
+__all__ = [
+    "DEFAULT_ALIGNMENT",
+    "FlatLayout",
+    "ParamSlot",
+    "StagingTargets",
+    "assign_owners",
+    "compute_layout",
+]
 
 DEFAULT_ALIGNMENT: int = 16
 """Shard alignment in elements: every shard starts 16-byte aligned even in a 1-byte dtype
@@ -413,6 +420,85 @@ class FlatLayout:
         for slot, region in zip(self.slots, regions, strict=True):
             start = self.rank_offset(slot.index, shard_rank)
             region.copy_(shard[start : start + region.numel()])
+
+    # ---- gradients staged rank-major (Note [rank-major staging]) -------------------------
+    def staging_targets(self, rm: torch.Tensor, coarse: int | None = None) -> StagingTargets:
+        """Where each parameter's gradient goes in ``rm``, a tensor laid out as ``pack``'s
+        output (rank-major over ``coarse`` ranks), and what a reduction must zero there:
+        the pieces no parameter covers (region and shard padding)."""
+        g, c = self._coarse(coarse)
+        s = self.shard_numel
+        grid = rm.view(c, g, s).transpose(0, 1)  # [j, k]: shard j*c + k
+        writes: list[tuple[tuple[torch.Tensor, int | None, int, tuple[int, ...]], ...]] = []
+        regions: list[torch.Tensor] = []
+        padding: list[torch.Tensor] = []
+        for slot in self.slots:
+            if slot.whole:
+                assert slot.owner is not None
+                j, k = divmod(slot.owner, c)
+                dst = grid[j, k, slot.offset : slot.offset + slot.numel].view(slot.shape)
+                writes.append(((dst, None, 0, slot.shape),))
+                regions.append(dst)
+                continue
+            region = grid[:, :, slot.offset : slot.offset + slot.width]
+            regions.append(region)
+            if slot.width == 0:
+                writes.append(())
+            elif slot.replicated:  # the element to every shard, as ``pack`` sends it
+                writes.append(((region, None, 0, ()),))
+            elif slot.numel == self.shard_count * slot.width:  # every shard holds c rows
+                writes.append(((region, None, 0, (g, c, slot.width)),))
+            else:  # ragged torch.chunk pieces: one copy per shard, padding zeroed
+                pieces = []
+                for shard in range(self.shard_count):
+                    r0, r1 = self.local_rows(slot.index, shard)
+                    n = (r1 - r0) * slot.row_numel
+                    j, k = divmod(shard, c)
+                    if n:
+                        pieces.append((region[j, k, :n], r0, r1, (n,)))
+                    if n < slot.width:
+                        padding.append(region[j, k, n:])
+                writes.append(tuple(pieces))
+        if self.has_whole:
+            for shard, end in enumerate(self._rank_end):
+                if end < s:
+                    j, k = divmod(shard, c)
+                    padding.append(grid[j, k, end:])
+        elif self._region_end < s:
+            padding.append(grid[:, :, self._region_end :])
+        return StagingTargets(tuple(writes), tuple(regions), tuple(padding))
+
+
+@dataclass(frozen=True)
+class StagingTargets:
+    """Views of a rank-major staging tensor, made once per tensor (``staging_targets``).
+
+    ``writes[i]``: ``(dst, r0, r1, shape)`` pieces taking parameter ``i``'s gradient
+    ``grad[r0:r1].reshape(shape)`` (all of ``grad`` when ``r0`` is None); ``regions[i]``:
+    everything parameter ``i`` covers; ``padding``: what no parameter covers."""
+
+    writes: tuple[tuple[tuple[torch.Tensor, int | None, int, tuple[int, ...]], ...], ...]
+    regions: tuple[torch.Tensor, ...]
+    padding: tuple[torch.Tensor, ...]
+
+    def write(self, index: int, grad: torch.Tensor, first: bool) -> None:
+        """Copy (``first``) or add parameter ``index``'s gradient into its pieces."""
+        for dst, r0, r1, shape in self.writes[index]:
+            src = grad.reshape(shape) if r0 is None else grad[r0:r1].reshape(shape)
+            if first:
+                dst.copy_(src)
+            else:
+                dst.add_(src)
+
+    def zero_rest(self, touched: Sequence[bool]) -> None:
+        """Zero the regions of the parameters not written since the tensor was fetched,
+        and the padding, so the tensor is what ``pack`` of a zeroed bucket plus those
+        gradients would give."""
+        for region, written in zip(self.regions, touched, strict=True):
+            if not written:
+                region.zero_()
+        for pad in self.padding:
+            pad.zero_()
 
 
 _MAX_CACHED_VIEWS = 8
