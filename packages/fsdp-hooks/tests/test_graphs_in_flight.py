@@ -24,6 +24,9 @@ CFG = GPTConfig(vocab_size=48, max_seq_len=8, dim=16, n_heads=2, n_layers=3)
 GLOBAL_BATCH = 8
 STEPS = 3
 PATTERNS = ("no_grad_forward_between", "two_forwards_two_backwards")
+# Unit coalescing (suggested_communication_unit_size, elements): large enough to join
+# all three blocks into one communication unit sharing its buckets.
+COALESCE = 1 << 20
 
 
 def _loss(model, step: int, rows: slice) -> torch.Tensor:
@@ -58,7 +61,7 @@ def _reference(pattern: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     return seen, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _train(pattern: str) -> dict:
+def _train(pattern: str, coalesce: int | None) -> dict:
     rank = dist.get_rank()
     per_rank = GLOBAL_BATCH // WORLD
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
@@ -67,7 +70,15 @@ def _train(pattern: str) -> dict:
         torch.manual_seed(0)
         module = GPT(CFG)
         opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-        model, opt = fully_shard(module, opt, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+        model, opt = fully_shard(
+            module,
+            opt,
+            fsdp_unit_modules=[Block],
+            zero_dp_strategy=strategy,
+            suggested_communication_unit_size=coalesce,
+        )
+        if coalesce:
+            assert (0, 1, 2) in {g.coalesced_unit_ids for g in model.buffer.groups}
         seen = []
         for step in range(STEPS):
             seen.append(mean_over_ranks(_step(model, pattern, step, rows)))
@@ -77,10 +88,14 @@ def _train(pattern: str) -> dict:
     return out
 
 
+@pytest.mark.parametrize("coalesce", [None, COALESCE], ids=["units", "coalesced"])
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_graphs_in_flight_match_one_process(pattern):
+def test_graphs_in_flight_match_one_process(pattern, coalesce):
+    """With coalesced units too: another graph's end of backward (or a forward without
+    one) must not make a shared bucket look complete at its first unit's post-backward."""
     ref_seen, ref_params = _reference(pattern)
-    got = run_distributed(_train, WORLD, args=(pattern,), timeout=120)[0]
+    got = run_distributed(_train, WORLD, args=(pattern, coalesce), timeout=120)[0]
     for strategy, (seen, params) in got.items():
-        torch.testing.assert_close(seen, ref_seen, rtol=1e-5, atol=0, msg=str(strategy))
-        assert_tensors_close(params, ref_params, where=f"strategy {strategy}")
+        where = f"strategy {strategy} coalesce {coalesce}"
+        torch.testing.assert_close(seen, ref_seen, rtol=1e-5, atol=0, msg=where)
+        assert_tensors_close(params, ref_params, where=where)

@@ -60,6 +60,17 @@ arrives once per call. So each unit counts its calls whose backward is still to 
 (``pending_backward``), and its buckets are marked ready at the post-backward of the
 last one, when every call's gradient is in.
 
+Several graphs of the model in flight (``l1 = f(x1); l2 = f(x2); l1.backward();
+l2.backward()``, a ``no_grad`` forward between a forward and its backward, an auxiliary
+loss backpropagated on its own first): the counts are reset at each end of backward and
+at each forward that no backward follows, so they would say "nothing pending" during a
+later graph's backward. Each forward therefore records its own calls per unit and hands
+them to its output's root pre-backward, which sets the counts of the backward that
+begins to them (adds them, for a second graph reached by the same backward), plus the
+unit calls made outside any root forward since the last end of backward. A count too low would mark a bucket that coalesced units share ready at the first of
+their post-backwards, reducing it before the others' gradients arrive; too high (a
+graph a backward reaches only partly) only defers marking to the end of backward.
+
 Coalesced units (``suggested_communication_unit_size``) share buckets: a shared
 bucket is released, and reduced, once all the units sharing it are done
 (``shared_buckets``).
@@ -143,6 +154,12 @@ class FSDPHooks:
         self.gather = wrapper.all_gather_pipeline
         self.reduce = wrapper.grad_reduce_pipeline
         self.root_state = TrainingState.IDLE
+        # Unit calls per unit: of the root forward under way, and outside any root
+        # forward since the last end of backward; whether the counts of the backward
+        # under way were set from a graph's record (module note).
+        self._forward_calls = [0] * len(buffer.unit_names)
+        self._outside_calls = [0] * len(buffer.unit_names)
+        self._counts_from_graph = False
         # Root buckets (ParamAndGradBuffer.root_groups: outside every unit, or tied to
         # a module outside every unit): gathered at the root pre-forward and kept until
         # the end of backward, as no unit hook runs around them.
@@ -300,6 +317,7 @@ class FSDPHooks:
             if self.root_state is not TrainingState.PRE_BACKWARD:
                 if self.schedule is not None:
                     self.schedule.check(Phase.FORWARD)
+                self._forward_calls = [0] * len(self.units)
                 self.params.sync_requires_grad()
                 if self.root_state is TrainingState.IDLE and self.params.main_weights_changed():
                     # In-place writes to the main weights since the last install.
@@ -316,8 +334,9 @@ class FSDPHooks:
             for gid in self._shared.take_partly_run():  # a unit sharing it was skipped
                 self.gather.release_bucket(gid)
             self.gather.commit_observed_order()
+            calls = tuple(self._forward_calls)
             backward_pending = torch.is_grad_enabled() and register_pre_backward(
-                output, self._root_pre_backward
+                output, functools.partial(self._root_pre_backward, calls)
             )
             if not backward_pending:
                 # No backward will follow (eval, no_grad): nothing to keep gathered.
@@ -327,9 +346,19 @@ class FSDPHooks:
             self.root_state = TrainingState.IDLE
         return output
 
-    def _root_pre_backward(self) -> None:
+    def _root_pre_backward(self, calls: tuple[int, ...]) -> None:
+        """The first gradient of a backward reached the output of a forward that made
+        ``calls`` (per unit): they are the unit calls whose backward is to come."""
         self._begin_backward()
         self.root_state = TrainingState.PRE_BACKWARD
+        # Another graph's end of backward, or a forward without backward, may have reset
+        # the counts since this forward (module note): its own calls are what is pending.
+        if not self._counts_from_graph:
+            self._counts_from_graph = True
+            for unit in self.units:
+                unit.pending_backward = self._outside_calls[unit.index]
+        for unit, n in zip(self.units, calls, strict=True):
+            unit.pending_backward += n
         if not self._using_compute:
             # Another graph's end of backward, or a forward without backward (eval
             # under no_grad), ran since this graph's forward and released everything:
@@ -401,6 +430,8 @@ class FSDPHooks:
                 # Counted under no_grad too: a reentrant checkpoint's first forward is one
                 # call, whose backward comes with its recompute.
                 unit.pending_backward += 1
+                in_root = self.root_state is TrainingState.FORWARD
+                (self._forward_calls if in_root else self._outside_calls)[unit.index] += 1
             order = (
                 PrefetchOrder.BACKWARD_PASS_ORDER if recompute else PrefetchOrder.FORWARD_PASS_ORDER
             )
@@ -475,6 +506,7 @@ class FSDPHooks:
         self.reduce.mark_bucket_ready(gid)
 
     def _reset_call_counts(self) -> None:
+        self._counts_from_graph = False
         for unit in self.units:
             unit.pending_backward = 0
 
@@ -504,6 +536,7 @@ class FSDPHooks:
             finally:
                 self._release_all()
                 self._reset_call_counts()
+                self._outside_calls = [0] * len(self.units)
                 for unit in self.units:
                     unit.state = TrainingState.IDLE
                 self.use_distributed_params()
@@ -526,6 +559,7 @@ class FSDPHooks:
         self.reduce.abort()
         self._release_all()
         self._reset_call_counts()
+        self._outside_calls = [0] * len(self.units)
         for unit in self.units:
             unit.state = TrainingState.IDLE
         self.use_distributed_params()

@@ -9,7 +9,11 @@ leaves it gathered until the root post-forward, which releases it), and, in back
 after the post-backward of the last of them whose backward was pending. It is one
 tensor, so memory is freed per communication unit, not per unit. Its reduction starts
 at that same point (``FSDPHooks._mark_ready_if_complete``: ``backward_done`` of the
-units that release it), so the units' gradients reduce as one.
+units that release it), so the units' gradients reduce as one. The rule is only as
+good as the counts: with another graph's backward ended in between (or a forward that
+no backward follows), they would be zero and the first sharer's post-backward would
+reduce the bucket before the others' gradients arrive; the root pre-backward sets them
+from the calls of the graph being backpropagated (``hooks``' module note).
 
 A bucket used by one unit only is not tracked here: it is released at that unit's
 post-forward and post-backward, as without coalescing.
