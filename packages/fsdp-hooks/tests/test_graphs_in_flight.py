@@ -5,7 +5,10 @@ size 2, SGD with momentum, parity with one process doing the same):
   forward and its backward: it ends with no backward pending and releases everything,
   so the earlier graph's backward must gather its root buckets again;
 - two forwards, then two backwards (``l1 = f(x1); l2 = f(x2); l1.backward();
-  l2.backward()``): the first backward's end releases everything the second needs.
+  l2.backward()``): the first backward's end releases everything the second needs;
+- the same, the second backward from a loss on a block's output (kept by a forward
+  hook), which reaches no output of the model: no root pre-backward tells fsdp which
+  unit calls it will backpropagate.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ WORLD = 2
 CFG = GPTConfig(vocab_size=48, max_seq_len=8, dim=16, n_heads=2, n_layers=3)
 GLOBAL_BATCH = 8
 STEPS = 3
-PATTERNS = ("no_grad_forward_between", "two_forwards_two_backwards")
+PATTERNS = ("no_grad_forward_between", "two_forwards_two_backwards", "second_from_a_block_output")
 # Unit coalescing (suggested_communication_unit_size, elements): large enough to join
 # all three blocks into one communication unit sharing its buckets.
 COALESCE = 1 << 20
@@ -43,8 +46,19 @@ def _step(model, pattern: str, step: int, rows: slice) -> float:
             metric = _loss(model, 100 + step, rows)
         loss.backward()
         return metric.item()
-    first, second = _loss(model, step, rows), _loss(model, 50 + step, rows)
+    if pattern == "two_forwards_two_backwards":
+        first, second = _loss(model, step, rows), _loss(model, 50 + step, rows)
+        first.backward()
+        second.backward()
+        return second.item()
+    first = _loss(model, step, rows)
+    kept = []
+    inner = getattr(model, "module", model)
+    handle = inner.blocks[1].register_forward_hook(lambda _m, _a, out: kept.append(out))
+    _loss(model, 50 + step, rows)
+    handle.remove()
     first.backward()
+    second = kept[0].pow(2).mean()
     second.backward()
     return second.item()
 

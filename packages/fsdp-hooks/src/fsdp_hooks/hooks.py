@@ -60,16 +60,10 @@ arrives once per call. So each unit counts its calls whose backward is still to 
 (``pending_backward``), and its buckets are marked ready at the post-backward of the
 last one, when every call's gradient is in.
 
-Several graphs of the model in flight (``l1 = f(x1); l2 = f(x2); l1.backward();
-l2.backward()``, a ``no_grad`` forward between a forward and its backward, an auxiliary
-loss backpropagated on its own first): the counts are reset at each end of backward and
-at each forward that no backward follows, so they would say "nothing pending" during a
-later graph's backward. Each forward therefore records its own calls per unit and hands
-them to its output's root pre-backward, which sets the counts of the backward that
-begins to them (adds them, for a second graph reached by the same backward), plus the
-unit calls made outside any root forward since the last end of backward. A count too low would mark a bucket that coalesced units share ready at the first of
-their post-backwards, reducing it before the others' gradients arrive; too high (a
-graph a backward reaches only partly) only defers marking to the end of backward.
+Graphs in flight (two forwards then two backwards; a ``no_grad`` forward, or an
+auxiliary loss's own backward, in between) reset the counts at their end: each root
+forward records its unit calls, and its root pre-backward sets the counts from them
+(``shared_buckets``: counts too low would reduce a shared bucket early).
 
 Coalesced units (``suggested_communication_unit_size``) share buckets: a shared
 bucket is released, and reduced, once all the units sharing it are done
@@ -160,6 +154,8 @@ class FSDPHooks:
         self._forward_calls = [0] * len(buffer.unit_names)
         self._outside_calls = [0] * len(buffer.unit_names)
         self._counts_from_graph = False
+        # A post-backward of this backward found its unit's count at zero (shared_buckets).
+        self._uncounted_backward = False
         # Root buckets (ParamAndGradBuffer.root_groups: outside every unit, or tied to
         # a module outside every unit): gathered at the root pre-forward and kept until
         # the end of backward, as no unit hook runs around them.
@@ -489,6 +485,8 @@ class FSDPHooks:
     def _unit_post_backward(self, unit: FSDPUnit) -> None:
         with annotate("fsdp.post_backward"):
             unit.state = TrainingState.POST_BACKWARD
+            if unit.pending_backward == 0:
+                self._uncounted_backward = True  # a call not counted: the counts are short
             unit.pending_backward = max(0, unit.pending_backward - 1)
             for gid in unit.release_groups:
                 self._mark_ready_if_complete(gid)
@@ -503,10 +501,13 @@ class FSDPHooks:
         units = self._markers.get(gid)
         if not units or self.reduce.is_ready(gid) or not backward_done(units):
             return
+        if len(units) > 1 and self._uncounted_backward:
+            return  # another sharer's backward may still come: the end of backward launches it
         self.reduce.mark_bucket_ready(gid)
 
     def _reset_call_counts(self) -> None:
         self._counts_from_graph = False
+        self._uncounted_backward = False
         for unit in self.units:
             unit.pending_backward = 0
 
