@@ -46,6 +46,10 @@ MODES = ("summed", "separate")
 # has no main_grad; the same math), and whether the blocks run under checkpoint (the
 # whole unit, non-reentrant; or, fused, the unit's body, reentrant).
 VARIANTS = ("plain", "fused", "recompute", "fused+recompute")
+# Unit coalescing (suggested_communication_unit_size, elements): each block holds 81,
+# so 160 joins blocks 0-1 and 2-3 into two communication units that share buckets.
+COALESCE = 160
+COALESCED_CONFIGS = ((2, False), (3, False), (3, True))
 
 
 @dataclasses.dataclass
@@ -130,10 +134,10 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, DIM, generator=g), torch.randn(ROWS, 2, generator=g)
 
 
-def _train(mode: str, variant: str) -> dict:
+def _train(mode: str, variant: str, coalesce: int | None = None, configs=CONFIGS) -> dict:
     rank = dist.get_rank()
     out = {}
-    for strategy, double_buffer in CONFIGS:
+    for strategy, double_buffer in configs:
         module = build(variant)
         optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
         model, optimizer = fully_shard(
@@ -142,7 +146,11 @@ def _train(mode: str, variant: str) -> dict:
             fsdp_unit_modules=[AuxBlock],
             zero_dp_strategy=strategy,
             fsdp_double_buffer=double_buffer,
+            suggested_communication_unit_size=coalesce,
         )
+        if coalesce:
+            shared = {g.coalesced_unit_ids for g in model.buffer.groups}
+            assert {(0, 1), (2, 3)} <= shared, shared
         losses = []
         for step in range(STEPS):
             x, y = batch(step, rank)
@@ -226,6 +234,20 @@ def test_aux_loss_on_weights_and_dataclass_outputs(trained, config):
     ref = reference(variant)
     got = runs[config]
     assert_same_training(got, ref, where=f"{mode}/{variant} zero{config[0]}")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_separate_aux_loss_with_coalesced_units(variant):
+    """The auxiliary loss backpropagated on its own with units coalesced: its backward
+    ends (resetting the per-step state) before the main backward, whose first block's
+    post-backward must not reduce the bucket it shares with the block before it."""
+    ref = reference(variant)
+    runs = run_distributed(
+        _train, WORLD, args=("separate", variant, COALESCE, COALESCED_CONFIGS), timeout=120
+    )[0]
+    for strategy, double_buffer in COALESCED_CONFIGS:
+        where = f"separate/{variant} coalesced zero{strategy} double{int(double_buffer)}"
+        assert_same_training(runs[(strategy, double_buffer)], ref, where=where)
 
 
 def test_a_custom_function_sees_the_saved_parameters_attributes():

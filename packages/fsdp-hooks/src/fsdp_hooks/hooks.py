@@ -60,6 +60,11 @@ arrives once per call. So each unit counts its calls whose backward is still to 
 (``pending_backward``), and its buckets are marked ready at the post-backward of the
 last one, when every call's gradient is in.
 
+Graphs in flight (two forwards then two backwards; a ``no_grad`` forward, or an
+auxiliary loss's own backward, in between) reset the counts at their end: each root
+forward records its unit calls, and its root pre-backward sets the counts from them
+(``shared_buckets``: counts too low would reduce a shared bucket early).
+
 Coalesced units (``suggested_communication_unit_size``) share buckets: a shared
 bucket is released, and reduced, once all the units sharing it are done
 (``shared_buckets``).
@@ -143,6 +148,14 @@ class FSDPHooks:
         self.gather = wrapper.all_gather_pipeline
         self.reduce = wrapper.grad_reduce_pipeline
         self.root_state = TrainingState.IDLE
+        # Unit calls per unit: of the root forward under way, and outside any root
+        # forward since the last end of backward; whether the counts of the backward
+        # under way were set from a graph's record (module note).
+        self._forward_calls = [0] * len(buffer.unit_names)
+        self._outside_calls = [0] * len(buffer.unit_names)
+        self._counts_from_graph = False
+        # A post-backward of this backward found its unit's count at zero (shared_buckets).
+        self._uncounted_backward = False
         # Root buckets (ParamAndGradBuffer.root_groups: outside every unit, or tied to
         # a module outside every unit): gathered at the root pre-forward and kept until
         # the end of backward, as no unit hook runs around them.
@@ -300,6 +313,7 @@ class FSDPHooks:
             if self.root_state is not TrainingState.PRE_BACKWARD:
                 if self.schedule is not None:
                     self.schedule.check(Phase.FORWARD)
+                self._forward_calls = [0] * len(self.units)
                 self.params.sync_requires_grad()
                 if self.root_state is TrainingState.IDLE and self.params.main_weights_changed():
                     # In-place writes to the main weights since the last install.
@@ -316,8 +330,9 @@ class FSDPHooks:
             for gid in self._shared.take_partly_run():  # a unit sharing it was skipped
                 self.gather.release_bucket(gid)
             self.gather.commit_observed_order()
+            calls = tuple(self._forward_calls)
             backward_pending = torch.is_grad_enabled() and register_pre_backward(
-                output, self._root_pre_backward
+                output, functools.partial(self._root_pre_backward, calls)
             )
             if not backward_pending:
                 # No backward will follow (eval, no_grad): nothing to keep gathered.
@@ -327,9 +342,19 @@ class FSDPHooks:
             self.root_state = TrainingState.IDLE
         return output
 
-    def _root_pre_backward(self) -> None:
+    def _root_pre_backward(self, calls: tuple[int, ...]) -> None:
+        """The first gradient of a backward reached the output of a forward that made
+        ``calls`` (per unit): they are the unit calls whose backward is to come."""
         self._begin_backward()
         self.root_state = TrainingState.PRE_BACKWARD
+        # Another graph's end of backward, or a forward without backward, may have reset
+        # the counts since this forward (module note): its own calls are what is pending.
+        if not self._counts_from_graph:
+            self._counts_from_graph = True
+            for unit in self.units:
+                unit.pending_backward = self._outside_calls[unit.index]
+        for unit, n in zip(self.units, calls, strict=True):
+            unit.pending_backward += n
         if not self._using_compute:
             # Another graph's end of backward, or a forward without backward (eval
             # under no_grad), ran since this graph's forward and released everything:
@@ -401,6 +426,8 @@ class FSDPHooks:
                 # Counted under no_grad too: a reentrant checkpoint's first forward is one
                 # call, whose backward comes with its recompute.
                 unit.pending_backward += 1
+                in_root = self.root_state is TrainingState.FORWARD
+                (self._forward_calls if in_root else self._outside_calls)[unit.index] += 1
             order = (
                 PrefetchOrder.BACKWARD_PASS_ORDER if recompute else PrefetchOrder.FORWARD_PASS_ORDER
             )
@@ -458,6 +485,8 @@ class FSDPHooks:
     def _unit_post_backward(self, unit: FSDPUnit) -> None:
         with annotate("fsdp.post_backward"):
             unit.state = TrainingState.POST_BACKWARD
+            if unit.pending_backward == 0:
+                self._uncounted_backward = True  # a call not counted: the counts are short
             unit.pending_backward = max(0, unit.pending_backward - 1)
             for gid in unit.release_groups:
                 self._mark_ready_if_complete(gid)
@@ -472,9 +501,13 @@ class FSDPHooks:
         units = self._markers.get(gid)
         if not units or self.reduce.is_ready(gid) or not backward_done(units):
             return
+        if len(units) > 1 and self._uncounted_backward:
+            return  # another sharer's backward may still come: the end of backward launches it
         self.reduce.mark_bucket_ready(gid)
 
     def _reset_call_counts(self) -> None:
+        self._counts_from_graph = False
+        self._uncounted_backward = False
         for unit in self.units:
             unit.pending_backward = 0
 
@@ -504,6 +537,7 @@ class FSDPHooks:
             finally:
                 self._release_all()
                 self._reset_call_counts()
+                self._outside_calls = [0] * len(self.units)
                 for unit in self.units:
                     unit.state = TrainingState.IDLE
                 self.use_distributed_params()
@@ -526,6 +560,7 @@ class FSDPHooks:
         self.reduce.abort()
         self._release_all()
         self._reset_call_counts()
+        self._outside_calls = [0] * len(self.units)
         for unit in self.units:
             unit.state = TrainingState.IDLE
         self.use_distributed_params()

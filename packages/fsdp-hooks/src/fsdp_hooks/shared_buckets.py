@@ -9,7 +9,20 @@ leaves it gathered until the root post-forward, which releases it), and, in back
 after the post-backward of the last of them whose backward was pending. It is one
 tensor, so memory is freed per communication unit, not per unit. Its reduction starts
 at that same point (``FSDPHooks._mark_ready_if_complete``: ``backward_done`` of the
-units that release it), so the units' gradients reduce as one.
+units that release it), so the units' gradients reduce as one. The rule is only as
+good as the counts (``FSDPUnit.pending_backward``). Another graph's end of backward
+(``l1 = f(x1); l2 = f(x2); l1.backward(); l2.backward()``, an auxiliary loss
+backpropagated on its own first) and a forward that no backward follows (a ``no_grad``
+forward in between) reset them to zero, and zero counts would reduce the bucket at the
+first sharer's post-backward, before the others' gradients arrive. So each root forward
+records its unit calls and hands them to its output's root pre-backward, which sets the
+counts of the backward that begins to them (adds them, for a second graph of the same
+backward), plus the unit calls made outside any root forward since the last end of
+backward. A backward that reaches no output of the model (a loss on a unit's output kept
+by a hook) has no root pre-backward: when a post-backward finds its unit's count already
+zero the counts are known to be short, and buckets that several units release wait for
+the end of that backward (``FSDPHooks._uncounted_backward``). Counts too high (a graph
+that a backward reaches only partly) only defer marking to the end of backward.
 
 A bucket used by one unit only is not tracked here: it is released at that unit's
 post-forward and post-backward, as without coalescing.
