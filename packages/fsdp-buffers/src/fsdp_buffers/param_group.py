@@ -30,6 +30,12 @@ if TYPE_CHECKING:
 
 # Megatron-Core's DDP default: buckets of 40M elements.
 DEFAULT_BUCKET_SIZE = 40_000_000
+# Unit coalescing's default (elements; ``suggested_communication_unit_size=None``, as
+# Megatron-FSDP's None, means "choose"): units smaller than this are gathered and
+# reduced together (docs/benchmarks.md, "coalescing by default"). It joins nothing at or
+# above it, so no transformer block of a real model; what it adds to peak memory is at
+# most a few groups of under 2 x 16384 elements.
+DEFAULT_COMMUNICATION_UNIT_SIZE = 16_384
 
 UnitSpec = type[nn.Module] | str
 
@@ -140,8 +146,9 @@ def coalesce_units(unit_numels: Sequence[int], communication_unit_size: int | No
     taken in registration order (``named_modules`` order: the execution order of a
     sequential model) and joined to the open communication unit until it holds at least
     ``communication_unit_size`` elements; then the next unit opens a new one. ``None``
-    (or 0) keeps one unit per communication unit. A unit bigger than the size is alone.
-    Returns, for each unit, the index of the first unit of its communication unit."""
+    is ``DEFAULT_COMMUNICATION_UNIT_SIZE``; 0 keeps one unit per communication unit. A
+    unit bigger than the size is alone. Returns, for each unit, the index of the first
+    unit of its communication unit."""
     if communication_unit_size is not None and (
         isinstance(communication_unit_size, bool)
         or not isinstance(communication_unit_size, int)
@@ -151,10 +158,12 @@ def coalesce_units(unit_numels: Sequence[int], communication_unit_size: int | No
             "communication_unit_size (suggested_communication_unit_size) must be a "
             f"non-negative number of elements or None; got {communication_unit_size!r}"
         )
+    if communication_unit_size is None:
+        communication_unit_size = DEFAULT_COMMUNICATION_UNIT_SIZE
     out: list[int] = []
     first, held = 0, 0
     for i, numel in enumerate(unit_numels):
-        if not out or held >= (communication_unit_size or 0):
+        if not out or held >= communication_unit_size:
             first, held = i, 0
         out.append(first)
         held += numel
