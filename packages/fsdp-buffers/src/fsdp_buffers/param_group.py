@@ -146,9 +146,9 @@ def coalesce_units(unit_numels: Sequence[int], communication_unit_size: int | No
     taken in registration order (``named_modules`` order: the execution order of a
     sequential model) and joined to the open communication unit until it holds at least
     ``communication_unit_size`` elements; then the next unit opens a new one. ``None``
-    is ``DEFAULT_COMMUNICATION_UNIT_SIZE``; 0 keeps one unit per communication unit. A
-    unit bigger than the size is alone. Returns, for each unit, the index of the first
-    unit of its communication unit."""
+    (or 0) keeps one unit per communication unit (the wrappers' default is
+    :func:`resolve_communication_unit_size`'s). A unit bigger than the size is alone.
+    Returns, for each unit, the index of the first unit of its communication unit."""
     if communication_unit_size is not None and (
         isinstance(communication_unit_size, bool)
         or not isinstance(communication_unit_size, int)
@@ -158,16 +158,21 @@ def coalesce_units(unit_numels: Sequence[int], communication_unit_size: int | No
             "communication_unit_size (suggested_communication_unit_size) must be a "
             f"non-negative number of elements or None; got {communication_unit_size!r}"
         )
-    if communication_unit_size is None:
-        communication_unit_size = DEFAULT_COMMUNICATION_UNIT_SIZE
     out: list[int] = []
     first, held = 0, 0
     for i, numel in enumerate(unit_numels):
-        if not out or held >= communication_unit_size:
+        if not out or held >= (communication_unit_size or 0):
             first, held = i, 0
         out.append(first)
         held += numel
     return out
+
+
+def resolve_communication_unit_size(suggested: int | None) -> int:
+    """``suggested_communication_unit_size`` as the wrappers apply it: ``None`` (as in
+    Megatron-FSDP, "choose for me") is ``DEFAULT_COMMUNICATION_UNIT_SIZE``; 0 is no
+    coalescing."""
+    return DEFAULT_COMMUNICATION_UNIT_SIZE if suggested is None else suggested
 
 
 def group_parameters(
