@@ -54,7 +54,7 @@ class Net(nn.Module):
 
 
 # (suggested_communication_unit_size, prefetch_depth)
-# 0: no coalescing; None: fully_shard's default (16384 elements: one group here)
+# 0: no coalescing; None: fully_shard's default (8192 elements: one group here)
 OPTIONS = [(0, 0), (0, 1), (0, 2), (600, 1), (600, 2), (1500, 1), (1500, 3), (10**6, 1), (None, 1)]
 
 

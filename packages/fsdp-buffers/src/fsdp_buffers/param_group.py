@@ -34,8 +34,8 @@ DEFAULT_BUCKET_SIZE = 40_000_000
 # Megatron-FSDP's None, means "choose"): units smaller than this are gathered and
 # reduced together (docs/benchmarks.md, "coalescing by default"). It joins nothing at or
 # above it, so no transformer block of a real model; what it adds to peak memory is at
-# most a few groups of under 2 x 16384 elements.
-DEFAULT_COMMUNICATION_UNIT_SIZE = 16_384
+# most a few groups of under 2 x 8192 elements.
+DEFAULT_COMMUNICATION_UNIT_SIZE = 8_192
 
 UnitSpec = type[nn.Module] | str
 

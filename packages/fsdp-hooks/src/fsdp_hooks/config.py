@@ -41,7 +41,7 @@ class DistributedDataParallelConfig:
     suggested_communication_unit_size: int | None = None
     """Unit coalescing: consecutive FSDP units (registration order) are gathered and
     reduced as one collective until the group holds at least this many parameter
-    elements (None: 16384, ``fsdp_buffers.param_group.DEFAULT_COMMUNICATION_UNIT_SIZE``;
+    elements (None: 8192, ``fsdp_buffers.param_group.DEFAULT_COMMUNICATION_UNIT_SIZE``;
     0: one collective per unit). Megatron-FSDP sizes its prefetch and reduce queue
     with it instead; see the README's "Unit coalescing"."""
     keep_fp8_transpose_cache: bool = False

@@ -148,7 +148,7 @@ def fully_shard_model(
     ``wrapper.module``). Its parameters are then DTensors: this rank's shard of the
     main weights.
 
-    fsdp's own options: ``suggested_communication_unit_size`` (elements; None: 16384,
+    fsdp's own options: ``suggested_communication_unit_size`` (elements; None: 8192,
     0: off)
     gathers and reduces consecutive FSDP units as one collective until each group holds
     at least that many parameter elements; ``prefetch_depth`` (default 1) is how many
