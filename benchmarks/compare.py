@@ -22,6 +22,9 @@ rank reports, over the timed steps (after the warm-up steps):
 - peak memory: on CPU the peak RSS (``VmHWM``, reset after wrapping) minus the RSS taken
   right after the unwrapped model was built; on CUDA ``max_memory_allocated`` minus the
   allocated bytes at the same point;
+- on CPU also the peak of live tensor bytes over the built model's (CUDA's
+  ``max_memory_allocated`` analogue, from torch's CPU allocator as the profiler records
+  it), in as many extra traced repetitions as timed ones (median);
 - elements all-gathered, reduce-scattered and all-reduced per step (unsharded sizes),
   counted by wrapping ``torch.distributed``'s collectives inside the rank (the same
   counter for every peer), and for ``fsdp`` also its own ``model.comm_stats()``.
@@ -121,6 +124,7 @@ def run_benchmark(
     load_at_start = list(os.getloadavg())
     started = time.perf_counter()
     raw: dict[tuple[str, str], list[list[dict[str, Any]]]] = {}
+    traced: dict[tuple[str, str], list[int]] = {}
     env = {"OMP_NUM_THREADS": "1"}
     for rep in range(reps):
         for workload in workloads:
@@ -166,7 +170,36 @@ def run_benchmark(
                     f"{med * 1e3:9.2f} ms  ({time.perf_counter() - t0:.1f} s)"
                 )
                 raw.setdefault((label if cfg else workload, impl), []).append(ranks)
-    rows = aggregate(configs, impls, raw, world_size)
+    if device_type == "cpu":
+        # Live tensor bytes, CUDA's max_memory_allocated analogue: traced repetitions
+        # (benchmarks.measure.TensorTrace), after the timed ones, as many; the median.
+        for cfg in (c for _ in range(reps) for c in configs):
+            wl = WORKLOADS[cfg.workload]
+            size = (sizes or {}).get(cfg.workload) or (wl.tiny if tiny else wl.full)
+            for impl in impls:
+                if impl == "megatron_fsdp":
+                    continue
+                ranks = run_distributed(
+                    bench_rank,
+                    world_size,
+                    kwargs={
+                        "impl": impl,
+                        "workload": cfg.workload,
+                        "size": size,
+                        "strategy": cfg.strategy,
+                        "no_shard_encoder": cfg.no_shard_encoder,
+                        "steps": 0,
+                        "warmup": 1 if tiny else wl.warmup,
+                        "trace_tensors": True,
+                    },
+                    timeout=timeout,
+                    device_type=device_type,
+                    env=env,
+                )
+                peak = max(r["tensor_peak_bytes"] for r in ranks)
+                log(f"traced {cfg.label:<28} {impl:<14} peak tensors {peak / 2**20:9.2f} MB")
+                traced.setdefault((cfg.label, impl), []).append(peak)
+    rows = aggregate(configs, impls, raw, world_size, traced)
     machine = machine_info()
     machine["load_average_at_start"] = load_at_start
     machine["wall_s"] = time.perf_counter() - started

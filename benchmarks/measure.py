@@ -19,6 +19,7 @@ import torch.distributed as dist
 __all__ = [
     "CollectiveCounter",
     "MemoryProbe",
+    "TensorTrace",
     "expected_fsdp_elements",
     "theory_elements",
 ]
@@ -113,6 +114,63 @@ class MemoryProbe:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) - self.baseline
         return _proc_status_kb("VmHWM") * 1024 - self.baseline
+
+
+class TensorTrace:
+    """CPU: the peak of live tensor bytes over a baseline, CUDA's ``max_memory_allocated``
+    analogue (RSS also counts what glibc keeps of freed blocks, gloo's buffers and
+    Python objects, and moves by a few MB with the allocator's thresholds).
+
+    torch's CPU allocator reports each allocation and free to the profiler while it
+    records memory; a free is reported only for a block allocated while recording, so
+    the trace starts before the model is built. ``mark("baseline")`` after the build,
+    ``window()`` around the step to measure; :meth:`peak_increase` is the most live bytes
+    inside the window minus those at the baseline mark."""
+
+    def __init__(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        self._peak: int | None = None
+
+    def mark(self, name: str) -> None:
+        with torch.profiler.record_function(f"bench.{name}"):
+            pass
+
+    def window(self) -> Any:
+        return torch.profiler.record_function("bench.window")
+
+    def stop(self) -> None:
+        self._prof.__exit__(None, None, None)
+        events = self._prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+        marks = {
+            e.name(): (e.start_ns(), e.end_ns()) for e in events if e.name().startswith("bench.")
+        }
+        if "bench.baseline" not in marks or "bench.window" not in marks:
+            raise RuntimeError(f"TensorTrace: marks missing, found {sorted(marks)}")
+        baseline_at = marks["bench.baseline"][0]
+        start, end = marks["bench.window"]
+        live = at_baseline = 0
+        peak: int | None = None  # live bytes at the window's start, then its maximum
+        memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+        for t, nbytes in memory:
+            if t > end:
+                break
+            if t >= start and peak is None:
+                peak = live
+            live += nbytes
+            if t <= baseline_at:
+                at_baseline = live
+            if peak is not None:
+                peak = max(peak, live)
+        self._peak = (live if peak is None else peak) - at_baseline
+        self._prof = None  # type: ignore[assignment]
+
+    def peak_increase(self) -> int:
+        if self._peak is None:
+            raise RuntimeError("TensorTrace.stop() was not called")
+        return self._peak
 
 
 # ---- expected bytes --------------------------------------------------------------------

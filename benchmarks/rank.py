@@ -17,6 +17,7 @@ import torch.distributed as dist
 from benchmarks.measure import (
     CollectiveCounter,
     MemoryProbe,
+    TensorTrace,
     expected_fsdp_elements,
     theory_elements,
 )
@@ -58,8 +59,14 @@ def bench_rank(
     steps: int,
     warmup: int,
     profile_dir: str | None = None,
+    trace_tensors: bool = False,
 ) -> dict[str, Any]:
-    """One repetition on this rank: build, wrap, ``warmup`` steps, ``steps`` timed steps."""
+    """One repetition on this rank: build, wrap, ``warmup`` steps, ``steps`` timed steps.
+
+    ``trace_tensors`` (CPU): instead, trace live tensor bytes from before the build
+    through one untimed step after the warm-up, and return their peak over the built
+    model (``tensor_peak_bytes``) only: the trace slows the steps and its buffers would
+    count in RSS, so it is a repetition of its own."""
     # Import every peer before the memory baseline, so that no peer's RSS counts
     # another's (or its own) module imports.
     import torch.distributed.fsdp
@@ -73,10 +80,13 @@ def bench_rank(
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
+    trace = TensorTrace() if trace_tensors else None
     module = build_model(workload, size).to(device)
     n_trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
     n_frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
     probe = MemoryProbe(device)
+    if trace is not None:
+        trace.mark("baseline")
     units = unit_classes(workload)
     frozen_sharded = 0 if no_shard_encoder else n_frozen
     result: dict[str, Any] = {"rank": rank, "world": world, "device": str(device)}
@@ -136,6 +146,11 @@ def bench_rank(
     probe.reset_peak()
     for step in range(warmup):
         one_step(step)
+    if trace is not None:
+        with trace.window():
+            one_step(warmup)
+        trace.stop()
+        return {"rank": rank, "tensor_peak_bytes": trace.peak_increase()}
     counter.reset()
     if options is not None:
         model.comm_stats(reset=True)

@@ -39,6 +39,7 @@ def aggregate(
     impls: Sequence[str],
     raw: dict[tuple[str, str], list[list[dict[str, Any]]]],
     world: int,
+    traced: dict[tuple[str, str], list[int]] | None = None,
 ) -> list[dict[str, Any]]:
     rows = []
     for cfg in configs:
@@ -63,6 +64,12 @@ def aggregate(
                 "peak_mb": statistics.median(max(r["peak_bytes"] for r in rs) for rs in runs)
                 / 2**20,
                 "peak_mb_per_rep": [max(r["peak_bytes"] for r in rs) / 2**20 for rs in runs],
+                "tensor_peak_mb_per_rep": [
+                    b / 2**20 for b in (traced or {}).get((cfg.label, impl), [])
+                ],
+                "tensor_peak_mb": statistics.median(traced[(cfg.label, impl)]) / 2**20
+                if traced and (cfg.label, impl) in traced
+                else None,
                 "gathered_mb": r0["bytes"]["all_gather"] / 2**20,
                 "reduced_mb": (r0["bytes"]["reduce_scatter"] + r0["bytes"]["all_reduce"]) / 2**20,
                 "elements": r0["elements"],
@@ -87,6 +94,11 @@ def aggregate(
             row["time_vs_floor"] = row["step_ms"] / row["floor_ms"] if row["floor_ms"] else None
             row["mem_vs_fsdp2"] = (
                 row["peak_mb"] / ref["peak_mb"] if ref and ref["peak_mb"] else None
+            )
+            row["tensor_vs_fsdp2"] = (
+                row["tensor_peak_mb"] / ref["tensor_peak_mb"]
+                if ref and ref["tensor_peak_mb"] and row["tensor_peak_mb"] is not None
+                else None
             )
             rows.append(row)
     return rows
@@ -135,14 +147,15 @@ def markdown_table(result: dict[str, Any]) -> str:
         f"{m.get('wall_s', 0.0) / 60:.1f} min).",
         "",
         "| configuration | peer | step ms | ×FSDP2 | ×floor | peak MB/rank | ×FSDP2 "
-        "| gathered MB/step | reduced MB/step | traffic / theory |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| peak tensor MB/rank | ×FSDP2 | gathered MB/step | reduced MB/step | traffic / theory |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['config']} | {r['impl']} | {r['step_ms']:.1f} | {_fmt(r['time_vs_fsdp2'], '.2f')} "
             f"| {_fmt(r['time_vs_floor'], '.2f')} | {r['peak_mb']:.1f} "
-            f"| {_fmt(r['mem_vs_fsdp2'], '.2f')} | {r['gathered_mb']:.2f} | {r['reduced_mb']:.2f} "
+            f"| {_fmt(r['mem_vs_fsdp2'], '.2f')} | {_fmt(r['tensor_peak_mb'], '.2f')} "
+            f"| {_fmt(r['tensor_vs_fsdp2'], '.2f')} | {r['gathered_mb']:.2f} | {r['reduced_mb']:.2f} "
             f"| {_fmt(r['traffic_vs_theory'], '.4f')} |"
         )
     floors = {}

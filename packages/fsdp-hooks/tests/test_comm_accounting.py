@@ -41,7 +41,14 @@ def _setup(strategy):
     module = GPT(CFG)
     psi = sum(p.numel() for p in module.parameters())  # tied weight counted once
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
-    model, opt = fully_shard(module, opt, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+    # One collective per unit (no coalescing): the formula counts per unit.
+    model, opt = fully_shard(
+        module,
+        opt,
+        fsdp_unit_modules=[Block],
+        zero_dp_strategy=strategy,
+        suggested_communication_unit_size=0,
+    )
     return model, opt, psi
 
 

@@ -89,7 +89,14 @@ def _run(tied, units):
     module = GPT(cfg)
     total = sum(p.numel() * p.element_size() for p in module.parameters())
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
-    model, opt = fully_shard(module, opt, fsdp_unit_modules=units, zero_dp_strategy=3)
+    # No coalescing: the bound below is per unit.
+    model, opt = fully_shard(
+        module,
+        opt,
+        fsdp_unit_modules=units,
+        zero_dp_strategy=3,
+        suggested_communication_unit_size=0,
+    )
     buffer = model.buffer
     shard_bytes = sum(g.model_weight_buffer.nbytes for g in buffer.groups)
     padded_total = sum(buffer.buckets[g].unsharded_bytes for g in range(buffer.num_buckets))

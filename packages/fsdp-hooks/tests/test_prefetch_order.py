@@ -66,6 +66,7 @@ def _train(order: list[int], double_buffer: bool):
         fsdp_unit_modules=[Block],
         zero_dp_strategy=3,
         fsdp_double_buffer=double_buffer,
+        suggested_communication_unit_size=0,  # prefetch order per unit, not per group
     )
     pipeline = model.all_gather_pipeline
     per_rank = GLOBAL_BATCH // WORLD

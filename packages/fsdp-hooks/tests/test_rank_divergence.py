@@ -52,6 +52,7 @@ def _wrapped():
         torch.optim.AdamW(module.parameters()),
         fsdp_unit_modules=[Block],
         zero_dp_strategy=3,
+        suggested_communication_unit_size=0,  # messages name one unit's bucket
     )
 
 

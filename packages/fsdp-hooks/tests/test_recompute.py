@@ -137,7 +137,11 @@ def _train(modes: tuple[str, ...]) -> dict[str, dict]:
         body_runs, recompute_states = _probe_bodies(module, wrapped)
         optimizer = torch.optim.AdamW(module.parameters(), lr=LR, eps=ADAM_EPS)
         model, optimizer = fully_shard(
-            module, optimizer, fsdp_unit_modules=[unit_class], zero_dp_strategy=3
+            module,
+            optimizer,
+            fsdp_unit_modules=[unit_class],
+            zero_dp_strategy=3,
+            suggested_communication_unit_size=0,  # gathers counted per unit
         )
         wrapped.append(model)
         pipeline = model.all_gather_pipeline

@@ -127,7 +127,7 @@ def _train(case: dict):
         fsdp_unit_modules=[Unit],
         zero_dp_strategy=case.get("zero", 3),
         fsdp_double_buffer=case.get("double_buffer", False),
-        suggested_communication_unit_size=case.get("size"),
+        suggested_communication_unit_size=case.get("size", 0),
         prefetch_depth=case.get("depth", 1),
         **kwargs,
     )
@@ -212,8 +212,8 @@ def test_coalesce_units_groups_consecutive_units_until_the_size():
 PER_GROUP = (1, 2, 3, UNITS)
 
 
-def _size(k: int) -> int | None:
-    return None if k == 1 else k * UNIT_NUMEL
+def _size(k: int) -> int:
+    return 0 if k == 1 else k * UNIT_NUMEL
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])

@@ -143,6 +143,7 @@ def _train() -> dict:
             fsdp_unit_modules=[BranchBlock],
             zero_dp_strategy=strategy,
             overlap_grad_reduce=overlap,
+            suggested_communication_unit_size=0,  # reductions counted per unit
         )
         reduced_early: list[int] = []
         _record_reductions_at_first_block(model, reduced_early)

@@ -606,7 +606,7 @@ def test_checkpoint_reshards_across_world_sizes(tmp_path, strategy):
             torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _padding_warnings(unit_size: int | None) -> list[str]:
+def _padding_warnings(unit_size: int) -> list[str]:
     """The whole-placement padding warnings of wrapping four bias-free 32x32 units for
     Muon at this world size, one unit per bucket or coalesced into one."""
     import warnings
@@ -629,7 +629,7 @@ def test_wrap_warns_when_whole_placement_pads():
     """A bucket with one matrix at four ranks moves 4x its elements (each rank's shard is
     one whole matrix): the wrap says so on every rank; four matrices in one bucket
     (coalesced) pad nothing and say nothing."""
-    for rank_warnings in run_distributed(_padding_warnings, 4, args=(None,), timeout=120):
+    for rank_warnings in run_distributed(_padding_warnings, 4, args=(0,), timeout=120):
         assert len(rank_warnings) == 1 and "4.00x" in rank_warnings[0], rank_warnings
     for rank_warnings in run_distributed(_padding_warnings, 4, args=(1 << 16,), timeout=120):
         assert rank_warnings == [], rank_warnings

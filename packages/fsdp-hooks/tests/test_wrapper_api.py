@@ -91,7 +91,10 @@ def _state_body():
     fsdp_no_shard(module.blocks[2])
     names = {id(p): n for n, p in module.named_parameters()}
     group_names = [[names[id(p)] for p in g["params"]] for g in _groups(module)]
-    model, opt = fully_shard(module, _sgd(module), fsdp_unit_modules=[Block])
+    # One row per unit in the summary: no coalescing.
+    model, opt = fully_shard(
+        module, _sgd(module), fsdp_unit_modules=[Block], suggested_communication_unit_size=0
+    )
     logger.removeHandler(capture)
 
     # The unit summary: once, on rank 0 only, every unit with its count and bytes.
@@ -263,7 +266,9 @@ def _methods_body(strategy):
         module,
         index,
         ddp_config=DistributedDataParallelConfig(
-            data_parallel_sharding_strategy=strategy, overlap_param_gather=True
+            data_parallel_sharding_strategy=strategy,
+            overlap_param_gather=True,
+            suggested_communication_unit_size=0,  # buckets per unit
         ),
         fsdp_unit_modules=[Block],
     )

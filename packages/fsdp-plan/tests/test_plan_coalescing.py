@@ -54,7 +54,8 @@ class Net(nn.Module):
 
 
 # (suggested_communication_unit_size, prefetch_depth)
-OPTIONS = [(None, 0), (None, 1), (None, 2), (600, 1), (600, 2), (1500, 1), (1500, 3), (10**6, 1)]
+# 0: no coalescing; None: fully_shard's default (8192 elements: one group here)
+OPTIONS = [(0, 0), (0, 1), (0, 2), (600, 1), (600, 2), (1500, 1), (1500, 3), (10**6, 1), (None, 1)]
 
 
 def _measure(options):
@@ -133,7 +134,8 @@ def test_peak_gathered_bytes_within_the_bound_and_planned(world_size):
         assert abs(planned - got["peak"]) <= 0.01 * got["peak"], f"{where}, planned {planned}"
         peaks[(size, depth)] = got
     # The options change what is held: deeper prefetch and bigger groups hold more.
-    assert peaks[(None, 0)]["peak"] < peaks[(None, 1)]["peak"] < peaks[(None, 2)]["peak"]
-    assert peaks[(None, 1)]["peak"] < peaks[(600, 1)]["peak"] < peaks[(1500, 1)]["peak"]
+    assert peaks[(0, 0)]["peak"] < peaks[(0, 1)]["peak"] < peaks[(0, 2)]["peak"]
+    assert peaks[(0, 1)]["peak"] < peaks[(600, 1)]["peak"] < peaks[(1500, 1)]["peak"]
     assert peaks[(10**6, 1)]["groups"] == 1
+    assert peaks[(None, 1)]["groups"] == 1  # the default joins units this small
     assert peaks[(600, 1)]["groups"] < len(WIDTHS) - 1

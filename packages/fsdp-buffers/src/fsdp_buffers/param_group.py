@@ -30,6 +30,12 @@ if TYPE_CHECKING:
 
 # Megatron-Core's DDP default: buckets of 40M elements.
 DEFAULT_BUCKET_SIZE = 40_000_000
+# Unit coalescing's default (elements; ``suggested_communication_unit_size=None``, as
+# Megatron-FSDP's None, means "choose"): units smaller than this are gathered and
+# reduced together (docs/benchmarks.md, "coalescing by default"). It joins nothing at or
+# above it, so no transformer block of a real model; what it adds to peak memory is at
+# most a few groups of under 2 x 8192 elements.
+DEFAULT_COMMUNICATION_UNIT_SIZE = 8_192
 
 UnitSpec = type[nn.Module] | str
 
@@ -140,7 +146,8 @@ def coalesce_units(unit_numels: Sequence[int], communication_unit_size: int | No
     taken in registration order (``named_modules`` order: the execution order of a
     sequential model) and joined to the open communication unit until it holds at least
     ``communication_unit_size`` elements; then the next unit opens a new one. ``None``
-    (or 0) keeps one unit per communication unit. A unit bigger than the size is alone.
+    (or 0) keeps one unit per communication unit (the wrappers' default is
+    :func:`resolve_communication_unit_size`'s). A unit bigger than the size is alone.
     Returns, for each unit, the index of the first unit of its communication unit."""
     if communication_unit_size is not None and (
         isinstance(communication_unit_size, bool)
@@ -159,6 +166,13 @@ def coalesce_units(unit_numels: Sequence[int], communication_unit_size: int | No
         out.append(first)
         held += numel
     return out
+
+
+def resolve_communication_unit_size(suggested: int | None) -> int:
+    """``suggested_communication_unit_size`` as the wrappers apply it: ``None`` (as in
+    Megatron-FSDP, "choose for me") is ``DEFAULT_COMMUNICATION_UNIT_SIZE``; 0 is no
+    coalescing."""
+    return DEFAULT_COMMUNICATION_UNIT_SIZE if suggested is None else suggested
 
 
 def group_parameters(

@@ -148,7 +148,8 @@ def fully_shard_model(
     ``wrapper.module``). Its parameters are then DTensors: this rank's shard of the
     main weights.
 
-    fsdp's own options: ``suggested_communication_unit_size`` (elements; None: off)
+    fsdp's own options: ``suggested_communication_unit_size`` (elements; None: 8192,
+    0: off)
     gathers and reduces consecutive FSDP units as one collective until each group holds
     at least that many parameter elements; ``prefetch_depth`` (default 1) is how many
     units (groups) are gathered ahead of the one in use, 0 for none. Peak gathered

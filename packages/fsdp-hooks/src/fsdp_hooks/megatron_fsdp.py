@@ -34,6 +34,7 @@ from fsdp_buffers import (
     ShardingStrategy,
 )
 from fsdp_buffers.mixed_precision import cast_floating
+from fsdp_buffers.param_group import resolve_communication_unit_size
 from fsdp_hooks.activations import ActivationMeter, measured_forward
 from fsdp_hooks.config import DistributedDataParallelConfig
 from fsdp_hooks.expert_names import ExpertStateNames
@@ -232,7 +233,9 @@ class MegatronFSDP(InnerModuleAttributes):
                 ),
                 allow_meta=init_model_with_meta_device,
                 tensor_parallel=tensor_parallel,
-                communication_unit_size=ddp_config.suggested_communication_unit_size,
+                communication_unit_size=resolve_communication_unit_size(
+                    ddp_config.suggested_communication_unit_size
+                ),
             )
             self.all_gather_pipeline = AllGatherPipeline(
                 self.buffer, follow_observed_order=True, prefetch_depth=prefetch_depth

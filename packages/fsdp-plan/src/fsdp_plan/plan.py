@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_buffers import MixedPrecisionPolicy, ParamAndGradBuffer, ShardingStrategy
 from fsdp_buffers.collectives import CollectiveKind
 from fsdp_buffers.no_shard import FSDP_WHOLE_ATTR, copy_param_attributes
+from fsdp_buffers.param_group import resolve_communication_unit_size
 from fsdp_hooks import DistributedDataParallelConfig
 from fsdp_hooks.experts import resolve_is_expert_param
 from fsdp_hooks.optimizers import muon_needs_whole
@@ -297,7 +298,9 @@ def plan(
                 options.get("is_expert_param"), index.has_expert_mesh
             ),
             allow_meta=True,
-            communication_unit_size=options.get("suggested_communication_unit_size"),
+            communication_unit_size=resolve_communication_unit_size(
+                options.get("suggested_communication_unit_size")
+            ),
         )
         held = model_state_bytes(buffer)
         peak = gathered_peak(buffer, options.get("prefetch_depth", 1))
