@@ -89,7 +89,12 @@ class GradReducePipeline:
             name = self.buckets[gid].group.names[i]
             raise RuntimeError(
                 f"gradient of {name!r} arrived after its bucket {gid} was reduced; it would "
-                f"be lost. Call finish() only after backward is complete"
+                "be lost. The bucket was reduced when every unit using it had run its "
+                "backward, or at finish(); this gradient came later, by a path the unit "
+                "hooks did not see (a graph not reaching the model's output, in the same "
+                "backward as one that does). Call finish() only after backward is "
+                "complete; with coalesced units, suggested_communication_unit_size=0 "
+                "gives each unit its own bucket"
             )
         self.buckets[gid].accumulate(i, param)
 
