@@ -364,3 +364,31 @@ def test_megatron_core_adapter_takes_the_ddp_config_field():
     for out in run_distributed(_adapter, 2, timeout=60):
         assert out["units"] == [0, 3, 6], out
         assert out["warned"] == [], out
+
+
+def _coalescing_warnings() -> list[list[str]]:
+    out = []
+    for size in (None, 0, _size(2), _size(UNITS), 400_000_000):
+        module = Stack()
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fully_shard(
+                module, opt, fsdp_unit_modules=[Unit], suggested_communication_unit_size=size
+            )
+        out.append([str(w.message) for w in caught if "communication unit of" in str(w.message)])
+    return out
+
+
+def test_a_group_of_most_of_the_model_is_reported_on_every_rank():
+    """A size that joins units into a group of more than half of the units' parameters
+    (a value tuned for Megatron-FSDP's prefetch, hundreds of millions) warns on every
+    rank: under ZeRO-3 that group is gathered and held at once. Pairs, no coalescing
+    and the default do not (the default's groups stay under 2 x 8192 elements whatever
+    the model, so it is not checked, though here it joins every unit)."""
+    for per_rank in run_distributed(_coalescing_warnings, 2, timeout=120):
+        default, off, pairs, whole, megatron = per_rank
+        assert default == off == pairs == [], per_rank
+        for caught in (whole, megatron):
+            assert len(caught) == 1, caught
+            assert f"joins {UNITS} FSDP units" in caught[0] and "pass 0" in caught[0], caught

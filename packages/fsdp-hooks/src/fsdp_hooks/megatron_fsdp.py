@@ -48,6 +48,7 @@ from fsdp_hooks.megatron_compat import (
     reset_policy,
 )
 from fsdp_hooks.rollback import rollback_on_failure
+from fsdp_hooks.shared_buckets import warn_if_units_joined_widely
 from fsdp_hooks.summary import log_unit_summary
 from fsdp_hooks.training_state import TrainingState
 from fsdp_hooks.unused_options import options_set, warn_unused_options
@@ -237,6 +238,10 @@ class MegatronFSDP(InnerModuleAttributes):
                     ddp_config.suggested_communication_unit_size
                 ),
             )
+            if ddp_config.suggested_communication_unit_size:
+                warn_if_units_joined_widely(
+                    self.buffer, ddp_config.suggested_communication_unit_size
+                )
             self.all_gather_pipeline = AllGatherPipeline(
                 self.buffer, follow_observed_order=True, prefetch_depth=prefetch_depth
             )

@@ -30,13 +30,18 @@ post-forward and post-backward, as without coalescing.
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fsdp_buffers import ParamAndGradBuffer
     from fsdp_hooks.hooks import FSDPUnit
 
-__all__ = ["SharedBuckets", "backward_done"]
+# A communication unit holding more than this share of the units' parameters is reported
+# at wrap: its units are gathered and held together, which ZeRO-3 is meant to avoid.
+_WIDE_GROUP_SHARE = 0.5
+
+__all__ = ["SharedBuckets", "backward_done", "warn_if_units_joined_widely"]
 
 
 def backward_done(units: list[FSDPUnit]) -> bool:
@@ -85,3 +90,34 @@ class SharedBuckets:
 
     def clear(self) -> None:
         self._forward_done.clear()
+
+
+def warn_if_units_joined_widely(buffer: ParamAndGradBuffer, size: int) -> None:
+    """Warn (the same on every rank) when ``suggested_communication_unit_size=size``
+    joined several units into a communication unit holding more than half of the
+    parameters in units: under ZeRO-3 they are gathered and held together. Megatron-FSDP
+    sizes its prefetch with the same option, so a value tuned for it (hundreds of
+    millions) makes one group of the whole model here."""
+    per_unit: dict[int, int] = {}
+    members: dict[int, int] = {}
+    for group in buffer.groups:
+        if group.fsdp_unit_id is None:
+            continue
+        n = sum(p.numel() for p in group.params)
+        per_unit[group.fsdp_unit_id] = per_unit.get(group.fsdp_unit_id, 0) + n
+        members[group.fsdp_unit_id] = len(group.coalesced_unit_ids)
+    total = sum(per_unit.values())
+    wide = {u: n for u, n in per_unit.items() if members[u] > 1 and n > _WIDE_GROUP_SHARE * total}
+    if not wide:
+        return
+    unit, numel = next(iter(wide.items()))
+    warnings.warn(
+        f"fsdp: suggested_communication_unit_size={size} joins {members[unit]} FSDP units "
+        f"into one communication unit of {numel:,} of the units' {total:,} parameter "
+        "elements: they are gathered, held and reduced together, so under ZeRO-3 the "
+        "gathered peak is that group's, not one unit's. fsdp uses this option to coalesce "
+        "small units (Megatron-FSDP uses it to size its prefetch); pass 0 for one "
+        "collective per unit, or None for the default (8192 elements)",
+        UserWarning,
+        stacklevel=4,
+    )
