@@ -126,12 +126,29 @@ def run_benchmark(
     raw: dict[tuple[str, str], list[list[dict[str, Any]]]] = {}
     traced: dict[tuple[str, str], list[int]] = {}
     env = {"OMP_NUM_THREADS": "1"}
+
+    def run_ranks(
+        cfg: Config | None, workload: str, impl: str, **options: Any
+    ) -> list[dict[str, Any]]:
+        """One repetition of ``impl`` (``floor``: one process) on fresh rank processes."""
+        wl = WORKLOADS[workload]
+        kwargs = {
+            "impl": impl,
+            "workload": workload,
+            "size": (sizes or {}).get(workload) or (wl.tiny if tiny else wl.full),
+            "strategy": cfg.strategy if cfg else 3,
+            "no_shard_encoder": cfg.no_shard_encoder if cfg else False,
+            "steps": 2 if tiny else wl.steps,
+            "warmup": 1 if tiny else wl.warmup,
+            **options,
+        }
+        world = 1 if impl == "floor" else world_size
+        return run_distributed(
+            bench_rank, world, kwargs=kwargs, timeout=timeout, device_type=device_type, env=env
+        )
+
     for rep in range(reps):
         for workload in workloads:
-            wl = WORKLOADS[workload]
-            size = (sizes or {}).get(workload) or (wl.tiny if tiny else wl.full)
-            steps = 2 if tiny else wl.steps
-            warmup = 1 if tiny else wl.warmup
             # The floor: one process, one rank's batch, no wrapper.
             runs: list[tuple[Config | None, str]] = [(None, "floor")] if floor else []
             for cfg in (c for c in configs if c.workload == workload):
@@ -143,25 +160,9 @@ def run_benchmark(
             if rep % 2:
                 runs.reverse()
             for cfg, impl in runs:
-                world = 1 if impl == "floor" else world_size
-                kwargs = {
-                    "impl": impl,
-                    "workload": workload,
-                    "size": size,
-                    "strategy": cfg.strategy if cfg else 3,
-                    "no_shard_encoder": cfg.no_shard_encoder if cfg else False,
-                    "steps": steps,
-                    "warmup": warmup,
-                    "profile_dir": profile_dir if rep == 0 else None,
-                }
                 t0 = time.perf_counter()
-                ranks = run_distributed(
-                    bench_rank,
-                    world,
-                    kwargs=kwargs,
-                    timeout=timeout,
-                    device_type=device_type,
-                    env=env,
+                ranks = run_ranks(
+                    cfg, workload, impl, profile_dir=profile_dir if rep == 0 else None
                 )
                 label = cfg.label if cfg else f"{workload} floor"
                 med = statistics.median(step_times(ranks))
@@ -174,28 +175,10 @@ def run_benchmark(
         # Live tensor bytes, CUDA's max_memory_allocated analogue: traced repetitions
         # (benchmarks.measure.TensorTrace), after the timed ones, as many; the median.
         for cfg in (c for _ in range(reps) for c in configs):
-            wl = WORKLOADS[cfg.workload]
-            size = (sizes or {}).get(cfg.workload) or (wl.tiny if tiny else wl.full)
             for impl in impls:
                 if impl == "megatron_fsdp":
                     continue
-                ranks = run_distributed(
-                    bench_rank,
-                    world_size,
-                    kwargs={
-                        "impl": impl,
-                        "workload": cfg.workload,
-                        "size": size,
-                        "strategy": cfg.strategy,
-                        "no_shard_encoder": cfg.no_shard_encoder,
-                        "steps": 0,
-                        "warmup": 1 if tiny else wl.warmup,
-                        "trace_tensors": True,
-                    },
-                    timeout=timeout,
-                    device_type=device_type,
-                    env=env,
-                )
+                ranks = run_ranks(cfg, cfg.workload, impl, steps=0, trace_tensors=True)
                 peak = max(r["tensor_peak_bytes"] for r in ranks)
                 log(f"traced {cfg.label:<28} {impl:<14} peak tensors {peak / 2**20:9.2f} MB")
                 traced.setdefault((cfg.label, impl), []).append(peak)

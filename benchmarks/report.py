@@ -53,6 +53,7 @@ def aggregate(
             r0 = runs[0][0]
             total = sum(r0["elements"].values()) + r0["elements"]["all_reduce"]
             traffic = total * (world - 1) / world
+            traced_mb = [b / 2**20 for b in (traced or {}).get((cfg.label, impl), [])]
             row = {
                 "config": cfg.label,
                 "workload": cfg.workload,
@@ -64,12 +65,8 @@ def aggregate(
                 "peak_mb": statistics.median(max(r["peak_bytes"] for r in rs) for rs in runs)
                 / 2**20,
                 "peak_mb_per_rep": [max(r["peak_bytes"] for r in rs) / 2**20 for rs in runs],
-                "tensor_peak_mb_per_rep": [
-                    b / 2**20 for b in (traced or {}).get((cfg.label, impl), [])
-                ],
-                "tensor_peak_mb": statistics.median(traced[(cfg.label, impl)]) / 2**20
-                if traced and (cfg.label, impl) in traced
-                else None,
+                "tensor_peak_mb_per_rep": traced_mb,
+                "tensor_peak_mb": statistics.median(traced_mb) if traced_mb else None,
                 "gathered_mb": r0["bytes"]["all_gather"] / 2**20,
                 "reduced_mb": (r0["bytes"]["reduce_scatter"] + r0["bytes"]["all_reduce"]) / 2**20,
                 "elements": r0["elements"],

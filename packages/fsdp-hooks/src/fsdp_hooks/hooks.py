@@ -535,12 +535,7 @@ class FSDPHooks:
                     self.raise_if_nonfinite_grads()
                 self.params.agree_on_reached()
             finally:
-                self._release_all()
-                self._reset_call_counts()
-                self._outside_calls = [0] * len(self.units)
-                for unit in self.units:
-                    unit.state = TrainingState.IDLE
-                self.use_distributed_params()
+                self._reset_after_backward()
                 # As in Megatron-FSDP, .grad appears only once every gradient is
                 # reduced: after a backward that synced, else at finish_grad_sync().
                 if self.reduce.sync_grads:
@@ -558,16 +553,21 @@ class FSDPHooks:
         if not self._callback_queued or in_backward():
             return False
         self.reduce.abort()
+        self._reset_after_backward()
+        self._nonfinite.clear()
+        self._callback_queued = False
+        self.root_state = TrainingState.IDLE
+        return True
+
+    def _reset_after_backward(self) -> None:
+        """A backward ended (or was abandoned): nothing gathered, no calls pending, every
+        unit idle, the DTensor parameters in place."""
         self._release_all()
         self._reset_call_counts()
         self._outside_calls = [0] * len(self.units)
         for unit in self.units:
             unit.state = TrainingState.IDLE
         self.use_distributed_params()
-        self._nonfinite.clear()
-        self._callback_queued = False
-        self.root_state = TrainingState.IDLE
-        return True
 
     def _release_all(self) -> None:
         self._shared.clear()
