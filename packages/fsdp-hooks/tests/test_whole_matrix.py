@@ -176,7 +176,7 @@ def _train(
     strategies: tuple[int, ...] = STRATEGIES,
     steps: int = STEPS,
     hsdp: bool = False,
-    unit_size: int | None = None,
+    unit_size: int = 0,
     edits: bool = False,
 ) -> dict | None:
     """Train every (kind, strategy) on this rank's slice; with ``hsdp``, on a
@@ -302,7 +302,7 @@ def test_muon_parity_when_param_groups_change():
     groups (a matrix popped in place, then added back in a new group): still one
     process's step."""
     results = run_distributed(
-        _train, 2, args=(("split",), STRATEGIES, STEPS, False, None, True), timeout=300
+        _train, 2, args=(("split",), STRATEGIES, STEPS, False, 0, True), timeout=300
     )[0]
     ref = reference("split", 2, edits=True)
     moved = next(n for n in ref["params"] if is_hidden_matrix(n, ref["params"][n]))

@@ -35,20 +35,20 @@ pytestmark = pytest.mark.skipif(
 
 # Rows that do not divide by 4 (vocab 66, 108 qkv rows): uneven pieces and owners.
 CFG = GPTConfig(vocab_size=66, dim=36, n_heads=4, n_layers=3)
-COALESCE = 10**6  # every unit in one bucket
+COALESCE = 10**6  # every unit in one bucket (0: one bucket per unit)
 # (strategy, suggested_communication_unit_size, which matrices Muon steps, dp_outer)
 CONFIGS = [
-    (3, None, "hidden", 1),
+    (3, 0, "hidden", 1),
     (3, COALESCE, "hidden", 1),
-    (1, None, "hidden", 1),
+    (1, 0, "hidden", 1),
     (2, COALESCE, "hidden", 1),
-    (3, None, "all", 1),
+    (3, 0, "all", 1),
     (1, COALESCE, "all", 1),
     # HSDP (world 4 only): 2 replicas of 2-rank shard groups, owners per shard group.
-    (3, None, "hidden", 2),
+    (3, 0, "hidden", 2),
     (1, COALESCE, "hidden", 2),
     # A bf16 model: fp32 main weights, gradients and state in their own buffers.
-    (3, None, "hidden", 1, torch.bfloat16),
+    (3, 0, "hidden", 1, torch.bfloat16),
     (1, COALESCE, "all", 1, torch.bfloat16),
 ]
 
@@ -175,11 +175,11 @@ def test_muon_plan_equals_comm_stats_and_memory_stats(world_size):
         adamw = _plan(world_size, config, optimizer="adamw")
         rows = sum(c["padding_bytes"] for c in adamw.comm.values())
         assert padding[config] >= rows, config
-        if config[1] is None:
+        if config[1] == 0:
             assert padding[config] > rows, config
         assert p.per_rank["optimizer_state"] < adamw.per_rank["optimizer_state"] * 2, config
     # Coalescing balances owners over every unit's matrices: less padding (ZeRO-3, hidden).
-    assert padding[(3, COALESCE, "hidden", 1)] < padding[(3, None, "hidden", 1)], padding
+    assert padding[(3, COALESCE, "hidden", 1)] < padding[(3, 0, "hidden", 1)], padding
 
 
 def test_muon_params_needs_muon_and_a_callable():
