@@ -8,8 +8,9 @@ asynchronous with one in flight before it is waited on (a one-deep pipeline, as 
 prefetching wrapper has):
 
 - ZeRO-3: root and units all-gathered in forward order, units all-gathered again in
-  reverse and reduce-scattered in reverse, then the root reduce-scattered (FSDP2's
-  schedule, 3·Ψ·(N−1)/N elements);
+  reverse and reduce-scattered in reverse, then the root reduce-scattered (the root is
+  gathered once and held all step, as both wrappers do: 3·Ψ_units + 2·Ψ_root elements
+  before the (N−1)/N);
 - ZeRO-2: units and root reduce-scattered in reverse, then all updated shards
   all-gathered (2·Ψ·(N−1)/N elements).
 

@@ -127,3 +127,24 @@ def test_no_shard_encoder_is_never_gathered(result, strategy):
     else:  # compute weights are replicated below ZeRO-3: nothing to gather either way
         assert gathered_encoder == 0
     assert replicated["elements"]["reduce_scatter"] == sharded["elements"]["reduce_scatter"]
+
+
+@pytest.mark.parametrize("workload", ["blocks", "compute"])
+def test_comm_floor_schedule_moves_the_theory_of_its_strategy(workload):
+    """benchmarks.comm_floor's collectives are one step's: every trainable parameter in
+    exactly one bucket; per step 3·Ψ elements of the units and 2·Ψ of the root (gathered
+    once and held) under ZeRO-3, 2·Ψ under ZeRO-2."""
+    from benchmarks.comm_floor import _schedule, bucket_sizes
+    from benchmarks.workloads import WORKLOADS, build_model
+
+    model = build_model(workload, WORKLOADS[workload].full)
+    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    root, units = bucket_sizes(workload)
+    assert root + sum(units) == psi
+    assert len(units) == WORKLOADS[workload].full.get(
+        "n_units", WORKLOADS[workload].full.get("layers")
+    )
+    for strategy, factor in ((3, 3), (2, 2)):
+        schedule = _schedule(strategy, root, units)
+        assert sum(n for _op, n in schedule) == factor * sum(units) + 2 * root
+        assert sum(n for op, n in schedule if op == "reduce") == psi
