@@ -96,8 +96,11 @@ def _grad_buffers(model):
 def _live_storages(model):
     """Weak references to the storages of the gradient buffers allocated now (reading
     ``.data`` of a released one would allocate it)."""
+    # (getattr: the same check runs, and fails, on a version without released buffers)
     return [
-        StorageWeakRef(b.data.untyped_storage()) for b in _grad_buffers(model) if not b.is_released
+        StorageWeakRef(b.data.untyped_storage())
+        for b in _grad_buffers(model)
+        if not getattr(b, "is_released", False)
     ]
 
 
@@ -144,8 +147,6 @@ def _train(scenario, world):
         # Released where nothing holds the gradients (set_to_none), kept (zeroed) where
         # the optimizer's .grad still does.
         stored.append((to_none, [w.expired() for w in live]))
-        if to_none:
-            assert all(b.is_released for b in _grad_buffers(model)), scenario
         if not to_none:
             for p in model.parameters():
                 assert p.grad is not None and not p.grad.to_local().any(), scenario
