@@ -352,7 +352,10 @@ class Bucket:
             cast.release()
             return cast
         with torch.no_grad():
-            cast.data.copy_(gbuf.data)
+            if cast.is_released:  # Note [released gradients]: a new copy, not zeros + copy
+                cast.data = gbuf.data.to(dtype)
+            else:
+                cast.data.copy_(gbuf.data)
         return cast
 
     @property
