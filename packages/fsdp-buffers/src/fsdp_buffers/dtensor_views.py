@@ -174,9 +174,10 @@ class DTensorViews:
                 gbuf = refreshed[gid] = (
                     b.grads_for_optimizer() if self.grad_attr == "grad" else b.optimizer_grads
                 )
+                self._follow(gid, gbuf)
             cached = cache.get((gid, i))
-            data = gbuf.data
             if cached is None or cached.buffer is not gbuf:
+                data = gbuf.data
                 view = self._optimizer_view(b, i, gbuf)
                 local = _own(view)
                 if whole:
@@ -186,10 +187,26 @@ class DTensorViews:
                     grad = DTensor(local, spec, requires_grad=False)
                 offset = view.storage_offset() - data.storage_offset()
                 cached = cache[(gid, i)] = _GradView(grad, local, gbuf, data, offset)
-            elif cached.data is not data:
-                cached.point_at(data)
             if getattr(dparam, self.grad_attr, None) is not cached.grad:
                 setattr(dparam, self.grad_attr, cached.grad)
+
+    def _follow(self, gid: int, gbuf: DataParallelBuffer) -> None:
+        """Re-point bucket ``gid``'s cached gradient views made over ``gbuf`` at its
+        storage now, where it was replaced (or they were parked) since."""
+        cache = self._grad_cache
+        data = storage = None
+        for i, _dparam in self._params_of.get(gid, ()):
+            cached = cache.get((gid, i))
+            if cached is None or cached.buffer is not gbuf:
+                continue
+            if data is None:
+                data = gbuf.data
+            if cached.data is data:
+                continue
+            if storage is None:
+                storage, base = data.untyped_storage(), data.storage_offset()
+            cached.local.set_(storage, base + cached.offset, cached.size, cached.stride)
+            cached.data = data
 
     def grads_in_use(self, gid: int) -> bool:
         """Whether an optimizer parameter of bucket ``gid`` holds its gradient view
@@ -206,16 +223,20 @@ class DTensorViews:
         views at zeros (one shared element, expanded), so that they keep no storage
         alive; a stale reference someone kept reads zeros, and follows the next
         storage like the optimizer's ``.grad`` does."""
-        cache = self._grad_cache
+        cache, zeros = self._grad_cache, None
         for i, _dparam in self._params_of.get(gid, ()):
             cached = cache.get((gid, i))
-            if cached is not None and cached.data is not None:
-                local = cached.local
+            if cached is None or cached.data is None:
+                continue
+            local = cached.local
+            if zeros is None or zeros.dtype != local.dtype:
                 key = (local.dtype, local.device)
-                zero = self._zeros.get(key)
-                if zero is None:
-                    zero = self._zeros[key] = torch.zeros(1, dtype=local.dtype, device=local.device)
-                cached.park(zero)
+                zeros = self._zeros.get(key)
+                if zeros is None:
+                    zeros = self._zeros[key] = torch.zeros(1, dtype=key[0], device=key[1])
+                storage = zeros.untyped_storage()
+            local.set_(storage, 0, cached.size, cached.zero_stride)
+            cached.data = None
 
     def drop_grads(self, params: list[nn.Parameter] | None = None) -> None:
         """``params`` (default: every optimizer parameter) hold no gradient: ``.grad``
@@ -426,7 +447,7 @@ class _GradView:
     now (None while parked on zeros) and its offset in elements from that tensor's
     start."""
 
-    __slots__ = ("buffer", "data", "grad", "local", "offset", "size", "stride")
+    __slots__ = ("buffer", "data", "grad", "local", "offset", "size", "stride", "zero_stride")
 
     def __init__(
         self,
@@ -438,24 +459,13 @@ class _GradView:
     ) -> None:
         self.grad, self.local, self.buffer, self.data = grad, local, buffer, data
         self.offset, self.size, self.stride = offset, local.size(), local.stride()
-
-    def point_at(self, data: torch.Tensor) -> None:
-        start = data.storage_offset() + self.offset
-        with torch.no_grad():
-            self.local.set_(data.untyped_storage(), start, self.size, self.stride)
-        self.data = data
-
-    def park(self, zero: torch.Tensor) -> None:
-        with torch.no_grad():
-            self.local.set_(zero.untyped_storage(), 0, self.size, (0,) * len(self.size))
-        self.data = None
+        self.zero_stride = (0,) * local.dim()  # parked: every element the one zero
 
 
 def _own(view: torch.Tensor) -> torch.Tensor:
     """A tensor over ``view``'s memory that is not a view (no ``_base`` to keep alive)."""
     out = torch.empty(0, dtype=view.dtype, device=view.device)
-    with torch.no_grad():
-        return out.set_(view.untyped_storage(), view.storage_offset(), view.size(), view.stride())
+    return out.set_(view.untyped_storage(), view.storage_offset(), view.size(), view.stride())
 
 
 def _global_rank(b: Bucket, shard_rank: int) -> int:
