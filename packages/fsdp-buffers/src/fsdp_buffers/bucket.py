@@ -44,6 +44,20 @@ gradient reached, and padding, is zeroed at the reduction), and the bucket itsel
 reduce-scatter's input: no zeroing pass, no pack copy, and a copy instead of an add.
 The values sent are the same bits. ``main_grad`` then stays None, and a fused write
 seen later raises.
+
+Note [released gradients]. Sharded main grads (strategies 2 and 3) exist only from a
+backward's first reduction of the bucket until the gradients are cleared, as FSDP2's
+do: ``zero_grads`` releases the storage (``DataParallelBuffer.release``: the buffer
+then reads as zeros, re-made by any reader) instead of zeroing it, and the next
+reduction adopts its reduce-scatter output as the new storage (no zeroing, no add); a
+second microbatch adds onto it as before. The optimizer's cast copy and hybrid
+sharding's fine slice follow. The optimizer's gradient views (``dtensor_views``) are
+re-pointed, not rebuilt: parked on zeros while released, at the new storage when it
+is attached again. Nothing is freed under a tensor someone holds (a stale ``.grad``
+keeps the old storage alive as long as it is held). Gradients an optimizer parameter
+still holds as its ``.grad`` (``zero_grad(set_to_none=False)``, or ``model.zero_grad()``
+without the optimizer's) are zeroed in place and kept, as torch keeps them.
+Replicated gradients (strategies 0 and 1) keep one persistent buffer, as DDP does.
 """
 
 from __future__ import annotations
@@ -253,6 +267,8 @@ class Bucket:
                 group.main_weight_buffer.load_params(sources)
         grad_dtype = policy.main_grads_dtype_for(group.dtype)
         group.main_grad_buffer = make("main_grad", grad_dtype, sharding.grads)
+        if sharding.grads:  # Note [released gradients]: none until a backward reduces
+            group.main_grad_buffer.release()
 
     def point_params_at_buffers(self) -> None:
         """Compute parameters become views into the (possibly not yet gathered) bucket;
@@ -321,7 +337,7 @@ class Bucket:
         if gbuf.dtype == dtype:
             return gbuf
         cast = self._grads_cast
-        if cast is None or cast.data.shape != gbuf.data.shape:
+        if cast is None or cast.numel != gbuf.numel:
             cast = self._grads_cast = DataParallelBuffer(
                 gbuf.layout,
                 dtype=dtype,
@@ -332,8 +348,14 @@ class Bucket:
                 name=f"group{self.gid}.optimizer_grad",
                 coarse=gbuf.coarse,
             )
+        if gbuf.is_released:  # zeros: so is the copy, without allocating either
+            cast.release()
+            return cast
         with torch.no_grad():
-            cast.data.copy_(gbuf.data)
+            if cast.is_released:  # Note [released gradients]: a new copy, not zeros + copy
+                cast.data = gbuf.data.to(dtype)
+            else:
+                cast.data.copy_(gbuf.data)
         return cast
 
     @property
@@ -571,7 +593,10 @@ class Bucket:
             if self.sharding.grads:
 
                 def finish() -> None:
-                    gbuf.data.add_(out)
+                    if gbuf.is_released:  # the first reduction since zero_grads: adopt it
+                        gbuf.data = out if out.dtype == gbuf.dtype else out.to(gbuf.dtype)
+                    else:
+                        gbuf.data.add_(out)
                     gbuf.free_bucket()  # no-op unless the reduction read it in place
                     self._shard_reduced()
 
@@ -595,23 +620,32 @@ class Bucket:
 
     def scale_grads(self, factor: float) -> None:
         """Multiply the main grads, and the optimizer's cast copy of them, by ``factor``."""
-        gbuf = self.group.main_grad_buffer
-        if gbuf is not None:
-            gbuf.data.mul_(factor)
-        if self._grads_cast is not None:
-            self._grads_cast.data.mul_(factor)
+        for buf in (self.group.main_grad_buffer, self._grads_cast):
+            if buf is not None and not buf.is_released:  # released: zeros already
+                buf.data.mul_(factor)
 
-    def zero_grads(self) -> None:
-        """-> EMPTY, with zeroed storage and no ``param.grad``."""
+    def zero_grads(self, release: bool = True) -> bool:
+        """-> EMPTY, with zeroed storage and no ``param.grad``. Sharded main grads (and
+        the optimizer's cast copy of them) are released rather than zeroed when
+        ``release`` (Note [released gradients]); True when they were."""
         gbuf = self.group.main_grad_buffer
+        cast = self._grads_cast
+        released = release and gbuf is not None and gbuf.is_data_distributed
         if gbuf is not None:
-            gbuf.data.zero_()
+            if released:
+                gbuf.release()
+            else:
+                gbuf.zero_()
             if gbuf.is_data_distributed:
                 gbuf.free_bucket()
                 self._detach_main_grads()
-        if self._grads_cast is not None:
-            self._grads_cast.data.zero_()
+        if cast is not None:
+            if released:
+                cast.release()
+            else:
+                cast.zero_()
         self.forget_grads()
+        return released
 
     def forget_grads(self) -> None:
         """-> EMPTY without touching the storage (its owner zeroes it)."""

@@ -244,9 +244,74 @@ class DataParallelBuffer:
         g = layout.shard_count // self.coarse
         # The layout's shards this rank owns, in the order they sit in its local shard.
         self.owned_shards = tuple(shard_rank + j * self.coarse for j in range(g))
-        numel = g * layout.shard_numel if is_data_distributed else layout.total_numel
+        self.numel = g * layout.shard_numel if is_data_distributed else layout.total_numel
         # Zeroed, so that padding never carries garbage into a reduction or a norm.
-        self.data = torch.zeros(numel, dtype=dtype, device=device)
+        self._data: torch.Tensor | None = torch.zeros(self.numel, dtype=dtype, device=device)
+        # Note [released storage]: a buffer whose storage was released (``release``) is
+        # all zeros; the first reader re-materializes it (``_source``'s value for a
+        # follower, a slice of another buffer, else zeros). Followers drop their derived
+        # data whenever this buffer's storage changes.
+        self._source: Callable[[], torch.Tensor] | None = None
+        self._parent: DataParallelBuffer | None = None
+        self._followers: list[DataParallelBuffer] = []
+
+    # ---- storage ------------------------------------------------------------------
+    @property
+    def data(self) -> torch.Tensor:
+        """The storage (this rank's shard when sharded); re-made as zeros on first
+        access after ``release`` (Note [released storage])."""
+        data = self._data
+        if data is None:
+            if self._source is not None:
+                data = self._source()
+            else:
+                data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+            self._data = data
+        return data
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        if value.dtype != self.dtype or value.shape != (self.numel,):
+            raise ValueError(
+                f"{self.name}: storage must be a flat {self.dtype} tensor of {self.numel} "
+                f"elements; got {value.dtype} {tuple(value.shape)}"
+            )
+        self._set(value)
+
+    def _set(self, value: torch.Tensor | None) -> None:
+        self._data = value
+        for follower in self._followers:
+            follower._set(None)
+
+    def release(self) -> None:
+        """Drop this buffer's storage (and its followers'): its values are zeros from
+        now on, re-made by the first reader. Nothing is freed under a tensor someone
+        still holds (views of the old storage keep it alive and valid): the memory
+        goes once the last of them does."""
+        self._set(None)
+
+    @property
+    def is_released(self) -> bool:
+        """Whether the storage was released and no one has read it since."""
+        if self._data is not None:
+            return False
+        return self._parent is None or self._parent.is_released
+
+    def follow(self, parent: DataParallelBuffer, derive: Callable[[torch.Tensor], torch.Tensor]):
+        """Make this buffer's storage ``derive(parent.data)`` (a view), re-derived
+        whenever the parent's storage changes (e.g. the fine slice of hybrid sharding's
+        coarse main grads)."""
+        self._parent = parent
+        self._source = lambda: derive(parent.data)
+        parent._followers.append(self)
+        self._data = None
+
+    def zero_(self) -> None:
+        """Zero the storage; nothing to do when it is released (already zeros)."""
+        if self._data is not None:
+            self._data.zero_()
+        elif self._parent is not None and not self._parent.is_released:
+            self.data.zero_()
 
     # ---- shards -------------------------------------------------------------------
     @property
@@ -395,14 +460,15 @@ class DataParallelBuffer:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of persistent storage (not counting a fetched bucket)."""
-        return self.data.numel() * self.element_size
+        """Bytes of persistent storage (not counting a fetched bucket), whether or not
+        it is allocated now (Note [released storage])."""
+        return self.numel * self.element_size
 
     def __repr__(self) -> str:
         kind = "sharded" if self.is_data_distributed else "replicated"
         return (
             f"DataParallelBuffer({self.name!r}, {kind}, dtype={self.dtype}, "
-            f"params={len(self.layout.slots)}, numel={self.data.numel()})"
+            f"params={len(self.layout.slots)}, numel={self.numel})"
         )
 
 

@@ -64,8 +64,11 @@ class DTensorViews:
         self._optimizer_params: list[tuple[str, nn.Parameter]] | None = None
         self._distributed_params: list[tuple[str, nn.Parameter]] | None = None
         self._name_index: dict[str, tuple[int, int]] | None = None
-        # (bucket, index) -> (the storage the gradient DTensor views, the DTensor)
-        self._grad_cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (bucket, index) -> the gradient DTensor and where it points (Note [released
+        # gradients] in ``bucket``).
+        self._grad_cache: dict[tuple[int, int], _GradView] = {}
+        self._params_of: dict[int, list[tuple[int, nn.Parameter]]] = {}  # by bucket
+        self._zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         # Where the optimizer's gradients go: ``.grad`` (cast to the main weights' dtype),
         # or, with Megatron-FSDP's ``use_decoupled_grad``, ``.decoupled_grad`` in the main
         # grads' own dtype (for precision-aware optimizers) with ``.grad`` left None.
@@ -120,6 +123,9 @@ class DTensorViews:
                 dparam._fsdp_row_partition = self._row_partition(b, i)  # type: ignore[attr-defined]
                 dparam._fsdp_tp_partition = self._buffer.tp.partition(b.group.params[i])  # type: ignore[attr-defined]
                 params.append((name, dparam))
+            for _name, dparam in params:
+                gid, i = dparam._fsdp_group_index  # type: ignore[attr-defined]
+                self._params_of.setdefault(gid, []).append((i, dparam))
             self._optimizer_params = params
             self.attach_grads()
         return self._optimizer_params
@@ -144,9 +150,10 @@ class DTensorViews:
         backward after ``zero_grad()`` skips their parameters (or applies zero
         gradients after ``zero_grad(set_to_none=False)``), as in plain PyTorch.
 
-        Each gradient DTensor is made once and cached with the storage it views
-        (``DTensor.from_local`` costs tens of microseconds a parameter); it is made
-        anew only if that buffer's storage was replaced."""
+        Each gradient DTensor is made once and cached (``DTensor.from_local`` costs tens
+        of microseconds a parameter); when its buffer's storage was replaced (released
+        gradients come back in new storage) its local tensor is re-pointed there with
+        ``Tensor.set_`` (about a microsecond), so the same objects follow."""
         buckets = self._buffer.buckets
         cache = self._grad_cache
         refreshed: dict[int, DataParallelBuffer] = {}  # once per bucket per call
@@ -167,13 +174,69 @@ class DTensorViews:
                 gbuf = refreshed[gid] = (
                     b.grads_for_optimizer() if self.grad_attr == "grad" else b.optimizer_grads
                 )
+                self._follow(gid, gbuf)
             cached = cache.get((gid, i))
-            if cached is None or cached[0] is not gbuf.data:
-                local = self._optimizer_view(b, i, gbuf)
-                grad = local if whole else self._dtensor(b, i, local)
-                cached = cache[(gid, i)] = (gbuf.data, grad)
-            if getattr(dparam, self.grad_attr, None) is not cached[1]:
-                setattr(dparam, self.grad_attr, cached[1])
+            if cached is None or cached.buffer is not gbuf:
+                data = gbuf.data
+                view = self._optimizer_view(b, i, gbuf)
+                local = _own(view)
+                if whole:
+                    grad = local
+                else:  # over ``local`` itself (from_local would wrap a view of it)
+                    spec = self._dtensor(b, i, local)._spec
+                    grad = DTensor(local, spec, requires_grad=False)
+                offset = view.storage_offset() - data.storage_offset()
+                cached = cache[(gid, i)] = _GradView(grad, local, gbuf, data, offset)
+            if getattr(dparam, self.grad_attr, None) is not cached.grad:
+                setattr(dparam, self.grad_attr, cached.grad)
+
+    def _follow(self, gid: int, gbuf: DataParallelBuffer) -> None:
+        """Re-point bucket ``gid``'s cached gradient views made over ``gbuf`` at its
+        storage now, where it was replaced (or they were parked) since."""
+        cache = self._grad_cache
+        data = storage = None
+        for i, _dparam in self._params_of.get(gid, ()):
+            cached = cache.get((gid, i))
+            if cached is None or cached.buffer is not gbuf:
+                continue
+            if data is None:
+                data = gbuf.data
+            if cached.data is data:
+                continue
+            if storage is None:
+                storage, base = data.untyped_storage(), data.storage_offset()
+            cached.local.set_(storage, base + cached.offset, cached.size, cached.stride)
+            cached.data = data
+
+    def grads_in_use(self, gid: int) -> bool:
+        """Whether an optimizer parameter of bucket ``gid`` holds its gradient view
+        (``.grad``, or ``.decoupled_grad``): then its storage must stay, zeroed."""
+        attr, cache = self.grad_attr, self._grad_cache
+        for i, dparam in self._params_of.get(gid, ()):
+            cached = cache.get((gid, i))
+            if cached is not None and getattr(dparam, attr, None) is cached.grad:
+                return True
+        return False
+
+    def park_grads(self, gid: int) -> None:
+        """Bucket ``gid``'s gradient storage was released: point its cached gradient
+        views at zeros (one shared element, expanded), so that they keep no storage
+        alive; a stale reference someone kept reads zeros, and follows the next
+        storage like the optimizer's ``.grad`` does."""
+        cache, zeros = self._grad_cache, None
+        for i, _dparam in self._params_of.get(gid, ()):
+            cached = cache.get((gid, i))
+            if cached is None or cached.data is None:
+                continue
+            local = cached.local
+            if zeros is None or zeros.dtype != local.dtype:
+                key = (local.dtype, local.device)
+                zeros = self._zeros.get(key)
+                if zeros is None:
+                    zeros = self._zeros[key] = torch.zeros(1, dtype=key[0], device=key[1])
+                storage = zeros.untyped_storage()
+            local.set_(storage, 0, cached.size, cached.zero_stride)
+            cached.data = None
 
     def drop_grads(self, params: list[nn.Parameter] | None = None) -> None:
         """``params`` (default: every optimizer parameter) hold no gradient: ``.grad``
@@ -375,6 +438,34 @@ class DTensorViews:
         local = buf.local_param_view(i).reshape(-1, *slot.shape[1:])
         full = collectives.all_gather_uneven(local, 0, partition, pg)
         return tp.full(p, full.view(slot.shape))
+
+
+class _GradView:
+    """A cached optimizer gradient (a DTensor, or the plain tensor of a whole-placed
+    slot), its local tensor (not a view of anything: ``set_`` re-points it and it keeps
+    no other tensor alive), the buffer it belongs to, the storage tensor it points into
+    now (None while parked on zeros) and its offset in elements from that tensor's
+    start."""
+
+    __slots__ = ("buffer", "data", "grad", "local", "offset", "size", "stride", "zero_stride")
+
+    def __init__(
+        self,
+        grad: torch.Tensor,
+        local: torch.Tensor,
+        buffer: DataParallelBuffer,
+        data: torch.Tensor,
+        offset: int,
+    ) -> None:
+        self.grad, self.local, self.buffer, self.data = grad, local, buffer, data
+        self.offset, self.size, self.stride = offset, local.size(), local.stride()
+        self.zero_stride = (0,) * local.dim()  # parked: every element the one zero
+
+
+def _own(view: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``view``'s memory that is not a view (no ``_base`` to keep alive)."""
+    out = torch.empty(0, dtype=view.dtype, device=view.device)
+    return out.set_(view.untyped_storage(), view.storage_offset(), view.size(), view.stride())
 
 
 def _global_rank(b: Bucket, shard_rank: int) -> int:

@@ -85,7 +85,8 @@ class OuterSharding:
             self.fine_main.load_params([bucket.tp.local_source(p) for p in group.params])
         grad_dtype = bucket.ctx.policy.main_grads_dtype_for(group.dtype)
         group.hsdp_gbuf = fine(grad_dtype, "outer_main_grad")
-        group.hsdp_gbuf.data = self.fine_slice(bucket.main_grads.data)
+        # A view that follows the coarse main grads' storage (released between steps).
+        group.hsdp_gbuf.follow(bucket.main_grads, self.fine_slice)
 
     def fine_slice(self, coarse_shard: torch.Tensor) -> torch.Tensor:
         """This outer rank's fine chunk inside a coarse (shard-group) shard."""

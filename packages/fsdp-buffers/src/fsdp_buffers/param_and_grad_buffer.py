@@ -298,9 +298,15 @@ class ParamAndGradBuffer:
                 bucket.scale_grads(scaling_factor)
 
     def zero_grad_buffer(self) -> None:
+        """Zero every bucket's gradients. Sharded ones are released instead (Note
+        [released gradients] in ``bucket``) unless an optimizer parameter still holds
+        them as its ``.grad`` (e.g. after ``zero_grad(set_to_none=False)``: as in torch,
+        that gradient stays allocated, zeroed)."""
+        views = self.views
         with torch.no_grad(), annotate("fsdp.zero_grad_buffer"):
             for bucket in self.buckets:
-                bucket.zero_grads()
+                if bucket.zero_grads(release=not views.grads_in_use(bucket.gid)):
+                    views.park_grads(bucket.gid)
 
     def persistent_bytes(self) -> int:
         """Bytes held by persistent buffers on this rank (not fetched buckets)."""

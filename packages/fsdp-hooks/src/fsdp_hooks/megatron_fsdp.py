@@ -506,10 +506,13 @@ class MegatronFSDP(InnerModuleAttributes):
 
     def zero_grad_buffer(self) -> None:
         self.hooks.recover_if_backward_aborted()  # reductions in flight land first
+        if self.use_decoupled_grad:
+            # Megatron-FSDP drops .decoupled_grad here; first, so that sharded gradients
+            # no optimizer parameter holds are released, not zeroed (Note [released
+            # gradients]).
+            self.buffer.views.drop_grads()
         self.buffer.zero_grad_buffer()
         self.hooks.clear_nonfinite_grads()
-        if self.use_decoupled_grad:
-            self.buffer.views.drop_grads()  # Megatron-FSDP drops .decoupled_grad here
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.zero_grad_buffer()

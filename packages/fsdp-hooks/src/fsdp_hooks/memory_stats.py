@@ -10,7 +10,9 @@ Keys, in bytes: ``parameters`` (model-weight buffers held between steps: the sha
 ZeRO-3, the whole parameter-major buffer below it; gathered buckets are not counted),
 ``main_weights`` (separate main-weight buffers: 0 when they are the model weights),
 ``main_grads`` (with the optimizer's copy cast to the main weights' dtype, made at the
-first step, when the main grads are in another dtype), ``optimizer_state`` (only when an
+first step, when the main grads are in another dtype; sharded gradients, which ZeRO-2/3
+free at ``zero_grad`` and allocate again when a backward reduces, count at their full
+size either way), ``optimizer_state`` (only when an
 optimizer is given or was attached by ``fully_shard_optimizer``), ``activations`` (the
 last forward run under ``model.measure_activations()``: saved tensors on CPU, the
 allocator's growth on CUDA; ``fsdp_hooks.activations``), ``total`` (their sum) and, on
@@ -68,12 +70,15 @@ def measure_memory_stats(
         outer = buffer.buckets[gid].outer
         fine = outer.fine_main if outer is not None else None  # may alias the weights
         stats["main_weights"] += count(fine.data if fine is not None else None)
-    for group in buffer.groups:
-        grad = group.main_grad_buffer
-        stats["main_grads"] += count(grad.data if grad is not None else None)
-    for bucket in buffer.buckets:  # the optimizer's cast copy (main grads in another dtype)
-        copy = bucket.optimizer_grad_copy
-        stats["main_grads"] += count(copy.data if copy is not None else None)
+    # Released gradients (ZeRO-2/3 between zero_grad and the next backward's reduction)
+    # count as the bytes the backward allocates again; reading .data would allocate them.
+    grad_bufs = [group.main_grad_buffer for group in buffer.groups]
+    grad_bufs += [bucket.optimizer_grad_copy for bucket in buffer.buckets]  # cast copies
+    for grad in grad_bufs:
+        if grad is not None and grad.is_released:
+            stats["main_grads"] += grad.nbytes
+        else:
+            stats["main_grads"] += count(grad.data if grad is not None else None)
     if optimizer is not None:
         total = 0
         for state in optimizer.state.values():

@@ -60,7 +60,7 @@ def model_state_bytes(buffer: ParamAndGradBuffer) -> dict[str, int]:
         bucket = buffer.buckets[gid]
         if bucket.needs_grad_copy:  # the optimizer's gradients cast to the main weights'
             grads = bucket.optimizer_grads
-            out["main_grads"] += grads.data.numel() * bucket.main_weights.element_size
+            out["main_grads"] += grads.numel * bucket.main_weights.element_size
     return out
 
 

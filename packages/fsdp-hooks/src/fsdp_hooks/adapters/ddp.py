@@ -424,10 +424,11 @@ class DistributedDataParallel(InnerModuleAttributes):
         set_is_first_microbatch(self, self.config)
 
     def _grad_tensors(self) -> list[torch.Tensor]:
+        # Released sharded gradients hold no memory (reading them would allocate zeros).
         return [
             group.main_grad_buffer.data
             for group in self.buffer.groups
-            if group.main_grad_buffer is not None
+            if group.main_grad_buffer is not None and not group.main_grad_buffer.is_released
         ]
 
     def offload_grad_buffers(self, synchronize: bool = True, empty_cache: bool = True) -> None:
