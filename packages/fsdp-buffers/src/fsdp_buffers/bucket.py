@@ -402,7 +402,10 @@ class Bucket:
 
             def unpack() -> None:
                 # Rank-major pieces to parameter-major storage (Note [shard layout]).
-                with torch.no_grad(), annotate(f"fsdp.copy_out.{self.gid}"):
+                # Neither tensor requires grad (both plain allocations; parameters are
+                # views, not the other way round), so autograd records nothing even with
+                # grad mode on: no no_grad context per gather.
+                with annotate(f"fsdp.copy_out.{self.gid}"):
                     buf.layout.unpack(gathered, bucket, buf.coarse)
 
             self._gather = PendingCollective(work, unpack, keepalive=(gathered, bucket))
@@ -433,7 +436,9 @@ class Bucket:
     def begin_accumulating(self) -> None:
         """-> ACCUMULATING: the storage this backward's gradients add into exists (the
         staging bucket when grads are sharded); reduced gradients are rebased first."""
-        gbuf = self.main_grads
+        gbuf = self.group.main_grad_buffer  # per gradient: no property call
+        if gbuf is None:
+            gbuf = self.main_grads  # raises, naming the bucket
         state = self.grad_state
         if state is not GradState.ACCUMULATING:
             if state is GradState.REDUCED and self.outer is not None:
@@ -441,7 +446,7 @@ class Bucket:
             if state is not GradState.EMPTY and not gbuf.is_data_distributed:
                 self._rebase_shard()
             self.grad_state = GradState.ACCUMULATING
-        if gbuf.is_data_distributed and not gbuf.has_unsharded_data:
+        if gbuf.is_data_distributed and not gbuf.allocator.is_allocated(gbuf):
             self._direct = self._plain_missing == 0 and not self._fused
             if self._direct:  # Note [rank-major staging]: written before it is read
                 gbuf.fetch_bucket()
@@ -465,6 +470,13 @@ class Bucket:
         storage and drop it. A framework that already added into ``param.main_grad``
         sets ``param.grad_added_to_main_grad = True`` (Megatron-Core / Transformer
         Engine)."""
+        if torch.is_grad_enabled():
+            # A backward with create_graph=True (hooks of a plain one run with grad mode
+            # off): keep the buffers out of the graph. No context object per gradient
+            # otherwise.
+            with torch.no_grad():
+                self.accumulate(index, param)
+            return
         self.begin_accumulating()
         if getattr(param, "grad_added_to_main_grad", False):
             if self._direct:
@@ -478,14 +490,12 @@ class Bucket:
             self._fused = True
             param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
         elif param.grad is not None and self._direct:
-            with torch.no_grad():
-                grad = self.tp.local_grad(param, param.grad)
-                touched = self._touched
-                self._staging_targets().write(index, grad, not touched[index])
-                touched[index] = True
+            grad = self.tp.local_grad(param, param.grad)
+            touched = self._touched
+            self._staging_targets().write(index, grad, not touched[index])
+            touched[index] = True
         elif param.grad is not None:
-            with torch.no_grad():
-                self._grad_views[index].add_(self.tp.local_grad(param, param.grad))
+            self._grad_views[index].add_(self.tp.local_grad(param, param.grad))
             if not self._plain[index]:
                 self._plain[index] = True
                 self._plain_missing -= 1
