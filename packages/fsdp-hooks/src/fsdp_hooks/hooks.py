@@ -515,7 +515,8 @@ class FSDPHooks:
     def _on_param_grad(self, param: torch.Tensor) -> None:
         self._saved_weights.check_side_path(param)  # type: ignore[arg-type]
         self.params.on_grad(param)  # type: ignore[arg-type]
-        if self.wrapper.report_nan_in_param_grad and param.grad is not None:
+        wrapper = self._wrapper() or self.wrapper  # per gradient: the property only to raise
+        if wrapper.report_nan_in_param_grad and param.grad is not None:
             grad = param.grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad  # tp: no collective
             # Kept as a tensor: checking now would sync the device once per parameter.
