@@ -162,6 +162,12 @@ class Bucket:
         self.is_distributed: bool = self.model.is_data_distributed
         if self.is_distributed:
             self.status = BucketStatus.EMPTY
+        # Fixed at construction too, and read on every gather or prefetch step.
+        model = self.model
+        self.unsharded_bytes: int = self.layout.total_numel * model.element_size
+        self._gather_label = f"fsdp.all_gather.{gid}"
+        self._gather_padding = model.layout.padding_fraction
+        self._gather_in_place = model.layout.is_rank_major(model.coarse)
 
     # ---- construction ---------------------------------------------------------------
     def _whole_owners(self, pieces: int, outer_sharded: bool) -> list[int | None] | None:
@@ -351,10 +357,6 @@ class Bucket:
         return self.outer is not None and self.outer.sharded
 
     @property
-    def unsharded_bytes(self) -> int:
-        return self.layout.total_numel * self.model.element_size
-
-    @property
     def has_grads(self) -> bool:
         """Whether a backward put gradients here since the last ``zero_grads``."""
         return self.grad_state is not GradState.EMPTY
@@ -376,7 +378,8 @@ class Bucket:
     # ---- compute weights ------------------------------------------------------------
     def can_gather(self) -> bool:
         """Whether the bucket can be fetched now (a double-buffer slot may be held)."""
-        model = self.model
+        model = self.group.model_weight_buffer  # per gather and prefetch step: no property
+        assert model is not None
         return not model.is_data_distributed or model.allocator.can_allocate(model)
 
     def blocked_by(self, other: Bucket) -> bool:
@@ -388,12 +391,13 @@ class Bucket:
         """EMPTY -> GATHER_IN_PROGRESS: fetch the bucket and start the all-gather."""
         if self.status is not BucketStatus.EMPTY:
             return
-        buf = self.model
+        buf = self.group.model_weight_buffer
+        assert buf is not None
         bucket = buf.fetch_bucket()
-        label = f"fsdp.all_gather.{self.gid}"
+        label = self._gather_label
         pg = self.shard.group
-        pad = buf.layout.padding_fraction
-        if buf.layout.is_rank_major(buf.coarse):  # straight into the bucket
+        pad = self._gather_padding
+        if self._gather_in_place:  # rank-major already: straight into the bucket
             work = collectives.all_gather(bucket, buf.data, pg, self.ctx.stats, label, pad)
             self._gather = PendingCollective(work, keepalive=(bucket,))
         else:
@@ -457,7 +461,7 @@ class Bucket:
 
     def _staging_targets(self) -> StagingTargets:
         targets = self._targets
-        if targets is None:
+        if targets is None:  # made once
             gbuf = self.main_grads
             made = gbuf.allocator.make_views(
                 gbuf, lambda rm: [gbuf.layout.staging_targets(rm, gbuf.coarse)]
@@ -492,7 +496,7 @@ class Bucket:
         elif param.grad is not None and self._direct:
             grad = self.tp.local_grad(param, param.grad)
             touched = self._touched
-            self._staging_targets().write(index, grad, not touched[index])
+            (self._targets or self._staging_targets()).write(index, grad, not touched[index])
             touched[index] = True
         elif param.grad is not None:
             self._grad_views[index].add_(self.tp.local_grad(param, param.grad))
