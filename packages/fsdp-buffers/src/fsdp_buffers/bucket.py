@@ -168,6 +168,10 @@ class Bucket:
         self._gather_label = f"fsdp.all_gather.{gid}"
         self._gather_padding = model.layout.padding_fraction
         self._gather_in_place = model.layout.is_rank_major(model.coarse)
+        # Profiler ranges made once (re-entrant; a bucket's verbs never run on two
+        # threads at once).
+        self._range_copy_out = annotate(f"fsdp.copy_out.{gid}")
+        self._range_release = annotate(f"fsdp.release.{gid}")
 
     # ---- construction ---------------------------------------------------------------
     def _whole_owners(self, pieces: int, outer_sharded: bool) -> list[int | None] | None:
@@ -409,7 +413,7 @@ class Bucket:
                 # Neither tensor requires grad (both plain allocations; parameters are
                 # views, not the other way round), so autograd records nothing even with
                 # grad mode on: no no_grad context per gather.
-                with annotate(f"fsdp.copy_out.{self.gid}"):
+                with self._range_copy_out:
                     buf.layout.unpack(gathered, bucket, buf.coarse)
 
             self._gather = PendingCollective(work, unpack, keepalive=(gathered, bucket))
@@ -432,7 +436,7 @@ class Bucket:
         pending, self._gather = self._gather, None
         if pending is not None:
             pending.wait(what)
-        with annotate(f"fsdp.release.{self.gid}"):
+        with self._range_release:
             self.model.free_bucket()
         self.status = BucketStatus.EMPTY
 
