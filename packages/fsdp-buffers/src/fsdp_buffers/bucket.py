@@ -497,16 +497,19 @@ class Bucket:
                 )
             self._fused = True
             param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
-        elif param.grad is not None and self._direct:
-            grad = self.tp.local_grad(param, param.grad)
-            touched = self._touched
-            (self._targets or self._staging_targets()).write(index, grad, not touched[index])
-            touched[index] = True
-        elif param.grad is not None:
-            self._grad_views[index].add_(self.tp.local_grad(param, param.grad))
-            if not self._plain[index]:
-                self._plain[index] = True
-                self._plain_missing -= 1
+        elif (grad := param.grad) is not None:
+            if isinstance(grad, DTensor):  # tensor parallelism (a plain one is local)
+                grad = self.tp.local_grad(param, grad)
+            if self._direct:
+                touched = self._touched
+                targets = self._targets or self._staging_targets()
+                targets.write(index, grad, not touched[index])
+                touched[index] = True
+            else:
+                self._grad_views[index].add_(grad)
+                if not self._plain[index]:
+                    self._plain[index] = True
+                    self._plain_missing -= 1
         param.grad = None
 
     def _scale_and_op(self) -> tuple[float, dist.ReduceOp.RedOpType]:

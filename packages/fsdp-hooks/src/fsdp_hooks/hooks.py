@@ -519,7 +519,9 @@ class FSDPHooks:
 
     # ---- gradients ------------------------------------------------------------------
     def _on_param_grad(self, param: torch.Tensor) -> None:
-        self._saved_weights.check_side_path(param)  # type: ignore[arg-type]
+        saved = self._saved_weights
+        if not saved.regather_saved_weights:  # else there is nothing to check (the default)
+            saved.check_side_path(param)  # type: ignore[arg-type]
         self.params.on_grad(param)  # type: ignore[arg-type]
         wrapper = self._wrapper() or self.wrapper  # per gradient: the property only to raise
         if wrapper.report_nan_in_param_grad and param.grad is not None:
