@@ -523,7 +523,9 @@ class FSDPHooks:
         if not saved.regather_saved_weights:  # else there is nothing to check (the default)
             saved.check_side_path(param)  # type: ignore[arg-type]
         self.params.on_grad(param)  # type: ignore[arg-type]
-        wrapper = self._wrapper() or self.wrapper  # per gradient: the property only to raise
+        wrapper = self._wrapper()  # per gradient: the property only to raise
+        if wrapper is None:
+            wrapper = self.wrapper
         if wrapper.report_nan_in_param_grad and param.grad is not None:
             grad = param.grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad  # tp: no collective
