@@ -54,7 +54,8 @@ class annotate:
     Use as a context manager, ``with annotate("fsdp.all_gather"): ...``, or as a
     decorator, ``@annotate("fsdp.reduce")``; a decorated function opens a fresh range
     per call, so it is safe under recursion and from several threads. One context
-    object may be re-entered while open, but must not be shared between threads.
+    object may be re-entered while open, and used by one thread after another (the hook
+    layer and each bucket make theirs once), but not entered by two threads at once.
     """
 
     # ``_depth``: how many enters are open; ``_opened``: (depth, record_function) of those
