@@ -54,7 +54,8 @@ def test_recursion_under_the_decorator():
 def test_no_range_without_profiler_and_no_error():
     with annotate("fsdp.test.idle") as cm:
         assert isinstance(cm, annotate)
-    assert cm._record_functions == []
+        assert cm.open_ranges == 0
+    assert cm.open_ranges == 0
 
 
 def test_range_is_closed_when_the_body_raises():
@@ -73,13 +74,30 @@ def test_reentering_one_object_while_open():
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with cm:
             with cm:
-                assert len(cm._record_functions) == 2
-            assert len(cm._record_functions) == 1
-        assert cm._record_functions == []
+                assert cm.open_ranges == 2
+            assert cm.open_ranges == 1
+        assert cm.open_ranges == 0
         with cm:
             pass
     [avg] = [e for e in prof.key_averages() if e.key == "fsdp.test.reentered"]
     assert avg.count == 2  # the nested pair folds into one event, plus the second use
+
+
+def test_one_object_entered_before_and_while_profiling():
+    """Enters with and without a profiler nest in one object: only the one made while
+    profiling opens (and its own exit closes) a range."""
+    cm = annotate("fsdp.test.mixed")
+    with cm:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with cm:
+                assert cm.open_ranges == 1
+                with cm:
+                    assert cm.open_ranges == 2
+                assert cm.open_ranges == 1
+            assert cm.open_ranges == 0
+        assert cm.open_ranges == 0
+    [avg] = [e for e in prof.key_averages() if e.key == "fsdp.test.mixed"]
+    assert avg.count == 1  # the nested pair folds into one event
 
 
 class FakeDomain:

@@ -180,3 +180,43 @@ def test_staging_targets_match_pack(shards, owners, coarse):
         targets.write(i, grad - half, False)
     targets.zero_rest([True] * (len(shapes) - 1) + [False])
     assert torch.equal(rm, want)
+
+
+def _grads_with_history():
+    """Gradients that carry autograd history (a ``create_graph=True`` backward, whose
+    hooks run with grad mode on), staged parameter-major then rank-major: the buffers
+    record no history, and hold the same bits as plain gradients do."""
+    rank = dist.get_rank()
+    out = []
+    for history in (False, True):
+        _model, buf = _setup(3, False)
+        gr = GradReducePipeline(buf)
+        staged = [b.gid for b in buf.buckets if b.sharding.grads]
+        shards = []
+        for step in range(2):
+            g = torch.Generator().manual_seed(7 + 100 * rank)
+            for gid in reversed(range(len(buf.groups))):
+                gr.prepare(gid)
+                for p in buf.groups[gid].params:
+                    grad = torch.randn(p.shape, generator=g)
+                    if history:
+                        grad = grad.requires_grad_() * 1.0
+                        assert grad.grad_fn is not None
+                    p.grad = grad
+                    with torch.enable_grad():
+                        gr.mark_param_grad_ready(p)
+            gr.finish()
+            for gid in staged:
+                data = buf.groups[gid].main_grad_buffer.data
+                assert not data.requires_grad and data.grad_fn is None, (history, step, gid)
+            shards.append([buf.buckets[gid].main_grad_shard().clone() for gid in staged])
+            buf.zero_grad_buffer()
+        out.append(shards)
+    for plain, traced in zip(*out, strict=True):
+        for a, b in zip(plain, traced, strict=True):
+            assert torch.equal(a, b)
+    return rank
+
+
+def test_gradients_with_history_leave_no_history_in_the_buffers():
+    assert run_distributed(_grads_with_history, 2, timeout=60) == [0, 1]

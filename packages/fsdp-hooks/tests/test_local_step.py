@@ -424,3 +424,59 @@ def test_fallbacks_to_the_dtensor_step():
         assert got["plain"] is True
         assert got["plain_state"] is True
         assert got["replaced"] == (True, True, True)
+
+
+# ---- the reused plan ------------------------------------------------------------------------
+
+
+def _edit(opt, step: int, phase: str) -> None:
+    """Changes a reused plan must see, each made right after a step that reused it:
+    a scalar state value rebound, a gradient replaced by a new tensor, a parameter
+    removed from its group in place."""
+    params = opt.param_groups[0]["params"]
+    if step == 2 and phase == "after":
+        opt.state[params[1]]["step"] = torch.tensor(1.0)
+    if step == 5 and phase == "before_step":
+        params[2].grad = params[2].grad * 0.5
+    if step == 7 and phase == "after":
+        del params[0]
+
+
+def _train_edits(model, opt, rows: slice, reused: list[bool]) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for step in range(10):
+        x, y = _batch(step)
+        opt.zero_grad()
+        ((model(x[rows]) - y[rows]) ** 2).mean().backward()
+        _edit(opt, step, "before_step")
+        opt.step()
+        tracker = getattr(opt, "_fsdp_local_step", None)
+        if tracker is not None:
+            reused.append(tracker.last_step_was_local and tracker.last_plan_was_reused)
+            out.append(_full(model))
+        else:
+            out.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        _edit(opt, step, "after")
+    return out
+
+
+def _reused_plan() -> tuple:
+    module = _model()
+    model, opt = fully_shard(module, torch.optim.Adam(list(module.parameters()), lr=0.01))
+    reused: list[bool] = []
+    return _train_edits(model, opt, _rows(2), reused), reused
+
+
+def test_a_reused_plan_sees_every_change():
+    """The plan is reused between steps, and rebuilt (so the edit is honoured, in parity
+    with one process) after each edit made to a step that reused it."""
+    module = _model()
+    ref = _train_edits(
+        module, torch.optim.Adam(list(module.parameters()), lr=0.01), slice(None), []
+    )
+    for got, reused in run_distributed(_reused_plan, 2, timeout=120):
+        for step, (params, ref_params) in enumerate(zip(got, ref, strict=True)):
+            assert_tensors_close(params, ref_params, where=f"step {step}")
+        # 0: the DTensor step (creates the state); 1: a new plan; 3, 5, 8: after the
+        # edits; 6: the gradient is fsdp's own again (a new plan once more).
+        assert reused == [False, False, True, False, True, False, False, True, False, True]

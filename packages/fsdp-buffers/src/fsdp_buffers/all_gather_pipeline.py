@@ -114,6 +114,9 @@ class AllGatherPipeline:
         backward = self._position[PrefetchOrder.BACKWARD_PASS_ORDER]
         for g in skip:
             backward[g] = len(self._sequence[PrefetchOrder.BACKWARD_PASS_ORDER])
+        # The same, picked by identity on each prefetch (an Enum hashes in Python).
+        self._forward_seq = (order, self._position[PrefetchOrder.FORWARD_PASS_ORDER])
+        self._backward_seq = (self._sequence[PrefetchOrder.BACKWARD_PASS_ORDER], backward)
 
     @property
     def num_buckets(self) -> int:
@@ -179,9 +182,10 @@ class AllGatherPipeline:
         ids = list(bucket_ids)
         self._asked.update(ids)
         if prefetch:
-            self.prefetch_misses += sum(
-                1 for g in ids if self.buckets[g].status is BucketStatus.EMPTY
-            )
+            buckets = self.buckets
+            for gid in ids:
+                if buckets[gid].status is BucketStatus.EMPTY:
+                    self.prefetch_misses += 1
         if prefetch and prefetch_order is PrefetchOrder.FORWARD_PASS_ORDER:
             for gid in ids:
                 if gid not in self._observed_set:
@@ -205,10 +209,11 @@ class AllGatherPipeline:
             self._asked.discard(gid)
 
     def _prefetch(self, ids: list[int], order: PrefetchOrder) -> None:
-        position = self._position[order]
+        forward = order is PrefetchOrder.FORWARD_PASS_ORDER
+        sequence, position = self._forward_seq if forward else self._backward_seq
         budget = self.prefetch_budget_bytes
         used = 0
-        for gid in self._sequence[order][max(position[g] for g in ids) + 1 :]:
+        for gid in sequence[max(map(position.__getitem__, ids)) + 1 :]:
             bucket = self.buckets[gid]
             if not bucket.is_distributed:
                 continue

@@ -176,6 +176,16 @@ class Bucket:
         self.is_distributed: bool = self.model.is_data_distributed
         if self.is_distributed:
             self.status = BucketStatus.EMPTY
+        # Fixed at construction too, and read on every gather or prefetch step.
+        model = self.model
+        self.unsharded_bytes: int = self.layout.total_numel * model.element_size
+        self._gather_label = f"fsdp.all_gather.{gid}"
+        self._gather_padding = model.layout.padding_fraction
+        self._gather_in_place = model.layout.is_rank_major(model.coarse)
+        # Profiler ranges made once (re-entrant; a bucket's verbs never run on two
+        # threads at once).
+        self._range_copy_out = annotate(f"fsdp.copy_out.{gid}")
+        self._range_release = annotate(f"fsdp.release.{gid}")
 
     # ---- construction ---------------------------------------------------------------
     def _whole_owners(self, pieces: int, outer_sharded: bool) -> list[int | None] | None:
@@ -373,10 +383,6 @@ class Bucket:
         return self.outer is not None and self.outer.sharded
 
     @property
-    def unsharded_bytes(self) -> int:
-        return self.layout.total_numel * self.model.element_size
-
-    @property
     def has_grads(self) -> bool:
         """Whether a backward put gradients here since the last ``zero_grads``."""
         return self.grad_state is not GradState.EMPTY
@@ -398,7 +404,8 @@ class Bucket:
     # ---- compute weights ------------------------------------------------------------
     def can_gather(self) -> bool:
         """Whether the bucket can be fetched now (a double-buffer slot may be held)."""
-        model = self.model
+        model = self.group.model_weight_buffer  # per gather and prefetch step: no property
+        assert model is not None
         return not model.is_data_distributed or model.allocator.can_allocate(model)
 
     def blocked_by(self, other: Bucket) -> bool:
@@ -410,12 +417,13 @@ class Bucket:
         """EMPTY -> GATHER_IN_PROGRESS: fetch the bucket and start the all-gather."""
         if self.status is not BucketStatus.EMPTY:
             return
-        buf = self.model
+        buf = self.group.model_weight_buffer
+        assert buf is not None
         bucket = buf.fetch_bucket()
-        label = f"fsdp.all_gather.{self.gid}"
+        label = self._gather_label
         pg = self.shard.group
-        pad = buf.layout.padding_fraction
-        if buf.layout.is_rank_major(buf.coarse):  # straight into the bucket
+        pad = self._gather_padding
+        if self._gather_in_place:  # rank-major already: straight into the bucket
             work = collectives.all_gather(bucket, buf.data, pg, self.ctx.stats, label, pad)
             self._gather = PendingCollective(work, keepalive=(bucket,))
         else:
@@ -424,7 +432,10 @@ class Bucket:
 
             def unpack() -> None:
                 # Rank-major pieces to parameter-major storage (Note [shard layout]).
-                with torch.no_grad(), annotate(f"fsdp.copy_out.{self.gid}"):
+                # Neither tensor requires grad (both plain allocations; parameters are
+                # views, not the other way round), so autograd records nothing even with
+                # grad mode on: no no_grad context per gather.
+                with self._range_copy_out:
                     buf.layout.unpack(gathered, bucket, buf.coarse)
 
             self._gather = PendingCollective(work, unpack, keepalive=(gathered, bucket))
@@ -447,7 +458,7 @@ class Bucket:
         pending, self._gather = self._gather, None
         if pending is not None:
             pending.wait(what)
-        with annotate(f"fsdp.release.{self.gid}"):
+        with self._range_release:
             self.model.free_bucket()
         self.status = BucketStatus.EMPTY
 
@@ -455,7 +466,9 @@ class Bucket:
     def begin_accumulating(self) -> None:
         """-> ACCUMULATING: the storage this backward's gradients add into exists (the
         staging bucket when grads are sharded); reduced gradients are rebased first."""
-        gbuf = self.main_grads
+        gbuf = self.group.main_grad_buffer  # per gradient: no property call
+        if gbuf is None:
+            gbuf = self.main_grads  # raises, naming the bucket
         state = self.grad_state
         if state is not GradState.ACCUMULATING:
             if state is GradState.REDUCED and self.outer is not None:
@@ -463,7 +476,7 @@ class Bucket:
             if state is not GradState.EMPTY and not gbuf.is_data_distributed:
                 self._rebase_shard()
             self.grad_state = GradState.ACCUMULATING
-        if gbuf.is_data_distributed and not gbuf.has_unsharded_data:
+        if gbuf.is_data_distributed and not gbuf.allocator.is_allocated(gbuf):
             self._direct = self._plain_missing == 0 and not self._fused
             if self._direct:  # Note [rank-major staging]: written before it is read
                 gbuf.fetch_bucket()
@@ -474,7 +487,7 @@ class Bucket:
 
     def _staging_targets(self) -> StagingTargets:
         targets = self._targets
-        if targets is None:
+        if targets is None:  # made once
             gbuf = self.main_grads
             made = gbuf.allocator.make_views(
                 gbuf, lambda rm: [gbuf.layout.staging_targets(rm, gbuf.coarse)]
@@ -487,6 +500,13 @@ class Bucket:
         storage and drop it. A framework that already added into ``param.main_grad``
         sets ``param.grad_added_to_main_grad = True`` (Megatron-Core / Transformer
         Engine)."""
+        if torch.is_grad_enabled():
+            # A backward with create_graph=True (hooks of a plain one run with grad mode
+            # off): keep the buffers out of the graph. No context object per gradient
+            # otherwise.
+            with torch.no_grad():
+                self.accumulate(index, param)
+            return
         self.begin_accumulating()
         if getattr(param, "grad_added_to_main_grad", False):
             if self._direct:
@@ -499,18 +519,19 @@ class Bucket:
                 )
             self._fused = True
             param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
-        elif param.grad is not None and self._direct:
-            with torch.no_grad():
-                grad = self.tp.local_grad(param, param.grad)
+        elif (grad := param.grad) is not None:
+            if isinstance(grad, DTensor):  # tensor parallelism (a plain one is local)
+                grad = self.tp.local_grad(param, grad)
+            if self._direct:
                 touched = self._touched
-                self._staging_targets().write(index, grad, not touched[index])
+                targets = self._targets or self._staging_targets()
+                targets.write(index, grad, not touched[index])
                 touched[index] = True
-        elif param.grad is not None:
-            with torch.no_grad():
-                self._grad_views[index].add_(self.tp.local_grad(param, param.grad))
-            if not self._plain[index]:
-                self._plain[index] = True
-                self._plain_missing -= 1
+            else:
+                self._grad_views[index].add_(grad)
+                if not self._plain[index]:
+                    self._plain[index] = True
+                    self._plain_missing -= 1
         param.grad = None
 
     def _scale_and_op(self) -> tuple[float, dist.ReduceOp.RedOpType]:

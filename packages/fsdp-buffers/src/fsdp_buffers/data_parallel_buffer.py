@@ -88,7 +88,7 @@ class TemporaryBucketAllocator(BucketAllocator):
         bucket = self.bucket_for(buffer)
         storage = bucket.untyped_storage()
         nbytes = bucket.numel() * bucket.element_size()
-        if storage.size() != nbytes:
+        if storage.nbytes() != nbytes:  # nbytes: C; size() is a Python wrapper of it
             storage.resize_(nbytes)
 
     def free(self, buffer: DataParallelBuffer) -> None:
@@ -98,7 +98,7 @@ class TemporaryBucketAllocator(BucketAllocator):
 
     def is_allocated(self, buffer: DataParallelBuffer) -> bool:
         bucket = self._buckets.get(id(buffer))
-        return bucket is not None and bucket.untyped_storage().size() > 0
+        return bucket is not None and bucket.untyped_storage().nbytes() > 0
 
     def make_views(
         self, buffer: DataParallelBuffer, make: Callable[[torch.Tensor], list[torch.Tensor]]

@@ -130,6 +130,9 @@ class ParamAndGradBuffer:
         self.param_index: dict[nn.Parameter, tuple[int, int]] = {
             p: (gid, i) for gid, group in enumerate(self.groups) for i, p in enumerate(group.params)
         }
+        # The same by id (``group_of``, once per gradient: a Tensor hashes in Python).
+        # ``param_index`` keeps the parameters alive, so an id matches only its own.
+        self._index_by_id = {id(p): (p, at) for p, at in self.param_index.items()}
         self.root_groups: list[int] = self._root_groups()
         self.buckets: list[Bucket] = []
         # Each bucket's parameters become views into its buffers as soon as they are
@@ -240,6 +243,9 @@ class ParamAndGradBuffer:
         return self._ctx.stats
 
     def group_of(self, param: nn.Parameter) -> tuple[int, int]:
+        entry = self._index_by_id.get(id(param))
+        if entry is not None and entry[0] is param:
+            return entry[1]
         try:
             return self.param_index[param]
         except KeyError:

@@ -165,6 +165,12 @@ class FSDPHooks:
         self.grads_published = False
         self._nonfinite: list[tuple[str, torch.Tensor]] = []
         self._param_names = {p: name for name, _g, _i, p in buffer.named_params()}
+        # The per-unit hooks' profiler ranges, made once (re-entrant; the hooks of one
+        # model never run on two threads at once).
+        self._range_pre_forward = annotate("fsdp.pre_forward")
+        self._range_post_forward = annotate("fsdp.post_forward")
+        self._range_pre_backward = annotate("fsdp.pre_backward")
+        self._range_post_backward = annotate("fsdp.post_backward")
 
         module = wrapper.module
         root = set(self.root_groups)
@@ -411,7 +417,7 @@ class FSDPHooks:
         unit.handles.append(unit.module.register_forward_hook(_eager(post_forward)))
 
     def _unit_pre_forward(self, unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict):
-        with annotate("fsdp.pre_forward"):
+        with self._range_pre_forward:
             # A forward inside this model's backward is a recompute (activation
             # checkpointing): the unit is in PRE_BACKWARD even when no pre-backward hook
             # of its own fired (a reentrant checkpoint ran its forward under no_grad).
@@ -454,7 +460,7 @@ class FSDPHooks:
     def _unit_post_forward(self, unit: FSDPUnit, module: nn.Module, args: tuple, output: Any):
         if unit.state is TrainingState.PRE_BACKWARD:
             return output  # recompute: the backward that follows needs the buckets
-        with annotate("fsdp.post_forward"):
+        with self._range_post_forward:
             for gid in unit.release_groups:
                 if self._shared.release_after_forward(unit, gid):
                     self.gather.release_bucket(gid)
@@ -469,7 +475,7 @@ class FSDPHooks:
         return output
 
     def _unit_pre_backward(self, unit: FSDPUnit) -> None:
-        with annotate("fsdp.pre_backward"):
+        with self._range_pre_backward:
             if self.schedule is not None:
                 self.schedule.check(Phase.UNIT_BACKWARD, unit.index)
             self._begin_backward()
@@ -483,7 +489,7 @@ class FSDPHooks:
                 self.reduce.prepare(gid)
 
     def _unit_post_backward(self, unit: FSDPUnit) -> None:
-        with annotate("fsdp.post_backward"):
+        with self._range_post_backward:
             unit.state = TrainingState.POST_BACKWARD
             if unit.pending_backward == 0:
                 self._uncounted_backward = True  # a call not counted: the counts are short
@@ -513,9 +519,14 @@ class FSDPHooks:
 
     # ---- gradients ------------------------------------------------------------------
     def _on_param_grad(self, param: torch.Tensor) -> None:
-        self._saved_weights.check_side_path(param)  # type: ignore[arg-type]
+        saved = self._saved_weights
+        if not saved.regather_saved_weights:  # else there is nothing to check (the default)
+            saved.check_side_path(param)  # type: ignore[arg-type]
         self.params.on_grad(param)  # type: ignore[arg-type]
-        if self.wrapper.report_nan_in_param_grad and param.grad is not None:
+        wrapper = self._wrapper()  # per gradient: the property only to raise
+        if wrapper is None:
+            wrapper = self.wrapper
+        if wrapper.report_nan_in_param_grad and param.grad is not None:
             grad = param.grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad  # tp: no collective
             # Kept as a tensor: checking now would sync the device once per parameter.

@@ -22,9 +22,14 @@ own ``step`` with, for its duration only:
 Before and after, ``optimizer.param_groups`` and ``optimizer.state`` are what they are
 on the DTensor path (DTensor parameters, DTensor state), so ``state_dict()``,
 ``load_state_dict``, DCP, schedulers, ``add_param_group`` and ``zero_grad`` see no
-difference. The state and gradients are checked every step (cheap identity and shape
-checks), and the step runs on the DTensors instead, as before, whenever anything is not
-as this requires:
+difference. The state and gradients are checked every step, and the step runs on the
+DTensors instead, as before, whenever anything is not as this requires. The checks are
+cheap: the last step's plan (shadows and shadow state) is reused while the groups, their
+options that matter here, their parameters, each one's local tensor and gradient, and
+every state dict with its keys and values are the same objects as when it was built
+(C-level maps, no Python call per parameter); anything else (a group added, a state
+entry replaced, a new gradient) plans anew with the per-parameter checks below. A step
+that replaced or added a state value is written back and the next one plans anew.
 
 - the optimizer's class is not one of ``_KINDS`` exactly (a subclass may override the
   update), or a group is ``differentiable``;
@@ -44,6 +49,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter, is_, itemgetter
 from typing import Any
 
 import torch
@@ -167,6 +174,94 @@ class _Plan:
         self.stepped: list[_Shadow] = []
 
 
+_params_of = itemgetter("params")
+_grad_of = attrgetter("grad")
+_local_of = attrgetter("_local_tensor")
+
+
+def _same(a: list, b: list) -> bool:
+    """The same objects in the same order."""
+    return len(a) == len(b) and all(map(is_, a, b))
+
+
+class _Dicts:
+    """A list of dicts, their keys and their values' identities, taken with C-level maps
+    (no Python call per parameter): equal to a later snapshot exactly when no dict was
+    replaced, and no entry added, removed or rebound."""
+
+    __slots__ = ("dicts", "keys", "lens", "values")
+
+    def __init__(self, dicts: list[dict[str, Any]]) -> None:
+        self.dicts = dicts
+        self.lens = list(map(len, dicts))
+        self.keys = list(chain.from_iterable(dicts))
+        self.values = list(chain.from_iterable(map(dict.values, dicts)))
+
+    def unchanged(self, dicts: list[dict[str, Any]]) -> bool:
+        return (
+            _same(dicts, self.dicts)
+            and list(map(len, dicts)) == self.lens
+            and list(chain.from_iterable(dicts)) == self.keys
+            and _same(list(chain.from_iterable(map(dict.values, dicts))), self.values)
+        )
+
+
+class _Snapshot:
+    """What a plan was built from (Note [local step]): the groups, their flags and
+    parameters, each parameter's local tensor and gradient, and the whole optimizer
+    state (its keys, dicts, and their entries). A plan is reused while all of it is the
+    same objects; anything else rebuilds it with every check. Also the shadow state
+    handed to the step, to tell after it whether the step replaced anything."""
+
+    __slots__ = (
+        "flags",
+        "grads",
+        "groups",
+        "handed",
+        "locals",
+        "params",
+        "plan",
+        "sizes",
+        "state",
+        "state_dicts",
+        "state_keys",
+    )
+
+    def __init__(self, step: LocalStep, optimizer: torch.optim.Optimizer, plan: _Plan) -> None:
+        groups = optimizer.param_groups
+        self.plan = plan
+        self.groups = list(groups)
+        self.flags = step._group_flags(groups)
+        self.sizes = list(map(len, map(_params_of, groups)))
+        self.params = list(chain.from_iterable(map(_params_of, groups)))
+        self.locals = list(map(_local_of, self.params))
+        self.grads = list(map(_grad_of, self.params))
+        self.state = optimizer.state
+        self.state_keys = list(self.state)
+        self.state_dicts = _Dicts(list(self.state.values()))
+        self.handed = _Dicts(list(plan.state.values()))
+
+    def still_valid(self, step: LocalStep, optimizer: torch.optim.Optimizer) -> bool:
+        groups = optimizer.param_groups
+        if not _same(groups, self.groups) or step._group_flags(groups) != self.flags:
+            return False
+        if list(map(len, map(_params_of, groups))) != self.sizes:
+            return False
+        params = list(chain.from_iterable(map(_params_of, groups)))
+        if not (
+            _same(params, self.params)
+            and _same(list(map(_local_of, params)), self.locals)
+            and _same(list(map(_grad_of, params)), self.grads)
+        ):
+            return False
+        state = optimizer.state
+        return (
+            state is self.state
+            and _same(list(state), self.state_keys)
+            and self.state_dicts.unchanged(list(state.values()))
+        )
+
+
 class LocalStep:
     """Runs an optimizer's step on the local shards when that is exact (see Note
     [local step]); one per patched optimizer."""
@@ -174,7 +269,10 @@ class LocalStep:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self._kind = _KINDS.get(type(optimizer))
         self._shadows: dict[int, _Shadow] = {}  # by id of the DTensor parameter
+        # The last plan and what it was built from, reused while that is unchanged.
+        self._snapshot: _Snapshot | None = None
         self.last_step_was_local = False  # for tests and profiles
+        self.last_plan_was_reused = False  # for tests
 
     def _shadow(self, p: DTensor) -> _Shadow:
         entry = self._shadows.get(id(p))
@@ -203,6 +301,30 @@ class LocalStep:
             else:
                 return None
         return handed
+
+    def _group_flags(self, groups: list[dict[str, Any]]) -> list[tuple[bool, bool]]:
+        """Per group, what its options decide for the plan: differentiable, stateless."""
+        kind = self._kind
+        assert kind is not None
+        stateless = kind.stateless
+        return [
+            (bool(g.get("differentiable", False)), stateless is not None and stateless(g))
+            for g in groups
+        ]
+
+    def _reused_or_new_plan(self, optimizer: torch.optim.Optimizer) -> _Plan | None:
+        """The last plan when nothing it was built from changed (cheap identity checks),
+        else a new one (``_plan``: every check)."""
+        snapshot = self._snapshot
+        if snapshot is not None and snapshot.still_valid(self, optimizer):
+            self.last_plan_was_reused = True
+            return snapshot.plan
+        self.last_plan_was_reused = False
+        self._snapshot = None
+        plan = self._plan(optimizer)
+        if plan is not None:
+            self._snapshot = _Snapshot(self, optimizer, plan)
+        return plan
 
     def _plan(self, optimizer: torch.optim.Optimizer) -> _Plan | None:
         kind = self._kind
@@ -261,7 +383,7 @@ class LocalStep:
         """``base_step(*args, **kwargs)``, on the local shards when exact."""
         plan = None
         if self._kind is not None and not args and not kwargs and not _has_step_hooks(optimizer):
-            plan = self._plan(optimizer)
+            plan = self._reused_or_new_plan(optimizer)
         self.last_step_was_local = plan is not None
         if plan is None:
             return base_step(*args, **kwargs)
@@ -275,13 +397,21 @@ class LocalStep:
                 group["params"] = shadows
             optimizer.state = plan.state
             result = base_step()
+        except BaseException:
+            self._snapshot = None  # the shadow state may be half-updated: plan anew
+            raise
         finally:
             optimizer.state = saved_state
             for group, params in zip(groups, saved_params, strict=True):
                 group["params"] = params
             for entry in plan.stepped:
                 entry.shadow.grad = None
-        self._write_back(saved_state, plan)
+        snapshot = self._snapshot
+        if snapshot is None or not snapshot.handed.unchanged(list(plan.state.values())):
+            # The step replaced or added something (or raised): written back, and the
+            # next step plans anew.
+            self._snapshot = None
+            self._write_back(saved_state, plan)
         return result
 
     def _write_back(self, state: defaultdict[torch.Tensor, Any], plan: _Plan) -> None:

@@ -19,6 +19,7 @@ main weights); forward and backward use compute parameters (views into buckets).
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,6 +33,10 @@ if TYPE_CHECKING:
     from fsdp_hooks.hooks import FSDPHooks
 
 __all__ = ["ParamState"]
+
+_version = attrgetter("_version")
+_local_tensor = attrgetter("_local_tensor")
+_requires_grad = attrgetter("requires_grad")
 
 
 class ParamState:
@@ -50,8 +55,18 @@ class ParamState:
             bool(buffer.groups[buffer.group_of(c)[0]].is_expert_param) for c, _d in self._trainable
         ]
         self._inner = [inner_of(d) for _c, d in self._trainable]
-        self._versions: list[tuple[int, int]] = []
-        self.reached: set[nn.Parameter] = set()  # compute parameters a gradient reached
+        # For the checks run at every root forward (C-level maps, no call per parameter):
+        # the tensors whose local shard has a counter of its own, and the requires_grad
+        # pairs to compare.
+        self._sharded = [d for d in self._inner if hasattr(d, "_local_tensor")]
+        self._frozen_dparams = [d for _n, _c, d, t in self.entries if not t]
+        self._trainable_compute = [c for c, _d in self._trainable]
+        self._trainable_dparams = [d for _c, d in self._trainable]
+        self._trainable_ids = [id(c) for c in self._trainable_compute]
+        self._versions: tuple[list[int], list[int]] = ([], [])
+        # ids of the compute parameters a gradient reached (a Tensor hashes in Python;
+        # the parameters live as long as the model).
+        self.reached: set[int] = set()
         self.unreached: list[nn.Parameter] = []  # DTensor parameters whose .grad stays None
         self.record_versions()
 
@@ -60,9 +75,13 @@ class ParamState:
     # local shard's, shared with the buffer it views (writes through ``p.data``, which
     # has a counter of its own); a WholeParameter's are its real tensor's (``inner_of``).
     # Only optimizers, installs and users write main weights between steps. Read twice
-    # a step: one comprehension, no call per parameter.
-    def _all_versions(self) -> list[tuple[int, int]]:
-        return [(d._version, getattr(d, "_local_tensor", d)._version) for d in self._inner]
+    # a step: C-level maps, no Python call per parameter. The local tensor is looked up
+    # each time (not cached), so one swapped in under a DTensor is still seen.
+    def _all_versions(self) -> tuple[list[int], list[int]]:
+        return (
+            list(map(_version, self._inner)),
+            list(map(_version, map(_local_tensor, self._sharded))),
+        )
 
     def record_versions(self) -> None:
         self._versions = self._all_versions()
@@ -72,6 +91,10 @@ class ParamState:
 
     # ---- requires_grad ----------------------------------------------------------------
     def sync_requires_grad(self) -> None:
+        if not any(map(_requires_grad, self._frozen_dparams)) and list(
+            map(_requires_grad, self._trainable_compute)
+        ) == list(map(_requires_grad, self._trainable_dparams)):
+            return  # nothing unfrozen, nothing to carry (the common case: C-level maps)
         unfrozen = [n for n, _c, d, trainable in self.entries if d.requires_grad and not trainable]
         if unfrozen:
             raise ValueError(
@@ -85,7 +108,7 @@ class ParamState:
 
     # ---- parameters no backward reached ---------------------------------------------
     def on_grad(self, compute: nn.Parameter) -> None:
-        self.reached.add(compute)
+        self.reached.add(id(compute))
 
     def clear(self) -> None:
         self.reached.clear()
@@ -96,7 +119,9 @@ class ParamState:
         some rank since ``zero_grad`` (a MAX over each parameter's data-parallel group)."""
         if not self._trainable:
             return
-        reached = torch.tensor([c in self.reached for c, _d in self._trainable], dtype=torch.uint8)
+        reached = torch.tensor(
+            list(map(self.reached.__contains__, self._trainable_ids)), dtype=torch.uint8
+        )
         if dist.is_initialized():
             index = self._hooks.wrapper.dist_index
             device = self._hooks.buffer.device

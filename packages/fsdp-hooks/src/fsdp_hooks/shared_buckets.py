@@ -31,6 +31,7 @@ post-forward and post-backward, as without coalescing.
 from __future__ import annotations
 
 import warnings
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -44,11 +45,14 @@ _WIDE_GROUP_SHARE = 0.5
 __all__ = ["SharedBuckets", "backward_done", "warn_if_units_joined_widely"]
 
 
+_pending_backward = attrgetter("pending_backward")
+
+
 def backward_done(units: list[FSDPUnit]) -> bool:
     """Whether none of ``units`` has a forward call whose backward is still to come: the
     one rule for releasing a shared bucket after backward and for marking a bucket
     ready for reduction (``FSDPHooks._mark_ready_if_complete``)."""
-    return not any(u.pending_backward for u in units)
+    return not any(map(_pending_backward, units))  # C-level: no generator frame per unit
 
 
 class SharedBuckets:
