@@ -6,7 +6,11 @@ once every bucket before it in that order has been launched. This keeps collecti
 matched across ranks even when ranks complete buckets in different orders, or some
 parameters get no gradient on some ranks (``finish`` launches whatever is left, with
 zeros standing in for missing gradients). At most ``max_inflight`` reductions are in
-flight; launching one more first waits for the oldest.
+flight; launching one more first waits for the oldest. The default, 1, is FSDP2's: each
+reduction in flight holds its bucket's unsharded gradients (and, on gloo, the copy the
+collective makes of them), and a second one in flight measured 49 MB (about 4 unit
+buckets) more peak tensor memory on the 49M GPT under ZeRO-3 at the same step time
+(docs/benchmarks.md, "one reduction in flight").
 
 A bucket is marked ready whole (``mark_bucket_ready``: the hook layer does it at a
 unit's post-backward). ``mark_param_grad_ready`` is the per-parameter route for loops
@@ -41,7 +45,7 @@ class GradReducePipeline:
         self,
         buffer: ParamAndGradBuffer,
         *,
-        max_inflight: int = 2,
+        max_inflight: int = 1,
         reduce_order: Sequence[int] | None = None,
     ) -> None:
         if max_inflight < 1:
