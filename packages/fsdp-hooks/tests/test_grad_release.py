@@ -1,4 +1,4 @@
-"""Released gradients (Note [released gradients] in ``fsdp_buffers.bucket``).
+"""Released gradients (Note [released gradients] in ``fsdp_buffers.bucket_grads``).
 
 Under ZeRO-2/3 the sharded main grads exist only from a backward's reduction until the
 gradients are cleared, as FSDP2's do:

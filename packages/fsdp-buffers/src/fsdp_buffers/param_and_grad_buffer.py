@@ -305,7 +305,7 @@ class ParamAndGradBuffer:
 
     def zero_grad_buffer(self) -> None:
         """Zero every bucket's gradients. Sharded ones are released instead (Note
-        [released gradients] in ``bucket``) unless an optimizer parameter still holds
+        [released gradients] in ``bucket_grads``) unless an optimizer parameter still holds
         them as its ``.grad`` (e.g. after ``zero_grad(set_to_none=False)``: as in torch,
         that gradient stays allocated, zeroed)."""
         views = self.views
