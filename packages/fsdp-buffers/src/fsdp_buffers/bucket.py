@@ -316,19 +316,25 @@ class Bucket(BucketGradients):
         return a.allocator is b.allocator and a.allocator.shares_slot(a, b)
 
     def start_gather(self) -> None:
-        """EMPTY -> GATHER_IN_PROGRESS: fetch the bucket and start the all-gather."""
+        """EMPTY -> GATHER_IN_PROGRESS: start the all-gather (the bucket is fetched when it
+        lands, or now when its memory is a shared slot)."""
         if self.status is not BucketStatus.EMPTY:
             return
         buf = self.group.model_weight_buffer
         assert buf is not None
-        bucket = buf.fetch_bucket()
         label = self._gather_label
         pg = self.shard.group
         pad = self._gather_padding
         if self._gather_in_place:  # rank-major already: straight into the bucket
+            bucket = buf.fetch_bucket()
             work = collectives.all_gather(bucket, buf.data, pg, self.ctx.stats, label, pad)
             self._gather = PendingCollective(work, keepalive=(bucket,))
         else:
+            # The parameter-major bucket is fetched when the gather lands, as FSDP2
+            # allocates its unsharded parameters at copy-out: while a gather is in
+            # flight (a prefetch spans the whole compute of the unit before), only
+            # its rank-major output exists. A shared slot is reserved now instead.
+            early = buf.fetch_bucket() if buf.allocator.shares_memory else None
             gathered = torch.empty(buf.layout.total_numel, dtype=buf.dtype, device=buf.device)
             work = collectives.all_gather(gathered, buf.data, pg, self.ctx.stats, label, pad)
 
@@ -338,9 +344,10 @@ class Bucket(BucketGradients):
                 # views, not the other way round), so autograd records nothing even with
                 # grad mode on: no no_grad context per gather.
                 with self._range_copy_out:
+                    bucket = early if early is not None else buf.fetch_bucket()
                     buf.layout.unpack(gathered, bucket, buf.coarse)
 
-            self._gather = PendingCollective(work, unpack, keepalive=(gathered, bucket))
+            self._gather = PendingCollective(work, unpack, keepalive=(gathered,))
         self.status = BucketStatus.GATHER_IN_PROGRESS
 
     def wait_gather(self, what: str) -> None:

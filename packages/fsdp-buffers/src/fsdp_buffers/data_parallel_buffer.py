@@ -39,6 +39,11 @@ __all__ = [
 class BucketAllocator:
     """Provides the unsharded storage of sharded buffers."""
 
+    # Whether a fetch takes memory that another bucket's fetch could take in the
+    # meantime (a shared slot): such buckets are fetched when their gather starts, so
+    # that the slot is reserved; others only when it lands (``Bucket.start_gather``).
+    shares_memory: bool = False
+
     def bucket_for(self, buffer: DataParallelBuffer) -> torch.Tensor:
         """The buffer's bucket tensor: fixed for the buffer's life."""
         raise NotImplementedError
@@ -120,6 +125,8 @@ class DoubleBufferAllocator(BucketAllocator):
     largest total bytes registered under either parity. Fetching a bucket whose slot
     is still held by a bucket of another key is an error, never silent corruption.
     """
+
+    shares_memory = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
