@@ -45,6 +45,17 @@ class CollectiveCounter:
         "all_reduce": ("all_reduce", ("tensor", 0)),
     }
 
+    # The process group's own methods, which torch's functions call and a library may
+    # call directly (fsdp does, Note [direct collectives]): the same count, as the
+    # outermost call. Positions count ``self``.
+    _GROUP_METHODS: ClassVar[dict[str, tuple[str, tuple[str, int]]]] = {
+        "all_gather_single": ("all_gather", ("output", 1)),
+        "_allgather_base": ("all_gather", ("output", 1)),
+        "reduce_scatter_single": ("reduce_scatter", ("input", 2)),
+        "_reduce_scatter_base": ("reduce_scatter", ("input", 2)),
+        "allreduce": ("all_reduce", ("tensors", 1)),
+    }
+
     def __init__(self) -> None:
         self._local = threading.local()
         self.reset()
@@ -52,6 +63,10 @@ class CollectiveCounter:
             original = getattr(dist, name, None)
             if original is not None:
                 setattr(dist, name, self._wrap(original, kind, where))
+        for name, (kind, where) in self._GROUP_METHODS.items():
+            original = getattr(dist.ProcessGroup, name, None)
+            if original is not None:
+                setattr(dist.ProcessGroup, name, self._wrap(original, kind, where))
 
     def reset(self) -> None:
         self.numel = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}

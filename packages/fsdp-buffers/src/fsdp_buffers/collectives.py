@@ -24,6 +24,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as _c10d
 
 from fsdp_buffers.profiling import annotate
 
@@ -37,6 +38,7 @@ __all__ = [
     "all_gather_uneven",
     "all_reduce",
     "describe_bucket",
+    "read_timeout_env",
     "reduce_scatter",
     "wait_with_timeout",
 ]
@@ -48,14 +50,25 @@ class CollectiveError(RuntimeError):
     """A collective that failed or timed out, named by what it was for."""
 
 
+# ``FSDP_COLLECTIVE_TIMEOUT_S`` as read at import and at each wrap (``read_timeout_env``):
+# an environment lookup per wait cost more than some small collectives' copies.
+_timeout_s: list[str | None] = [os.environ.get(COLLECTIVE_TIMEOUT_ENV)]
+
+
+def read_timeout_env() -> None:
+    """Read ``FSDP_COLLECTIVE_TIMEOUT_S`` again (each wrap calls this)."""
+    _timeout_s[0] = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+
+
 def wait_with_timeout(work: dist.Work, what: str) -> None:
     """``work.wait()``, turning a failure into a ``CollectiveError`` naming ``what``.
 
     Without ``FSDP_COLLECTIVE_TIMEOUT_S`` the process group's own timeout applies
     (``init_process_group(timeout=...)``: gloo raises then; NCCL's watchdog aborts the
     process). With it, the host waits at most that many seconds (on NCCL this makes
-    the wait block the host: a debugging aid)."""
-    seconds = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+    the wait block the host: a debugging aid). The variable is read at import and
+    whenever a model is wrapped."""
+    seconds = _timeout_s[0]
     try:
         if seconds:
             work.wait(timedelta(seconds=float(seconds)))
@@ -145,9 +158,16 @@ class PendingCollective:
         if self._done:
             return
         self._done = True
-        with annotate("fsdp.wait"):  # the wait and the follow-up (accumulate, free)
-            if self._work is not None:
-                wait_with_timeout(self._work, what)
+        with _WAIT_RANGE:  # the wait and the follow-up (accumulate, free)
+            work = self._work
+            if work is not None:
+                if _timeout_s[0] is None:
+                    try:  # the common case inline: one call fewer per collective
+                        work.wait()
+                    except Exception:
+                        wait_with_timeout(work, what)  # raises, naming ``what``
+                else:
+                    wait_with_timeout(work, what)
             self._work = None
             if self._then is not None:
                 then, self._then = self._then, None
@@ -168,6 +188,9 @@ def describe_bucket(buffer, gid: int, kind: str) -> str:  # buffer: ParamAndGrad
     return f"the {kind} of bucket {gid} ({where}: {names})"
 
 
+_WAIT_RANGE = annotate("fsdp.wait")
+
+
 def _size(group: dist.ProcessGroup | None) -> int:
     # A group this rank belongs to answers itself (a C++ call, once per collective);
     # get_world_size's Python lookups cost more than some small collectives' copies.
@@ -176,16 +199,60 @@ def _size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
+def _range(label: str | annotate) -> annotate:
+    # Callers on the per-step path pass an ``annotate`` made once (one object per label).
+    return label if isinstance(label, annotate) else annotate(label)
+
+
+# Note [direct collectives]
+# torch.distributed's functions (``all_gather_into_tensor`` ...) check their arguments,
+# look the group up, handle complex tensors, torch-function modes and a coalescing
+# context in Python, then call the process group's own method: about ten Python calls per
+# collective, as much host time as the rest of a small bucket's step. Our buffers are
+# real, plain, contiguous tensors on a group this rank belongs to, so the hot path calls
+# the group's method itself, with options made once; anything else (no group object, a
+# coalescing context a caller opened, a complex or subclassed tensor) takes torch's
+# function. Backends see the same call either way, so NCCL and gloo keep one path.
+_PG = dist.ProcessGroup
+# Looked up on the group at each call (a profiler or counter may wrap the class's).
+_AG = "all_gather_single" if hasattr(_PG, "all_gather_single") else "_allgather_base"
+_RS = "reduce_scatter_single" if hasattr(_PG, "reduce_scatter_single") else "_reduce_scatter_base"
+_RED_OP = dist.ReduceOp.RedOpType  # SUM, AVG ...: not a premultiplied sum's object
+_AG_OPTS = _c10d.AllgatherOptions()
+_AG_OPTS.asyncOp = True
+_RS_OPTS: dict[dist.ReduceOp.RedOpType, _c10d.ReduceScatterOptions] = {}
+_AR_OPTS: dict[dist.ReduceOp.RedOpType, _c10d.AllreduceOptions] = {}
+
+
+_WORLD = getattr(_c10d, "_world", None)  # a coalescing context's groups
+_has_torch_function = torch._C._has_torch_function  # a subclass or a torch-function mode
+
+
+def _direct(group: dist.ProcessGroup | None, a: torch.Tensor, b: torch.Tensor) -> bool:
+    if type(group) is not _PG or _WORLD is None or _has_torch_function((a, b)):
+        return False
+    return group not in _WORLD.pg_coalesce_state and not (a.is_complex() or b.is_complex())
+
+
+def _options(cache: dict, kind: type, op: dist.ReduceOp.RedOpType) -> object:
+    opts = cache.get(op)
+    if opts is None:
+        opts = cache[op] = kind()
+        opts.reduceOp = op
+        opts.asyncOp = True
+    return opts
+
+
 def all_gather(
     output: torch.Tensor,
     shard: torch.Tensor,
     group: dist.ProcessGroup | None,
     stats: CommStats | None = None,
-    label: str = "fsdp.all_gather",
+    label: str | annotate = "fsdp.all_gather",
     padding: float = 0.0,
 ) -> dist.Work:
     """``padding``: the fraction of ``output`` that is padding (for ``stats``)."""
-    with annotate(label):
+    with _range(label):
         if stats is not None:
             numel = output.numel()
             stats.record(
@@ -195,6 +262,8 @@ def all_gather(
                 _size(group),
                 round(numel * padding),
             )
+        if _direct(group, output, shard):  # Note [direct collectives]
+            return getattr(group, _AG)(output, shard, _AG_OPTS)
         return dist.all_gather_into_tensor(output, shard, group=group, async_op=True)
 
 
@@ -204,11 +273,11 @@ def reduce_scatter(
     group: dist.ProcessGroup | None,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     stats: CommStats | None = None,
-    label: str = "fsdp.reduce_scatter",
+    label: str | annotate = "fsdp.reduce_scatter",
     padding: float = 0.0,
 ) -> dist.Work:
     """``padding``: the fraction of ``unsharded`` that is padding (for ``stats``)."""
-    with annotate(label):
+    with _range(label):
         if stats is not None:
             stats.record(
                 CollectiveKind.REDUCE_SCATTER,
@@ -217,6 +286,9 @@ def reduce_scatter(
                 _size(group),
                 round(unsharded.numel() * padding),
             )
+        if type(op) is _RED_OP and _direct(group, output, unsharded):  # [direct collectives]
+            opts = _options(_RS_OPTS, _c10d.ReduceScatterOptions, op)
+            return getattr(group, _RS)(output, unsharded, opts)
         return dist.reduce_scatter_tensor(output, unsharded, op=op, group=group, async_op=True)
 
 
@@ -225,13 +297,15 @@ def all_reduce(
     group: dist.ProcessGroup | None,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     stats: CommStats | None = None,
-    label: str = "fsdp.all_reduce",
+    label: str | annotate = "fsdp.all_reduce",
 ) -> dist.Work:
-    with annotate(label):
+    with _range(label):
         if stats is not None:
             stats.record(
                 CollectiveKind.ALL_REDUCE, tensor.numel(), tensor.element_size(), _size(group)
             )
+        if type(op) is _RED_OP and _direct(group, tensor, tensor):  # Note [direct collectives]
+            return group.allreduce([tensor], _options(_AR_OPTS, _c10d.AllreduceOptions, op))  # type: ignore[union-attr]
         return dist.all_reduce(tensor, op=op, group=group, async_op=True)
 
 

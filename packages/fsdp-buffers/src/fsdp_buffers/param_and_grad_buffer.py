@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from fsdp_buffers.bucket import Bucket, BucketContext, CommGroup, GradState
-from fsdp_buffers.collectives import CommStats, PendingCollective
+from fsdp_buffers.collectives import CommStats, PendingCollective, read_timeout_env
 from fsdp_buffers.data_parallel_buffer import (
     BucketAllocator,
     DoubleBufferAllocator,
@@ -78,6 +78,7 @@ class ParamAndGradBuffer:
         tensor_parallel: TensorParallel | None = None,
         communication_unit_size: int | None = None,
     ) -> None:
+        read_timeout_env()  # FSDP_COLLECTIVE_TIMEOUT_S as it is at wrap time
         self.module = module
         self.dist_index = dist_index
         self.strategy = ShardingStrategy.parse(strategy)
