@@ -136,6 +136,7 @@ class Bucket(BucketGradients):
         self._direct = False
         self._touched: list[bool] = []
         self._targets: StagingTargets | None = None
+        self._grad_probe: torch.Tensor | bool | None = None  # see ``accumulate``
         self._plain = [not p.requires_grad for p in group.params]
         self._plain_missing = self._plain.count(False)
         self._fused = False
@@ -153,13 +154,14 @@ class Bucket(BucketGradients):
         # Fixed at construction too, and read on every gather or prefetch step.
         model = self.model
         self.unsharded_bytes: int = self.layout.total_numel * model.element_size
-        self._gather_label = f"fsdp.all_gather.{gid}"
+        self._gather_label = annotate(f"fsdp.all_gather.{gid}")
         self._gather_padding = model.layout.padding_fraction
         self._gather_in_place = model.layout.is_rank_major(model.coarse)
         # Profiler ranges made once (re-entrant; a bucket's verbs never run on two
         # threads at once).
         self._range_copy_out = annotate(f"fsdp.copy_out.{gid}")
         self._range_release = annotate(f"fsdp.release.{gid}")
+        self._reduce_label = annotate(f"fsdp.reduce.{gid}")
 
     # ---- construction ---------------------------------------------------------------
     def _whole_owners(self, pieces: int, outer_sharded: bool) -> list[int | None] | None:

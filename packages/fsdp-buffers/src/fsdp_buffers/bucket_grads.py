@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_buffers import collectives
 from fsdp_buffers.bucket_state import BucketContext, CommGroup, GradState, GroupSharding
 from fsdp_buffers.collectives import PendingCollective
-from fsdp_buffers.data_parallel_buffer import DataParallelBuffer
+from fsdp_buffers.data_parallel_buffer import DataParallelBuffer, TemporaryBucketAllocator
 from fsdp_buffers.layout import StagingTargets
 from fsdp_buffers.param_group import ParameterGroup
 from fsdp_buffers.profiling import annotate
@@ -74,6 +74,8 @@ class BucketGradients:
     _direct: bool
     _touched: list[bool]
     _targets: StagingTargets | None
+    _grad_probe: torch.Tensor | bool | None
+    _reduce_label: annotate
     main_weights: DataParallelBuffer  # a property of Bucket
 
     def _attach_main_grads(self) -> None:
@@ -171,6 +173,18 @@ class BucketGradients:
             else:
                 gbuf.fetch_bucket().zero_()
                 self._attach_main_grads()
+        if self._grad_probe is None:
+            # What ``accumulate`` checks per gradient instead of calling this: the state
+            # alone when the storage is persistent; the temporary staging bucket's
+            # tensor (fixed for the buffer's life) when it may have been freed; else
+            # (another allocator) nothing, and this runs for every gradient.
+            allocator = gbuf.allocator
+            if not gbuf.is_data_distributed:
+                self._grad_probe = True
+            elif isinstance(allocator, TemporaryBucketAllocator):
+                self._grad_probe = allocator.bucket_for(gbuf)
+            else:
+                self._grad_probe = False
 
     def _staging_targets(self) -> StagingTargets:
         targets = self._targets
@@ -194,7 +208,14 @@ class BucketGradients:
             with torch.no_grad():
                 self.accumulate(index, param)
             return
-        self.begin_accumulating()
+        probe = self._grad_probe
+        if (
+            self.grad_state is not GradState.ACCUMULATING
+            or probe is None
+            or probe is False
+            or (probe is not True and not probe.untyped_storage().nbytes())
+        ):
+            self.begin_accumulating()  # else it would change nothing: one call less
         if getattr(param, "grad_added_to_main_grad", False):
             if self._direct:
                 raise RuntimeError(
@@ -257,7 +278,7 @@ class BucketGradients:
             self._detach_main_grads()  # reduced from here on: later writes are lost
         factor, op = self._scale_and_op()
         comm_dtype = self.ctx.policy.grad_comm_dtype_for(self.group.dtype)
-        pg, stats, label = self.shard.group, self.ctx.stats, f"fsdp.reduce.{self.gid}"
+        pg, stats, label = self.shard.group, self.ctx.stats, self._reduce_label
         with torch.no_grad():
             if not (self.sharding.grads or self.sharding.main_weights):
                 send = unsharded if comm_dtype == gbuf.dtype else unsharded.to(comm_dtype)

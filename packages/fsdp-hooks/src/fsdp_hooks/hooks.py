@@ -133,6 +133,8 @@ class FSDPUnit:
     # (module, attr, compute, distributed) of the parameters whose gathered bucket this
     # unit releases: swapped to the DTensor shard while released (see the module note).
     locations: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = field(default_factory=list)
+    # ``locations`` by module: (module, {attr: compute}, {attr: DTensor}).
+    swaps: list[tuple[nn.Module, dict, dict]] = field(default_factory=list)
     # Its pre- and post-backward as callbacks, made once at wrap (not per forward call).
     on_pre_backward: Any = None
     on_post_backward: Any = None
@@ -238,6 +240,7 @@ class FSDPHooks:
         self.distributed_by_compute = by_param
         self._assign_unit_locations()
         self.params = ParamState(self)
+        self._reached_add = self.params.reached.add  # per gradient (the set is kept)
         # Opt-in (FSDP_CHECK_SCHEDULE=1): ranks agree on each point that issues collectives.
         self.schedule: ScheduleCheck | None = None
         if schedule_check_requested() and dist.is_initialized():
@@ -286,12 +289,22 @@ class FSDPHooks:
             gid = self.buffer.group_of(compute)[0]
             if gid in unit.release_groups and self.buffer.buckets[gid].is_distributed:
                 unit.locations.append((module, attr, compute, dparam))
+        for unit in self.units:  # one dict update per module and direction
+            by_module: dict[nn.Module, tuple[dict, dict]] = {}
+            for module, attr, compute, dparam in unit.locations:
+                to_compute, to_dist = by_module.setdefault(module, ({}, {}))
+                to_compute[attr], to_dist[attr] = compute, dparam
+            unit.swaps = [(m, c, d) for m, (c, d) in by_module.items()]
 
     def _unit_use(self, unit: FSDPUnit, compute: bool) -> None:
         # Outside the compute phase every location already holds its DTensor.
         if self._using_compute:
-            for module, attr, cparam, dparam in unit.locations:
-                module._parameters[attr] = cparam if compute else dparam
+            if compute:
+                for module, to_compute, _to_dist in unit.swaps:
+                    module._parameters.update(to_compute)
+            else:
+                for module, _to_compute, to_dist in unit.swaps:
+                    module._parameters.update(to_dist)
 
     def group_of_any(self, param: nn.Parameter) -> int:
         """Bucket of a compute parameter or of its DTensor counterpart."""
@@ -522,7 +535,7 @@ class FSDPHooks:
         saved = self._saved_weights
         if not saved.regather_saved_weights:  # else there is nothing to check (the default)
             saved.check_side_path(param)  # type: ignore[arg-type]
-        self.params.on_grad(param)  # type: ignore[arg-type]
+        self._reached_add(id(param))  # ParamState.reached
         wrapper = self._wrapper()  # per gradient: the property only to raise
         if wrapper is None:
             wrapper = self.wrapper

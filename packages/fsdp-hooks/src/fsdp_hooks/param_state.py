@@ -66,7 +66,7 @@ class ParamState:
         self._versions: tuple[list[int], list[int]] = ([], [])
         # ids of the compute parameters a gradient reached (a Tensor hashes in Python;
         # the parameters live as long as the model).
-        self.reached: set[int] = set()
+        self.reached: set[int] = set()  # cleared, never replaced (the hooks bind .add)
         self.unreached: list[nn.Parameter] = []  # DTensor parameters whose .grad stays None
         self.record_versions()
 
@@ -107,9 +107,6 @@ class ParamState:
                 compute.requires_grad_(dparam.requires_grad)
 
     # ---- parameters no backward reached ---------------------------------------------
-    def on_grad(self, compute: nn.Parameter) -> None:
-        self.reached.add(id(compute))
-
     def clear(self) -> None:
         self.reached.clear()
         self.unreached = []
