@@ -34,20 +34,14 @@ class CollectiveCounter:
     _NAMES: ClassVar[
         dict[str, tuple[str, tuple[str, int]]]
     ] = {  # name -> (kind, (keyword, position) of the unsharded tensor(s))
-        "all_gather_into_tensor": ("all_gather", ("output_tensor", 0)),
-        "all_gather_single": ("all_gather", ("output_tensor", 0)),
-        "_all_gather_base": ("all_gather", ("output_tensor", 0)),
         "all_gather": ("all_gather", ("tensor_list", 0)),
-        "reduce_scatter_tensor": ("reduce_scatter", ("input", 1)),
-        "reduce_scatter_single": ("reduce_scatter", ("input", 1)),
-        "_reduce_scatter_base": ("reduce_scatter", ("input", 1)),
         "reduce_scatter": ("reduce_scatter", ("input_list", 1)),
-        "all_reduce": ("all_reduce", ("tensor", 0)),
     }
 
-    # The process group's own methods, which torch's functions call and a library may
-    # call directly (fsdp does, Note [direct collectives]): the same count, as the
-    # outermost call. Positions count ``self``.
+    # The single-tensor collectives are counted at the process group's own methods,
+    # which torch's functions call and a library may call directly (fsdp does, Note
+    # [direct collectives]; wrapping torch's functions too would send fsdp through them).
+    # Positions count ``self``.
     _GROUP_METHODS: ClassVar[dict[str, tuple[str, tuple[str, int]]]] = {
         "all_gather_single": ("all_gather", ("output", 1)),
         "_allgather_base": ("all_gather", ("output", 1)),

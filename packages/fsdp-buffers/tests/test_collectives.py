@@ -378,3 +378,55 @@ def test_reference_model_uses_every_parameter():
     nn.functional.mse_loss(model(x, idx), y).backward()
     assert all(p.grad is not None for p in model.parameters())
     assert copy.deepcopy(model).empty.shape == (0, 3)
+
+
+def _direct_and_replaced_paths() -> None:
+    """Note [direct collectives]: a member group's plain tensors go to the process
+    group's own method (torch's Python function is not called); a torch.distributed
+    function someone replaced is called instead, so a tool observing it sees ours; both
+    give the same values."""
+    from fsdp_buffers import collectives
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    calls: list[str] = []
+    torch_fns = {
+        "all_gather_into_tensor": dist.all_gather_into_tensor,
+        "reduce_scatter_tensor": dist.reduce_scatter_tensor,
+        "all_reduce": dist.all_reduce,
+    }
+
+    def observed(name):
+        def fn(*args, **kwargs):
+            calls.append(name)
+            return torch_fns[name](*args, **kwargs)
+
+        return fn
+
+    shard = torch.arange(3, dtype=torch.float32) + 10 * rank
+    full = torch.cat([torch.arange(3, dtype=torch.float32) + 10 * r for r in range(world)])
+    unsharded = torch.arange(3 * world, dtype=torch.float32) * (rank + 1)
+    summed = torch.arange(3 * world, dtype=torch.float32) * sum(range(1, world + 1))
+    for replaced in (False, True):
+        calls.clear()
+        if replaced:
+            for name in torch_fns:
+                setattr(dist, name, observed(name))
+        try:
+            out = torch.empty(3 * world)
+            collectives.all_gather(out, shard, group).wait()
+            assert torch.equal(out, full)
+            piece = torch.empty(3)
+            collectives.reduce_scatter(piece, unsharded, group).wait()
+            assert torch.equal(piece, summed[3 * rank : 3 * rank + 3])
+            t = torch.ones(2)
+            collectives.all_reduce(t, group).wait()
+            assert torch.equal(t, torch.full((2,), float(world)))
+        finally:
+            for name, fn in torch_fns.items():
+                setattr(dist, name, fn)
+        assert calls == (list(torch_fns) if replaced else []), (replaced, calls)
+
+
+def test_direct_collectives_and_replaced_functions():
+    run_distributed(_direct_and_replaced_paths, 2)

@@ -210,9 +210,12 @@ def _range(label: str | annotate) -> annotate:
 # context in Python, then call the process group's own method: about ten Python calls per
 # collective, as much host time as the rest of a small bucket's step. Our buffers are
 # real, plain, contiguous tensors on a group this rank belongs to, so the hot path calls
-# the group's method itself, with options made once; anything else (no group object, a
-# coalescing context a caller opened, a complex or subclassed tensor) takes torch's
-# function. Backends see the same call either way, so NCCL and gloo keep one path.
+# the group's method itself, with options made once. Anything else takes torch's
+# function: no group object, a coalescing context a caller opened, a complex tensor, a
+# subclass or torch-function mode, and a torch.distributed function someone replaced (a
+# test or tool observing collectives keeps seeing ours). Backends see the same call
+# either way, and so do tools below Python (the process group's methods, the
+# dispatcher, flight recorder): NCCL and gloo keep one path.
 _PG = dist.ProcessGroup
 # Looked up on the group at each call (a profiler or counter may wrap the class's).
 _AG = "all_gather_single" if hasattr(_PG, "all_gather_single") else "_allgather_base"
@@ -226,6 +229,9 @@ _AR_OPTS: dict[dist.ReduceOp.RedOpType, _c10d.AllreduceOptions] = {}
 
 _WORLD = getattr(_c10d, "_world", None)  # a coalescing context's groups
 _has_torch_function = torch._C._has_torch_function  # a subclass or a torch-function mode
+_TORCH_ALL_GATHER = _c10d.all_gather_into_tensor  # torch's own, to tell a replaced one
+_TORCH_REDUCE_SCATTER = _c10d.reduce_scatter_tensor
+_TORCH_ALL_REDUCE = _c10d.all_reduce
 
 
 def _direct(group: dist.ProcessGroup | None, a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -262,8 +268,8 @@ def all_gather(
                 _size(group),
                 round(numel * padding),
             )
-        if _direct(group, output, shard):  # Note [direct collectives]
-            return getattr(group, _AG)(output, shard, _AG_OPTS)
+        if dist.all_gather_into_tensor is _TORCH_ALL_GATHER and _direct(group, output, shard):
+            return getattr(group, _AG)(output, shard, _AG_OPTS)  # Note [direct collectives]
         return dist.all_gather_into_tensor(output, shard, group=group, async_op=True)
 
 
@@ -286,7 +292,11 @@ def reduce_scatter(
                 _size(group),
                 round(unsharded.numel() * padding),
             )
-        if type(op) is _RED_OP and _direct(group, output, unsharded):  # [direct collectives]
+        if (
+            dist.reduce_scatter_tensor is _TORCH_REDUCE_SCATTER
+            and type(op) is _RED_OP
+            and _direct(group, output, unsharded)
+        ):  # Note [direct collectives]
             opts = _options(_RS_OPTS, _c10d.ReduceScatterOptions, op)
             return getattr(group, _RS)(output, unsharded, opts)
         return dist.reduce_scatter_tensor(output, unsharded, op=op, group=group, async_op=True)
@@ -304,7 +314,11 @@ def all_reduce(
             stats.record(
                 CollectiveKind.ALL_REDUCE, tensor.numel(), tensor.element_size(), _size(group)
             )
-        if type(op) is _RED_OP and _direct(group, tensor, tensor):  # Note [direct collectives]
+        if (
+            dist.all_reduce is _TORCH_ALL_REDUCE
+            and type(op) is _RED_OP
+            and _direct(group, tensor, tensor)
+        ):  # Note [direct collectives]
             return group.allreduce([tensor], _options(_AR_OPTS, _c10d.AllreduceOptions, op))  # type: ignore[union-attr]
         return dist.all_reduce(tensor, op=op, group=group, async_op=True)
 
