@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_buffers.collectives import CollectiveKind
-from fsdp_buffers.param_group import coalesce_units
+from fsdp_buffers.param_group import coalesce_units, resolve_communication_units
 from fsdp_hooks import fully_shard
 from fsdp_mesh import build_device_mesh
 from fsdp_mesh.testing import assert_tensors_close, run_distributed
@@ -206,6 +206,25 @@ def test_coalesce_units_groups_consecutive_units_until_the_size():
     for bad in (-1, 1.5, True, "8"):
         with pytest.raises(ValueError, match="non-negative number of elements"):
             coalesce_units([10], bad)
+    # At most ``max_units`` per group (the default's pairs), whichever limit comes first.
+    assert coalesce_units([10] * 5, 10**9, 2) == [0, 0, 2, 2, 4]
+    assert coalesce_units([10] * 7, 25, 2) == [0, 0, 2, 2, 4, 4, 6]
+    assert coalesce_units([10] * 7, 15, 3) == [0, 0, 2, 2, 4, 4, 6]
+    assert coalesce_units([50, 10, 10, 10, 50], 10**9, 1) == [0, 1, 2, 3, 4]
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="positive number of units"):
+            coalesce_units([10], 20, bad)
+
+
+def test_the_default_pairs_small_units_and_leaves_large_ones():
+    size, most = resolve_communication_units(None)
+    assert (size, most) == (65_536, 2)
+    small, block = 33_216, 7_000_000  # a norm + MLP unit of the benchmark; a real block
+    assert coalesce_units([small] * 5, size, most) == [0, 0, 2, 2, 4]
+    assert coalesce_units([4_160] * 4, size, most) == [0, 0, 2, 2]
+    assert coalesce_units([block] * 3, size, most) == [0, 1, 2]
+    assert resolve_communication_units(0) == (0, None)
+    assert resolve_communication_units(8_192) == (8_192, None)  # a chosen size: no cap
 
 
 # Units per communication unit -> the size that makes it.
@@ -384,8 +403,7 @@ def test_a_group_of_most_of_the_model_is_reported_on_every_rank():
     """A size that joins units into a group of more than half of the units' parameters
     (a value tuned for Megatron-FSDP's prefetch, hundreds of millions) warns on every
     rank: under ZeRO-3 that group is gathered and held at once. Pairs, no coalescing
-    and the default do not (the default's groups stay under 2 x 8192 elements whatever
-    the model, so it is not checked, though here it joins every unit)."""
+    and the default do not (the default joins at most two units, so it is not checked)."""
     for per_rank in run_distributed(_coalescing_warnings, 2, timeout=120):
         default, off, pairs, whole, megatron = per_rank
         assert default == off == pairs == [], per_rank

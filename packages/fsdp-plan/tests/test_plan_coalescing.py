@@ -4,11 +4,12 @@
 all-gather), against the README's bound and against ``plan()``.
 
 The bound (README, "Unit coalescing and prefetch depth"), ZeRO-3 without double buffer:
-``peak ≤ R + (1 + d) · G · c``, where ``R`` is the root buckets' unsharded bytes, ``G``
+``peak ≤ R + (c + d) · G``, where ``R`` is the root buckets' unsharded bytes, ``G``
 the largest communication unit's (an FSDP unit, or the units coalesced into one),
 ``d`` the prefetch depth and ``c`` 2 when an all-gather writes a rank-major copy before
-the copy-out (1 when the bucket is rank-major already). Uneven units (widths vary)
-make ``G`` differ across groups.
+the copy-out (1 when the bucket is rank-major already): the group in use, the ``d``
+prefetched ones' rank-major copies in flight, and while a group is copied out, its
+copy besides its bucket. Uneven units (widths vary) make ``G`` differ across groups.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class Net(nn.Module):
 
 
 # (suggested_communication_unit_size, prefetch_depth)
-# 0: no coalescing; None: fully_shard's default (8192 elements: one group here)
+# 0: no coalescing; None: fully_shard's default (pairs of units under 65,536 elements)
 OPTIONS = [(0, 0), (0, 1), (0, 2), (600, 1), (600, 2), (1500, 1), (1500, 3), (10**6, 1), (None, 1)]
 
 
@@ -115,7 +116,7 @@ def test_peak_gathered_bytes_within_the_bound_and_planned(world_size):
     peaks = {}
     for (size, depth), got in zip(OPTIONS, measured[0], strict=True):
         where = f"world {world_size}, size {size}, depth {depth}: {got}"
-        bound = got["root"] + (1 + depth) * got["largest"] * got["copy"]
+        bound = got["root"] + (got["copy"] + depth) * got["largest"]
         assert 0 < got["peak"] <= bound, where
         # Not vacuous: the group in use (and the root) are held at once.
         assert got["peak"] >= got["root"] + got["largest"], where

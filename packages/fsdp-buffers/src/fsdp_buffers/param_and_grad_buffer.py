@@ -77,6 +77,7 @@ class ParamAndGradBuffer:
         allow_meta: bool = False,
         tensor_parallel: TensorParallel | None = None,
         communication_unit_size: int | None = None,
+        communication_unit_max_units: int | None = None,
     ) -> None:
         read_timeout_env()  # FSDP_COLLECTIVE_TIMEOUT_S as it is at wrap time
         self.module = module
@@ -111,8 +112,10 @@ class ParamAndGradBuffer:
             disable_bucketing=disable_bucketing,
             is_expert_param=is_expert_param,
             communication_unit_size=communication_unit_size,
+            communication_unit_max_units=communication_unit_max_units,
         )
         self.communication_unit_size = communication_unit_size
+        self.communication_unit_max_units = communication_unit_max_units
         self.gradient_scaling_factor = (
             1.0 / dist_index.dp_size if gradient_scaling_factor is None else gradient_scaling_factor
         )

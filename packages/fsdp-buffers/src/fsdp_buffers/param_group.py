@@ -30,12 +30,14 @@ if TYPE_CHECKING:
 
 # Megatron-Core's DDP default: buckets of 40M elements.
 DEFAULT_BUCKET_SIZE = 40_000_000
-# Unit coalescing's default (elements; ``suggested_communication_unit_size=None``, as
-# Megatron-FSDP's None, means "choose"): units smaller than this are gathered and
-# reduced together (docs/benchmarks.md, "coalescing by default"). It joins nothing at or
-# above it, so no transformer block of a real model; what it adds to peak memory is at
-# most a few groups of under 2 x 8192 elements.
-DEFAULT_COMMUNICATION_UNIT_SIZE = 8_192
+# Unit coalescing's default (``suggested_communication_unit_size=None``, as
+# Megatron-FSDP's None, means "choose"): units smaller than 65,536 elements are gathered
+# and reduced in pairs (docs/benchmarks.md, "coalescing by default"). It joins nothing
+# at or above that size, so no transformer block of a real model. Pairs halve the
+# collectives of a model of small units; larger groups cost peak memory in proportion
+# (measured above FSDP2's) for less and less time, so the default stops at two.
+DEFAULT_COMMUNICATION_UNIT_SIZE = 65_536
+DEFAULT_COMMUNICATION_UNIT_MAX_UNITS = 2
 
 UnitSpec = type[nn.Module] | str
 
@@ -141,14 +143,23 @@ def _unit_of(param_name: str, units: Sequence[str]) -> int | None:
     return None
 
 
-def coalesce_units(unit_numels: Sequence[int], communication_unit_size: int | None) -> list[int]:
+def coalesce_units(
+    unit_numels: Sequence[int],
+    communication_unit_size: int | None,
+    max_units: int | None = None,
+) -> list[int]:
     """Note [communication units]: the communication unit of each FSDP unit. Units are
     taken in registration order (``named_modules`` order: the execution order of a
     sequential model) and joined to the open communication unit until it holds at least
-    ``communication_unit_size`` elements; then the next unit opens a new one. ``None``
-    (or 0) keeps one unit per communication unit (the wrappers' default is
-    :func:`resolve_communication_unit_size`'s). A unit bigger than the size is alone.
-    Returns, for each unit, the index of the first unit of its communication unit."""
+    ``communication_unit_size`` elements, or ``max_units`` units; then the next unit
+    opens a new one. ``None`` (or 0) keeps one unit per communication unit (the
+    wrappers' default is :func:`resolve_communication_units`'). A unit bigger than the
+    size is alone. Returns, for each unit, the index of the first unit of its
+    communication unit."""
+    if max_units is not None and (
+        isinstance(max_units, bool) or not isinstance(max_units, int) or max_units < 1
+    ):
+        raise ValueError(f"max_units must be a positive number of units or None; got {max_units!r}")
     if communication_unit_size is not None and (
         isinstance(communication_unit_size, bool)
         or not isinstance(communication_unit_size, int)
@@ -161,18 +172,23 @@ def coalesce_units(unit_numels: Sequence[int], communication_unit_size: int | No
     out: list[int] = []
     first, held = 0, 0
     for i, numel in enumerate(unit_numels):
-        if not out or held >= (communication_unit_size or 0):
+        full = max_units is not None and i - first >= max_units
+        if not out or held >= (communication_unit_size or 0) or full:
             first, held = i, 0
         out.append(first)
         held += numel
     return out
 
 
-def resolve_communication_unit_size(suggested: int | None) -> int:
-    """``suggested_communication_unit_size`` as the wrappers apply it: ``None`` (as in
-    Megatron-FSDP, "choose for me") is ``DEFAULT_COMMUNICATION_UNIT_SIZE``; 0 is no
-    coalescing."""
-    return DEFAULT_COMMUNICATION_UNIT_SIZE if suggested is None else suggested
+def resolve_communication_units(suggested: int | None) -> tuple[int, int | None]:
+    """``suggested_communication_unit_size`` as the wrappers apply it, as (size, most
+    units per communication unit): ``None`` (as in Megatron-FSDP, "choose for me") is
+    ``DEFAULT_COMMUNICATION_UNIT_SIZE`` in groups of at most
+    ``DEFAULT_COMMUNICATION_UNIT_MAX_UNITS``; a number is that size with no cap on
+    units; 0 is no coalescing."""
+    if suggested is None:
+        return DEFAULT_COMMUNICATION_UNIT_SIZE, DEFAULT_COMMUNICATION_UNIT_MAX_UNITS
+    return suggested, None
 
 
 def group_parameters(
@@ -183,6 +199,7 @@ def group_parameters(
     disable_bucketing: bool = False,
     is_expert_param: Callable[[str, nn.Parameter], bool] | None = None,
     communication_unit_size: int | None = None,
+    communication_unit_max_units: int | None = None,
 ) -> tuple[list[ParameterGroup], list[str]]:
     """Group ``module``'s parameters; returns the groups and the FSDP unit names.
 
@@ -201,7 +218,7 @@ def group_parameters(
     for (_name, p), u in zip(named, unit_of, strict=True):
         if u is not None:
             unit_numels[u] += p.numel()
-    comm_unit = coalesce_units(unit_numels, communication_unit_size)
+    comm_unit = coalesce_units(unit_numels, communication_unit_size, communication_unit_max_units)
     members: dict[int, tuple[int, ...]] = {}
     for u, first in enumerate(comm_unit):
         members[first] = (*members.get(first, ()), u)

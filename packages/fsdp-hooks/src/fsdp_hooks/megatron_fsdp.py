@@ -34,7 +34,7 @@ from fsdp_buffers import (
     ShardingStrategy,
 )
 from fsdp_buffers.mixed_precision import cast_floating
-from fsdp_buffers.param_group import resolve_communication_unit_size
+from fsdp_buffers.param_group import resolve_communication_units
 from fsdp_hooks.activations import ActivationMeter, measured_forward
 from fsdp_hooks.config import DistributedDataParallelConfig
 from fsdp_hooks.expert_names import ExpertStateNames
@@ -211,6 +211,7 @@ class MegatronFSDP(InnerModuleAttributes):
 
                 # Meta parameters get placeholders on self.device in place (see meta_init).
                 prepare_meta_init(module, self.device)
+            units = resolve_communication_units(ddp_config.suggested_communication_unit_size)
             self.buffer = ParamAndGradBuffer(
                 module,
                 dist_index,
@@ -234,9 +235,8 @@ class MegatronFSDP(InnerModuleAttributes):
                 ),
                 allow_meta=init_model_with_meta_device,
                 tensor_parallel=tensor_parallel,
-                communication_unit_size=resolve_communication_unit_size(
-                    ddp_config.suggested_communication_unit_size
-                ),
+                communication_unit_size=units[0],
+                communication_unit_max_units=units[1],
             )
             if ddp_config.suggested_communication_unit_size:
                 warn_if_units_joined_widely(

@@ -115,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="ELEMENTS",
         help="suggested_communication_unit_size: coalesce consecutive units into groups of "
-        "at least this many elements (default: fully_shard's, 8192; 0: one unit per collective)",
+        "at least this many elements (default: fully_shard's, pairs of units under 65,536 "
+        "elements; 0: one unit per collective)",
     )
     p.add_argument(
         "--prefetch-depth", type=int, default=1, help="units (groups) gathered ahead (default 1)"

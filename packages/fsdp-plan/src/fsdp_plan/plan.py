@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_buffers import MixedPrecisionPolicy, ParamAndGradBuffer, ShardingStrategy
 from fsdp_buffers.collectives import CollectiveKind
 from fsdp_buffers.no_shard import FSDP_WHOLE_ATTR, copy_param_attributes
-from fsdp_buffers.param_group import resolve_communication_unit_size
+from fsdp_buffers.param_group import resolve_communication_units
 from fsdp_hooks import DistributedDataParallelConfig
 from fsdp_hooks.experts import resolve_is_expert_param
 from fsdp_hooks.optimizers import muon_needs_whole
@@ -284,6 +284,7 @@ def plan(
         # The wrapper's own checks: what it refuses, plan() refuses too.
         check_hybrid_index(index, strategy, outer, False)
         check_param_dtype(meta, policy)
+        units = resolve_communication_units(options.get("suggested_communication_unit_size"))
         buffer = ParamAndGradBuffer(
             meta,
             index,
@@ -298,9 +299,8 @@ def plan(
                 options.get("is_expert_param"), index.has_expert_mesh
             ),
             allow_meta=True,
-            communication_unit_size=resolve_communication_unit_size(
-                options.get("suggested_communication_unit_size")
-            ),
+            communication_unit_size=units[0],
+            communication_unit_max_units=units[1],
         )
         held = model_state_bytes(buffer)
         peak = gathered_peak(buffer, options.get("prefetch_depth", 1))
