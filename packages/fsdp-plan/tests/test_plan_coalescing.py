@@ -138,5 +138,6 @@ def test_peak_gathered_bytes_within_the_bound_and_planned(world_size):
     assert peaks[(0, 0)]["peak"] < peaks[(0, 1)]["peak"] < peaks[(0, 2)]["peak"]
     assert peaks[(0, 1)]["peak"] < peaks[(600, 1)]["peak"] < peaks[(1500, 1)]["peak"]
     assert peaks[(10**6, 1)]["groups"] == 1
-    assert peaks[(None, 1)]["groups"] == 1  # the default joins units this small
+    units = len(WIDTHS) - 1
+    assert peaks[(None, 1)]["groups"] == (units + 1) // 2  # the default pairs small units
     assert peaks[(600, 1)]["groups"] < len(WIDTHS) - 1
