@@ -191,14 +191,6 @@ def describe_bucket(buffer, gid: int, kind: str) -> str:  # buffer: ParamAndGrad
 _WAIT_RANGE = annotate("fsdp.wait")
 
 
-def _size(group: dist.ProcessGroup | None) -> int:
-    # A group this rank belongs to answers itself (a C++ call, once per collective);
-    # get_world_size's Python lookups cost more than some small collectives' copies.
-    if isinstance(group, dist.ProcessGroup):
-        return group.size()
-    return dist.get_world_size(group)
-
-
 def _range(label: str | annotate) -> annotate:
     # Callers on the per-step path pass an ``annotate`` made once (one object per label).
     return label if isinstance(label, annotate) else annotate(label)
@@ -249,6 +241,10 @@ def _options(cache: dict, kind: type, op: dist.ReduceOp.RedOpType) -> object:
     return opts
 
 
+# The group's size for ``CommStats`` is asked of the group itself when it is one (a C++
+# call): get_world_size's Python lookups cost more than some small collectives' copies.
+
+
 def all_gather(
     output: torch.Tensor,
     shard: torch.Tensor,
@@ -265,7 +261,7 @@ def all_gather(
                 CollectiveKind.ALL_GATHER,
                 numel,
                 output.element_size(),
-                _size(group),
+                group.size() if type(group) is _PG else dist.get_world_size(group),
                 round(numel * padding),
             )
         if dist.all_gather_into_tensor is _TORCH_ALL_GATHER and _direct(group, output, shard):
@@ -289,7 +285,7 @@ def reduce_scatter(
                 CollectiveKind.REDUCE_SCATTER,
                 unsharded.numel(),
                 unsharded.element_size(),
-                _size(group),
+                group.size() if type(group) is _PG else dist.get_world_size(group),
                 round(unsharded.numel() * padding),
             )
         if (
@@ -312,7 +308,10 @@ def all_reduce(
     with _range(label):
         if stats is not None:
             stats.record(
-                CollectiveKind.ALL_REDUCE, tensor.numel(), tensor.element_size(), _size(group)
+                CollectiveKind.ALL_REDUCE,
+                tensor.numel(),
+                tensor.element_size(),
+                group.size() if type(group) is _PG else dist.get_world_size(group),
             )
         if (
             dist.all_reduce is _TORCH_ALL_REDUCE

@@ -361,9 +361,17 @@ class FlatLayout:
     def unpack(self, gathered: torch.Tensor, pm: torch.Tensor, coarse: int | None = None) -> None:
         """Copy an all-gather's output (rank-major, over ``coarse`` ranks) into the
         parameter-major tensor ``pm``."""
+        shape, sizes, regions = self.unpack_plan(pm, coarse)
+        torch.split_with_sizes_copy(gathered.view(shape).transpose(0, 1), sizes, 2, out=regions)
+
+    def unpack_plan(
+        self, pm: torch.Tensor, coarse: int | None = None
+    ) -> tuple[tuple[int, int, int], list[int], list[torch.Tensor]]:
+        """What ``unpack`` into ``pm`` does, for a caller that keeps it (a bucket, per
+        gather): ``split_with_sizes_copy(gathered.view(shape).transpose(0, 1), sizes,
+        2, out=regions)``. Valid while ``pm`` is the same tensor object."""
         g, c = self._coarse(coarse)
-        src = gathered.view(c, g, self.shard_numel).transpose(0, 1)
-        torch.split_with_sizes_copy(src, self._split_sizes, dim=2, out=self._regions(pm, g, c))
+        return (c, g, self.shard_numel), self._split_sizes, self._regions(pm, g, c)
 
     def pack(self, pm: torch.Tensor, out: torch.Tensor, coarse: int | None = None) -> None:
         """Copy the parameter-major ``pm`` into ``out``, rank-major over ``coarse`` ranks

@@ -435,7 +435,7 @@ class FSDPHooks:
             # checkpointing): the unit is in PRE_BACKWARD even when no pre-backward hook
             # of its own fired (a reentrant checkpoint ran its forward under no_grad).
             recompute = self.root_state is TrainingState.PRE_BACKWARD
-            if not recompute and in_backward():
+            if not recompute and torch._C._current_graph_task_id() != -1:  # in_backward()
                 self._side_recompute(unit)
                 return args, kwargs
             unit.state = TrainingState.PRE_BACKWARD if recompute else TrainingState.FORWARD
