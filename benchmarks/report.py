@@ -168,8 +168,8 @@ def markdown_table(result: dict[str, Any]) -> str:
     lines.append(
         "Theory: per-rank ring traffic 3·Ψ·(N−1)/N elements per step for ZeRO-3 "
         "(+Ψ_frozen·(N−1)/N when a frozen encoder is sharded), 2·Ψ·(N−1)/N for ZeRO-2; "
-        "Ψ = trainable parameters. Bytes are counted by wrapping torch.distributed's "
-        "collectives in every rank."
+        "Ψ = trainable parameters. Bytes are counted by wrapping the process group's "
+        "collective methods in every rank."
     )
     return "\n".join(lines)
 
