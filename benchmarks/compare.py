@@ -26,7 +26,7 @@ rank reports, over the timed steps (after the warm-up steps):
   ``max_memory_allocated`` analogue, from torch's CPU allocator as the profiler records
   it), in as many extra traced repetitions as timed ones (median);
 - elements all-gathered, reduce-scattered and all-reduced per step (unsharded sizes),
-  counted by wrapping ``torch.distributed``'s collectives inside the rank (the same
+  counted by wrapping the process group's collective methods inside the rank (the same
   counter for every peer), and for ``fsdp`` also its own ``model.comm_stats()``.
 
 Communication is compared with DESIGN.md's bound ``3·Ψ·(N−1)/N`` elements per step and
