@@ -75,12 +75,16 @@ def wait_with_timeout(work: dist.Work, what: str) -> None:
         else:
             work.wait()
     except Exception as err:
-        limit = f" within {COLLECTIVE_TIMEOUT_ENV}={seconds}s" if seconds else ""
-        raise CollectiveError(
-            f"{what} did not complete{limit}: {err}. A rank that stopped, or runs a different "
-            "schedule (a unit skipped or called on some ranks only), leaves the others waiting; "
-            "FSDP_CHECK_SCHEDULE=1 names the unit, rank and step where ranks diverged"
-        ) from err
+        raise _collective_error(what, seconds, err) from err
+
+
+def _collective_error(what: str, seconds: str | None, err: Exception) -> CollectiveError:
+    limit = f" within {COLLECTIVE_TIMEOUT_ENV}={seconds}s" if seconds else ""
+    return CollectiveError(
+        f"{what} did not complete{limit}: {err}. A rank that stopped, or runs a different "
+        "schedule (a unit skipped or called on some ranks only), leaves the others waiting; "
+        "FSDP_CHECK_SCHEDULE=1 names the unit, rank and step where ranks diverged"
+    )
 
 
 class CollectiveKind(enum.Enum):
@@ -162,10 +166,10 @@ class PendingCollective:
             work = self._work
             if work is not None:
                 if _timeout_s[0] is None:
-                    try:  # the common case inline: one call fewer per collective
+                    try:  # wait_with_timeout's common case inline: one call fewer
                         work.wait()
-                    except Exception:
-                        wait_with_timeout(work, what)  # raises, naming ``what``
+                    except Exception as err:
+                        raise _collective_error(what, None, err) from err
                 else:
                     wait_with_timeout(work, what)
             self._work = None
