@@ -150,9 +150,10 @@ def fully_shard_model(
 
     fsdp's own options: ``suggested_communication_unit_size`` (elements; None: pairs
     of units under 65,536 elements, 0: off) gathers and reduces consecutive FSDP units
-    as one collective until each group holds at least that many parameter elements; ``prefetch_depth`` (default 1) is how many
-    units (groups) are gathered ahead of the one in use, 0 for none. Peak gathered
-    memory grows with both (README, "Unit coalescing and prefetch depth")."""
+    as one collective until each group holds at least that many parameter elements;
+    ``prefetch_depth`` (default 1) is how many units (groups) are gathered ahead of the
+    one in use, 0 for none. Peak gathered memory grows with both (README, "Unit
+    coalescing and prefetch depth")."""
     check_argument_types(
         "fully_shard_model",
         module,
