@@ -96,6 +96,7 @@ from fsdp_hooks.backward import (
     wrap_inputs_for_post_backward,
 )
 from fsdp_hooks.param_state import ParamState
+from fsdp_hooks.param_swap import ParamSwapping
 from fsdp_hooks.saved_weight_hooks import REGATHER_ENV, SavedWeightHooks
 from fsdp_hooks.schedule_check import Phase, ScheduleCheck, schedule_check_requested
 from fsdp_hooks.shared_buckets import SharedBuckets, backward_done
@@ -140,7 +141,7 @@ class FSDPUnit:
     on_post_backward: Any = None
 
 
-class FSDPHooks:
+class FSDPHooks(ParamSwapping):
     """All hooks of one ``MegatronFSDP`` and the per-step state they share."""
 
     def __init__(self, wrapper: MegatronFSDP) -> None:
@@ -231,14 +232,7 @@ class FSDPHooks:
         by_param = {p: distributed[name] for p, name in self._param_names.items()}
         for dparam in distributed.values():
             dparam._fsdp_model_ref = self._wrapper  # type: ignore[attr-defined]
-        self._locations: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
-        for sub in module.modules():
-            for attr, p in sub._parameters.items():
-                if p is not None:
-                    self._locations.append((sub, attr, p, by_param[p]))
-        self._using_compute = True
-        self.distributed_by_compute = by_param
-        self._assign_unit_locations()
+        self._init_locations(module, by_param)
         self.params = ParamState(self)
         self._reached_add = self.params.reached.add  # per gradient (the set is kept)
         # Opt-in (FSDP_CHECK_SCHEDULE=1): ranks agree on each point that issues collectives.
@@ -260,63 +254,6 @@ class FSDPHooks:
         wrapper = self._wrapper()
         assert wrapper is not None, "the MegatronFSDP wrapper was garbage-collected"
         return wrapper
-
-    # ---- parameter swapping -----------------------------------------------------------
-    def use_compute_params(self) -> None:
-        if not self._using_compute:
-            for module, attr, compute, _dist in self._locations:
-                module._parameters[attr] = compute
-            self._using_compute = True
-
-    def use_distributed_params(self) -> None:
-        if self._using_compute:
-            for module, attr, _compute, dparam in self._locations:
-                module._parameters[attr] = dparam
-            self._using_compute = False
-
-    def _assign_unit_locations(self) -> None:
-        """Give each unit the parameter locations it frees: those of modules inside it
-        (the innermost unit, when units nest) whose bucket it releases and whose compute
-        weights are sharded (else the bucket is never freed)."""
-        owner: dict[nn.Module, FSDPUnit] = {}
-        for unit in sorted(self.units, key=lambda u: u.name.count(".") + bool(u.name)):
-            for sub in unit.module.modules():
-                owner[sub] = unit  # deeper units come later and win
-        for module, attr, compute, dparam in self._locations:
-            unit = owner.get(module)
-            if unit is None:
-                continue
-            gid = self.buffer.group_of(compute)[0]
-            if gid in unit.release_groups and self.buffer.buckets[gid].is_distributed:
-                unit.locations.append((module, attr, compute, dparam))
-        for unit in self.units:  # one dict update per module and direction
-            by_module: dict[nn.Module, tuple[dict, dict]] = {}
-            for module, attr, compute, dparam in unit.locations:
-                to_compute, to_dist = by_module.setdefault(module, ({}, {}))
-                to_compute[attr], to_dist[attr] = compute, dparam
-            unit.swaps = [(m, c, d) for m, (c, d) in by_module.items()]
-
-    def _unit_use(self, unit: FSDPUnit, compute: bool) -> None:
-        # Outside the compute phase every location already holds its DTensor.
-        if self._using_compute:
-            if compute:
-                for module, to_compute, _to_dist in unit.swaps:
-                    module._parameters.update(to_compute)
-            else:
-                for module, _to_compute, to_dist in unit.swaps:
-                    module._parameters.update(to_dist)
-
-    def group_of_any(self, param: nn.Parameter) -> int:
-        """Bucket of a compute parameter or of its DTensor counterpart."""
-        if param in self.buffer.param_index:
-            return self.buffer.group_of(param)[0]
-        index = getattr(param, "_fsdp_group_index", None)
-        if index is not None:
-            return index[0]
-        for compute, dparam in self.distributed_by_compute.items():
-            if dparam is param:
-                return self.buffer.group_of(compute)[0]
-        raise KeyError("parameter is not managed by this MegatronFSDP model")
 
     # ---- weights saved for backward -------------------------------------------------
     def saved_weights_hooks(self) -> contextlib.AbstractContextManager:
