@@ -173,3 +173,23 @@ def test_nccl_is_used_with_enough_gpus():
 def test_spawn_start_method_also_works():
     out = run_distributed(_sum_ranks, 2, args=(0.0,), start_method="spawn")
     assert [o["sum"] for o in out] == [1.0, 1.0]
+
+
+def _fork_a_sleeper() -> int:
+    """Fork a process that would outlive the rank (as Megatron-Core's checkpoint writer
+    forks workers) and return its pid."""
+    pid = os.fork()
+    if pid == 0:  # the forked process: sleeps far past the test, then leaves quietly
+        time.sleep(120)
+        os._exit(0)
+    return pid
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_what_a_rank_forks_does_not_outlive_the_run(start_method):
+    pids = run_distributed(_fork_a_sleeper, 2, timeout=60, start_method=start_method)
+    # SIGKILL is delivered asynchronously: give the kernel a moment, bounded.
+    deadline = time.monotonic() + 10
+    while any(_is_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_is_running(pid) for pid in pids), pids

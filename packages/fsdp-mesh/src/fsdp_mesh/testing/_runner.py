@@ -189,6 +189,10 @@ def _rank_main(
     kwargs: dict[str, Any],
     env: dict[str, str],
 ) -> None:
+    # Its own process group: what it forks (Megatron-Core's checkpoint writer forks
+    # worker processes) is killed with it (``_stop``) instead of outliving the test.
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpgid(0, 0)
     # Everything this rank prints, and its stack dump on SIGUSR1, goes to its own log.
     log = open(log_path, "w", buffering=1)  # noqa: SIM115 - lives until os._exit
     os.dup2(log.fileno(), 1)
@@ -268,6 +272,12 @@ def _stop(procs: list[multiprocessing.process.BaseProcess]) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+    # Then whatever the ranks forked, still in their process groups (a rank's pid is its
+    # group's id; just reaped, it is not yet reused).
+    for p in procs:
+        if p.pid is not None:
+            with contextlib.suppress(OSError, AttributeError):
+                os.killpg(p.pid, signal.SIGKILL)
 
 
 def run_distributed(
