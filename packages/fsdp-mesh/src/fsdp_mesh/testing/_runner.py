@@ -13,7 +13,8 @@ is seen at once. When one rank fails, the others get a short grace period to rep
 (they are usually blocked in a collective waiting for the failed one) and are then
 killed. When the deadline passes, the ranks that have not finished get SIGUSR1, which
 makes ``faulthandler`` write their Python stacks into their logs, and are killed; the
-error names them and shows those stacks.
+error names them and shows those stacks. Each rank leads its own process group, and
+the end of a run kills the groups, so nothing a rank forked outlives the run.
 """
 
 from __future__ import annotations
