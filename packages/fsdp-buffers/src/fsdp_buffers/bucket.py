@@ -36,6 +36,7 @@ The gradient half (staging, reduction, released gradients) is ``bucket_grads``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -162,9 +163,9 @@ class Bucket(BucketGradients):
         self._range_copy_out = annotate(f"fsdp.copy_out.{gid}")
         self._range_release = annotate(f"fsdp.release.{gid}")
         self._reduce_label = annotate(f"fsdp.reduce.{gid}")
-        # (bucket tensor, Layout.unpack_plan of it): the copy-out without the layout's
+        # (bucket tensor, Layout.unpacker of it): the copy-out without the layout's
         # lookups per gather.
-        self._unpack_plan: tuple | None = None
+        self._unpacker: tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None = None
 
     # ---- construction ---------------------------------------------------------------
     def _whole_owners(self, pieces: int, outer_sharded: bool) -> list[int | None] | None:
@@ -350,15 +351,10 @@ class Bucket(BucketGradients):
                 # grad mode on: no no_grad context per gather.
                 with self._range_copy_out:
                     bucket = early if early is not None else buf.fetch_bucket()
-                    plan = self._unpack_plan
-                    if plan is None or plan[0] is not bucket:  # made once per bucket tensor
-                        plan = self._unpack_plan = (
-                            bucket,
-                            *buf.layout.unpack_plan(bucket, buf.coarse),
-                        )
-                    _, shape, sizes, regions = plan
-                    src = gathered.view(shape).transpose(0, 1)
-                    torch.split_with_sizes_copy(src, sizes, 2, out=regions)
+                    kept = self._unpacker
+                    if kept is None or kept[0] is not bucket:  # made once per bucket tensor
+                        kept = self._unpacker = (bucket, buf.layout.unpacker(bucket, buf.coarse))
+                    kept[1](gathered)
 
             self._gather = PendingCollective(work, unpack, keepalive=(gathered,))
         self.status = BucketStatus.GATHER_IN_PROGRESS

@@ -229,7 +229,7 @@ class DTensorViews:
             if cached is None or cached.data is None:
                 continue
             local = cached.local
-            if zeros is None or zeros.dtype != local.dtype:
+            if zeros is None or zeros.dtype != local.dtype or zeros.device != local.device:
                 key = (local.dtype, local.device)
                 zeros = self._zeros.get(key)
                 if zeros is None:

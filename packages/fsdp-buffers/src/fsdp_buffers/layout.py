@@ -361,17 +361,20 @@ class FlatLayout:
     def unpack(self, gathered: torch.Tensor, pm: torch.Tensor, coarse: int | None = None) -> None:
         """Copy an all-gather's output (rank-major, over ``coarse`` ranks) into the
         parameter-major tensor ``pm``."""
-        shape, sizes, regions = self.unpack_plan(pm, coarse)
-        torch.split_with_sizes_copy(gathered.view(shape).transpose(0, 1), sizes, 2, out=regions)
+        self.unpacker(pm, coarse)(gathered)
 
-    def unpack_plan(
+    def unpacker(
         self, pm: torch.Tensor, coarse: int | None = None
-    ) -> tuple[tuple[int, int, int], list[int], list[torch.Tensor]]:
-        """What ``unpack`` into ``pm`` does, for a caller that keeps it (a bucket, per
-        gather): ``split_with_sizes_copy(gathered.view(shape).transpose(0, 1), sizes,
-        2, out=regions)``. Valid while ``pm`` is the same tensor object."""
+    ) -> Callable[[torch.Tensor], None]:
+        """``unpack`` into ``pm`` with its views made now, for a caller that keeps it (a
+        bucket, per gather). Valid while ``pm`` is the same tensor object."""
         g, c = self._coarse(coarse)
-        return (c, g, self.shard_numel), self._split_sizes, self._regions(pm, g, c)
+        shape, sizes, regions = (c, g, self.shard_numel), self._split_sizes, self._regions(pm, g, c)
+
+        def copy_out(gathered: torch.Tensor) -> None:
+            torch.split_with_sizes_copy(gathered.view(shape).transpose(0, 1), sizes, 2, out=regions)
+
+        return copy_out
 
     def pack(self, pm: torch.Tensor, out: torch.Tensor, coarse: int | None = None) -> None:
         """Copy the parameter-major ``pm`` into ``out``, rank-major over ``coarse`` ranks

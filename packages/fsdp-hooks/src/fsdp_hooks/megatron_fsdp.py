@@ -211,7 +211,9 @@ class MegatronFSDP(InnerModuleAttributes):
 
                 # Meta parameters get placeholders on self.device in place (see meta_init).
                 prepare_meta_init(module, self.device)
-            units = resolve_communication_units(ddp_config.suggested_communication_unit_size)
+            unit_size, unit_max = resolve_communication_units(
+                ddp_config.suggested_communication_unit_size
+            )
             self.buffer = ParamAndGradBuffer(
                 module,
                 dist_index,
@@ -235,8 +237,8 @@ class MegatronFSDP(InnerModuleAttributes):
                 ),
                 allow_meta=init_model_with_meta_device,
                 tensor_parallel=tensor_parallel,
-                communication_unit_size=units[0],
-                communication_unit_max_units=units[1],
+                communication_unit_size=unit_size,
+                communication_unit_max_units=unit_max,
             )
             if ddp_config.suggested_communication_unit_size:
                 warn_if_units_joined_widely(

@@ -284,7 +284,9 @@ def plan(
         # The wrapper's own checks: what it refuses, plan() refuses too.
         check_hybrid_index(index, strategy, outer, False)
         check_param_dtype(meta, policy)
-        units = resolve_communication_units(options.get("suggested_communication_unit_size"))
+        unit_size, unit_max = resolve_communication_units(
+            options.get("suggested_communication_unit_size")
+        )
         buffer = ParamAndGradBuffer(
             meta,
             index,
@@ -299,8 +301,8 @@ def plan(
                 options.get("is_expert_param"), index.has_expert_mesh
             ),
             allow_meta=True,
-            communication_unit_size=units[0],
-            communication_unit_max_units=units[1],
+            communication_unit_size=unit_size,
+            communication_unit_max_units=unit_max,
         )
         held = model_state_bytes(buffer)
         peak = gathered_peak(buffer, options.get("prefetch_depth", 1))
