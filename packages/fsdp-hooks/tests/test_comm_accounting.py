@@ -16,10 +16,12 @@ traffic is (N−1)/N · (3·U + 2·R) for U, R the padded unit and non-unit elem
 it stays within 3·Ψ_padded·(N−1)/N, and within 3·Ψ·(N−1)/N times (1 + padding
 overhead), where the padding overhead is (U + R)/Ψ − 1.
 
-ZeRO-2 and ZeRO-1: no all-gather in forward or backward; one reduce-scatter per
-trainable bucket in backward; after the step, one all-gather per trainable bucket
-re-replicates the updated compute weights. ZeRO-0 (``no_shard``): one all-reduce per
-trainable bucket, no all-gather at all.
+ZeRO-2 and ZeRO-1: one reduce-scatter per trainable bucket in backward, no all-gather
+in backward; one all-gather per trainable bucket re-replicates the updated compute
+weights: inside the optimizer step without ``overlap_param_gather``; with it (the
+default), the root buckets' inside the step and the units' in the next forward
+(Note [deferred install]). ZeRO-0 (``no_shard``): one all-reduce per trainable bucket,
+no all-gather at all.
 """
 
 import pytest
@@ -36,7 +38,7 @@ STEPS = 2
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
 
-def _setup(strategy):
+def _setup(strategy, overlap_param_gather=True):
     torch.manual_seed(0)
     module = GPT(CFG)
     psi = sum(p.numel() for p in module.parameters())  # tied weight counted once
@@ -48,6 +50,7 @@ def _setup(strategy):
         fsdp_unit_modules=[Block],
         zero_dp_strategy=strategy,
         suggested_communication_unit_size=0,
+        overlap_param_gather=overlap_param_gather,
     )
     return model, opt, psi
 
@@ -150,40 +153,52 @@ def test_zero3_gathers_and_reductions_match_the_formula(world_size):
 
 def _lower_strategies_body():
     out = {}
-    for strategy in (0, 1, 2):
-        model, opt, psi = _setup(strategy)
+    for strategy, overlap in ((0, True), (1, True), (1, False), (2, True), (2, False)):
+        model, opt, psi = _setup(strategy, overlap)
         buffer = model.buffer
         trainable = [g for g, grp in enumerate(buffer.groups) if grp.requires_grad]
         padded = sum(buffer.buckets[g].layout.total_numel for g in trainable)
+        # With overlap, the unit buckets' installs are left to the next forward.
+        deferred = sum(
+            buffer.buckets[g].layout.total_numel
+            for g in trainable
+            if overlap and strategy > 0 and buffer.groups[g].fsdp_unit_id is not None
+        )
+        assert deferred or not overlap or strategy == 0
         n = dist.get_world_size()
+        phases = [_phases(model, opt, step) for step in range(STEPS + 1)]
         for step in range(STEPS):
-            fwd, bwd, after = _phases(model, opt, step)
-            # No gathers in forward or backward: compute weights are replicated.
-            assert all(fwd[k]["calls"] == 0 for k in KINDS), (strategy, fwd)
+            (fwd, bwd, after), next_fwd = phases[step], phases[step + 1][0]
+            # The first forward gathers nothing: weights are replicated from the start.
+            assert step > 0 or all(fwd[k]["calls"] == 0 for k in KINDS), (strategy, fwd)
             assert bwd["all_gather"]["calls"] == 0, (strategy, bwd)
             if strategy == 0:
                 assert bwd["all_reduce"]["numel"] == padded
                 assert bwd["all_reduce"]["calls"] == len(trainable)
                 assert bwd["reduce_scatter"]["calls"] == 0
                 assert all(after[k]["calls"] == 0 for k in KINDS), (strategy, after)
+                assert all(next_fwd[k]["calls"] == 0 for k in KINDS), (strategy, next_fwd)
                 traffic = bwd["all_reduce"]["traffic_bytes"] / 4
             else:
                 assert bwd["reduce_scatter"]["numel"] == padded
                 assert bwd["reduce_scatter"]["calls"] == len(trainable)
                 assert bwd["all_reduce"]["calls"] == 0
-                # The step re-replicates the updated weights: one all-gather a bucket.
-                assert after["all_gather"]["numel"] == padded
-                assert after["all_gather"]["calls"] == len(trainable)
-                assert after["reduce_scatter"]["calls"] == after["all_reduce"]["calls"] == 0
+                # The step re-replicates the updated weights: one all-gather a bucket,
+                # the deferred ones in the next forward.
+                assert after["all_gather"]["numel"] == padded - deferred
+                assert next_fwd["all_gather"]["numel"] == deferred
+                both = _total(after, next_fwd)
+                assert both["all_gather"]["calls"] == len(trainable)
+                assert both["reduce_scatter"]["calls"] == both["all_reduce"]["calls"] == 0
                 traffic = (
-                    bwd["reduce_scatter"]["traffic_bytes"] + after["all_gather"]["traffic_bytes"]
+                    bwd["reduce_scatter"]["traffic_bytes"] + both["all_gather"]["traffic_bytes"]
                 ) / 4
             # 2·Ψ·(N−1)/N, up to padding.
             assert traffic == pytest.approx(2 * padded * (n - 1) / n)
-        out[strategy] = padded / psi - 1
+        out[(strategy, overlap)] = padded / psi - 1
     return out
 
 
-def test_zero0_1_2_never_gather_in_forward_or_backward():
+def test_zero0_1_2_gather_only_to_install_the_step():
     results = run_distributed(_lower_strategies_body, 2)
     assert results[0] == results[1]

@@ -166,6 +166,8 @@ class Bucket(BucketGradients):
         # (bucket tensor, Layout.unpacker of it): the copy-out without the layout's
         # lookups per gather.
         self._unpacker: tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None = None
+        # (buffer tensor, its alias, the alias's copy-out) for deferred installs.
+        self._install_alias: tuple[torch.Tensor, torch.Tensor, Callable] | None = None
 
     # ---- construction ---------------------------------------------------------------
     def _whole_owners(self, pieces: int, outer_sharded: bool) -> list[int | None] | None:
@@ -381,10 +383,30 @@ class Bucket(BucketGradients):
         self.status = BucketStatus.EMPTY
 
     # ---- main weights ---------------------------------------------------------------
-    def start_install(self) -> PendingCollective | None:
+    @property
+    def install_deferrable(self) -> bool:
+        """Whether this bucket's install may land after the optimizer step, in the next
+        forward (Note [deferred install]): an all-gather of sharded main weights into
+        replicated compute weights, outside fully-sharded hybrid sharding, whose
+        all-gather output is not memory a user can read meanwhile (the main weights'
+        own storage, when they are the compute buffer's local shard and the layout is
+        rank-major, so the gather would write into them)."""
+        model = self.model
+        return (
+            self.group.requires_grad
+            and self.sharding.main_weights
+            and not model.is_data_distributed
+            and (self.outer is None or not self.outer.sharded)
+            and len(model.owned_shards) == 1
+            and (self.group.main_weight_buffer is not None or not model.layout.is_rank_major())
+        )
+
+    def start_install(self, deferred: bool = False) -> PendingCollective | None:
         """Copy the optimizer's main weights into the compute weights; where compute
         weights are replicated but main weights sharded (strategies 1 and 2), start the
-        all-gather that gives every rank the whole updated bucket."""
+        all-gather that gives every rank the whole updated bucket. ``deferred`` (only
+        where ``install_deferrable``): users may write the main weights while it is in
+        flight (Note [deferred install])."""
         if not self.group.requires_grad:
             return None
         model = self.model
@@ -418,11 +440,38 @@ class Bucket(BucketGradients):
             padding=layout.padding_fraction,
         )
 
+        if deferred and main is None:
+            return PendingCollective(work, self._deferred_unpack(gathered), (send, gathered))
+
         def unpack() -> None:
             if gathered is not model.data:
                 layout.unpack(gathered, model.data)
 
         return PendingCollective(work, unpack, keepalive=(send, gathered))
+
+    def _deferred_unpack(self, gathered: torch.Tensor) -> Callable[[], None]:
+        """The copy-out of a deferred install whose main weights are the compute
+        buffer's local shard (no main-weight buffer). This rank's shard is taken from
+        the buffer as it is now, not as it was sent: a user may have written it since
+        (an in-place write to a parameter). And the copy goes through an alias of the
+        buffer with a version counter of its own, so that it does not look like such a
+        write to ``ParamState``: its versions were recorded when the install began."""
+        model = self.model
+        alias = self._install_alias
+        if alias is None or alias[0] is not model.data:
+            data = model.data
+            view = torch.empty(0, dtype=data.dtype, device=data.device)
+            view.set_(data.untyped_storage(), data.storage_offset(), data.size(), data.stride())
+            alias = self._install_alias = (data, view, model.layout.unpacker(view))
+        _data, view, copy_out = alias
+        layout, (own,) = model.layout, model.owned_shards
+        shard = layout.shard_numel
+
+        def unpack() -> None:
+            layout.pack_rank(view, own, gathered[own * shard : (own + 1) * shard])
+            copy_out(gathered)
+
+        return unpack
 
     def broadcast(self, src_group_rank: int) -> None:
         """Make every replicated buffer equal to shard-group rank ``src_group_rank``'s

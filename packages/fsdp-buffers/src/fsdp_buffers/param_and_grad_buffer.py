@@ -25,7 +25,7 @@ hybrid sharding is each bucket's ``outer`` (``OuterSharding``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -37,6 +37,7 @@ from fsdp_buffers.data_parallel_buffer import (
     DoubleBufferAllocator,
     TemporaryBucketAllocator,
 )
+from fsdp_buffers.deferred_install import DeferredInstalls
 from fsdp_buffers.dtensor_views import DTensorViews
 from fsdp_buffers.hybrid_sharding import hybrid_mesh
 from fsdp_buffers.layout import DEFAULT_ALIGNMENT
@@ -179,6 +180,7 @@ class ParamAndGradBuffer:
                 bucket.point_params_at_buffers()
         self._set_optimizer_meshes()
         self.views = DTensorViews(self)
+        self.installs = DeferredInstalls(self.buckets)  # Note [deferred install]
 
     # ---- construction -------------------------------------------------------------
     def _comm_groups(self, expert: bool) -> tuple[CommGroup, object, CommGroup | None]:
@@ -273,13 +275,20 @@ class ParamAndGradBuffer:
         return [g for g, grp in enumerate(self.groups) if grp.fsdp_unit_id == unit_id]
 
     # ---- every bucket --------------------------------------------------------------
-    def install_optimized_model_weights(self) -> None:
+    def install_optimized_model_weights(self, defer: Collection[int] = ()) -> None:
         """Copy the optimizer's main weights into the compute weights; where compute
         weights are replicated but main weights sharded (strategies 1 and 2), all-gather
-        them so that every rank has the whole updated model."""
+        them so that every rank has the whole updated model. Buckets in ``defer`` whose
+        install may wait are queued instead (``installs``, Note [deferred install]):
+        their compute weights are stale until a caller lands them."""
+        self.installs.forget()
         pending: list[PendingCollective] = []
+        queued: list[int] = []
         with torch.no_grad(), annotate("fsdp.install_optimized_model_weights"):
             for bucket in self.buckets:
+                if bucket.gid in defer and bucket.install_deferrable:
+                    queued.append(bucket.gid)
+                    continue
                 started = bucket.start_install()
                 if started is None:
                     continue
@@ -290,11 +299,13 @@ class ParamAndGradBuffer:
                     pending.pop(0).wait()
         for p in pending:
             p.wait()
+        self.installs.queue(queued)
 
     def broadcast_params(self, src_group_rank: int = 0) -> None:
         """Make every replicated buffer equal to that of shard-group rank
         ``src_group_rank``; sharded main weights are then re-derived from the model
         weights they shadow, so all ranks hold one consistent model."""
+        self.installs.forget()  # the broadcast writes every compute weight
         with torch.no_grad(), annotate("fsdp.broadcast_params"):
             for bucket in self.buckets:
                 bucket.broadcast(src_group_rank)

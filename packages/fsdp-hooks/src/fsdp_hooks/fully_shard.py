@@ -454,7 +454,8 @@ def _patch_optimizer(
                 initial.drop_untouched(optimizer)
             result = local_step.step(optimizer, base_step, args, kwargs)
         if install:
-            model.install_optimized_model_weights()
+            # With overlap_param_gather, ZeRO-1/2 gathers overlap the next forward.
+            model.install_optimized_model_weights(defer=model.ddp_config.overlap_param_gather)
         return result
 
     def zero_grad(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:

@@ -233,6 +233,8 @@ class FSDPHooks(ParamSwapping):
         for dparam in distributed.values():
             dparam._fsdp_model_ref = self._wrapper  # type: ignore[attr-defined]
         self._init_locations(module, by_param)
+        self._installs = buffer.installs  # Note [deferred install]
+        self._init_install_swaps(self.root_groups)
         self.params = ParamState(self)
         self._reached_add = self.params.reached.add  # per gradient (the set is kept)
         # Opt-in (FSDP_CHECK_SCHEDULE=1): ranks agree on each point that issues collectives.
@@ -273,9 +275,15 @@ class FSDPHooks(ParamSwapping):
                 self.params.sync_requires_grad()
                 if self.root_state is TrainingState.IDLE and self.params.main_weights_changed():
                     # In-place writes to the main weights since the last install.
-                    self.wrapper.install_optimized_model_weights()
+                    wrapper = self.wrapper
+                    wrapper.install_optimized_model_weights(
+                        defer=wrapper.ddp_config.overlap_param_gather
+                    )
                 self.root_state = TrainingState.FORWARD
             self.use_compute_params()
+            if self._installs.pending:  # left to this forward by the optimizer step
+                self._hold_pending_installs()
+                self._installs.start()
             self.gather.all_gather_params(self.root_groups, prefetch=False)
         return args, kwargs
 
@@ -283,6 +291,8 @@ class FSDPHooks(ParamSwapping):
         if self.root_state is TrainingState.PRE_BACKWARD:
             return output  # recompute inside backward: the backward goes on
         with annotate("fsdp.root_post_forward"):
+            if self._installs.pending:  # buckets no unit of this forward used
+                self.land_installs()
             for gid in self._shared.take_partly_run():  # a unit sharing it was skipped
                 self.gather.release_bucket(gid)
             self.gather.commit_observed_order()
@@ -384,6 +394,8 @@ class FSDPHooks(ParamSwapping):
                 unit.pending_backward += 1
                 in_root = self.root_state is TrainingState.FORWARD
                 (self._forward_calls if in_root else self._outside_calls)[unit.index] += 1
+            if self._installs.pending and self._using_compute:
+                self.land_installs(unit.groups)  # ZeRO-1/2: Note [deferred install]
             order = (
                 PrefetchOrder.BACKWARD_PASS_ORDER if recompute else PrefetchOrder.FORWARD_PASS_ORDER
             )

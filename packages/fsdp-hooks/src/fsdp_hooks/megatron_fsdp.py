@@ -419,6 +419,7 @@ class MegatronFSDP(InnerModuleAttributes):
     ) -> None:
         """Gather every sharded bucket: asynchronously when ``overlap_param_gather`` (or
         ``force_dispatch``), and waited for when not (or ``force_sync``)."""
+        self.hooks.land_installs()  # ZeRO-1/2 installs left to the forward, if any
         pipeline = self.all_gather_pipeline
         for gid in pipeline.forward_order:
             pipeline.async_bucket_gather(gid)
@@ -427,6 +428,7 @@ class MegatronFSDP(InnerModuleAttributes):
             self.synchronize_param_gather()
 
     def synchronize_param_gather(self) -> None:
+        self.hooks.land_installs()
         pipeline = self.all_gather_pipeline
         for gid in pipeline.gathered_buckets():
             pipeline.wait_bucket_ready(gid)
@@ -520,13 +522,16 @@ class MegatronFSDP(InnerModuleAttributes):
         self.zero_grad_buffer()
 
     # ---- weights ----------------------------------------------------------------------
-    def install_optimized_model_weights(self) -> None:
+    def install_optimized_model_weights(self, *, defer: bool = False) -> None:
         """Copy the main weights into the compute weights (after an optimizer step, or
         in-place writes to the parameters; the next forward does it by itself when a
-        main weight's version moved since the last install)."""
+        main weight's version moved since the last install). ``defer`` (what the
+        optimizer step passes with ``overlap_param_gather``): ZeRO-1/2 all-gathers are
+        left to the next forward, overlapped with it (Note [deferred install])."""
         self.all_gather_pipeline.reset()  # gathered copies are stale after a step
-        self.buffer.install_optimized_model_weights()
-        self.hooks.params.record_versions()
+        hooks = self.hooks
+        self.buffer.install_optimized_model_weights(hooks.deferred_installs if defer else ())
+        hooks.params.record_versions()
 
     def broadcast_params(self) -> None:
         self.all_gather_pipeline.reset()

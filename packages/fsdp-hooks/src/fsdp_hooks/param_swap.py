@@ -6,7 +6,9 @@ holds its DTensor, so torch's tools see the sharded parameters; the root pre-for
 puts the compute parameters in place, and while a unit's buckets are released its own
 locations hold the DTensors again (reading a compute parameter then would read freed
 memory). Every place a parameter is reachable from is a location, so tied weights swap
-together.
+together. Under ZeRO-1/2 with ``overlap_param_gather``, a bucket whose install has not
+landed keeps its DTensors in place inside the forward too, until the first unit that
+uses it lands it (Note [deferred install] in ``fsdp_buffers.deferred_install``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class ParamSwapping:
     _locations: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]]
     _using_compute: bool
     distributed_by_compute: dict[nn.Parameter, nn.Parameter]
+    deferred_installs: frozenset[int]
+    _install_swaps: dict[int, list[tuple[nn.Module, dict, dict]]]
 
     def _init_locations(
         self, module: nn.Module, by_param: dict[nn.Parameter, nn.Parameter]
@@ -78,6 +82,56 @@ class ParamSwapping:
                 to_compute, to_dist = by_module.setdefault(module, ({}, {}))
                 to_compute[attr], to_dist[attr] = compute, dparam
             unit.swaps = [(m, c, d) for m, (c, d) in by_module.items()]
+
+    def _init_install_swaps(self, root_groups: list[int]) -> None:
+        """Which buckets' installs may be left to the forward (Note [deferred install]
+        in ``fsdp_buffers.deferred_install``): a bucket that may wait, not a root
+        bucket, every location of which is inside a hooked unit (whose pre-forward,
+        the first to run, lands it); and their locations, by bucket."""
+        inside: set[nn.Module] = set()
+        for unit in self.units:
+            if unit.on_pre_backward is not None:  # a unit with gathering hooks
+                inside.update(unit.module.modules())
+        by_gid: dict[int, dict[nn.Module, tuple[dict, dict]]] = {}
+        blocked = set(root_groups)
+        for module, attr, compute, dparam in self._locations:
+            gid = self.buffer.group_of(compute)[0]
+            if module not in inside:
+                blocked.add(gid)
+            to_compute, to_dist = by_gid.setdefault(gid, {}).setdefault(module, ({}, {}))
+            to_compute[attr], to_dist[attr] = compute, dparam
+        buckets = self.buffer.buckets
+        self.deferred_installs = frozenset(
+            g for g in by_gid if g not in blocked and buckets[g].install_deferrable
+        )
+        self._install_swaps = {
+            g: [(m, c, d) for m, (c, d) in by_gid[g].items()] for g in self.deferred_installs
+        }
+
+    def _hold_pending_installs(self) -> None:
+        """Root pre-forward: locations of buckets whose install has not landed keep
+        their DTensors (the updated main weights), so nothing reads stale weights."""
+        swaps = self._install_swaps
+        for gid in self.buffer.installs.pending:
+            for module, _to_compute, to_dist in swaps.get(gid, ()):
+                module._parameters.update(to_dist)
+
+    def land_installs(self, gids: list[int] | None = None) -> None:
+        """Land the deferred installs of ``gids`` (and those queued before them; all
+        when None) and, inside a forward, put their compute parameters in place."""
+        installs = self.buffer.installs
+        if gids is None:
+            landed = installs.land_all()
+        else:
+            landed = []
+            for gid in gids:
+                if gid in installs.pending:
+                    landed += installs.land(gid)
+        if self._using_compute:
+            swaps = self._install_swaps
+            for gid in landed:
+                for module, to_compute, _to_dist in swaps.get(gid, ()):
+                    module._parameters.update(to_compute)
 
     def _unit_use(self, unit: FSDPUnit, compute: bool) -> None:
         # Outside the compute phase every location already holds its DTensor.
