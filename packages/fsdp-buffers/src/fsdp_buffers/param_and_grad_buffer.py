@@ -274,6 +274,13 @@ class ParamAndGradBuffer:
         the communication unit that ``unit_id`` opens (none for the units joined to it)."""
         return [g for g, grp in enumerate(self.groups) if grp.fsdp_unit_id == unit_id]
 
+    def deferrable_installs(self) -> list[int]:
+        """Buckets whose install the optimizer step may leave to the next forward: those
+        that may wait (``Bucket.install_deferrable``) outside the root buckets, which
+        no unit's pre-forward would land (Note [deferred install])."""
+        root = set(self.root_groups)
+        return [b.gid for b in self.buckets if b.gid not in root and b.install_deferrable]
+
     # ---- every bucket --------------------------------------------------------------
     def install_optimized_model_weights(self, defer: Collection[int] = ()) -> None:
         """Copy the optimizer's main weights into the compute weights; where compute

@@ -85,9 +85,9 @@ class ParamSwapping:
 
     def _init_install_swaps(self, root_groups: list[int]) -> None:
         """Which buckets' installs may be left to the forward (Note [deferred install]
-        in ``fsdp_buffers.deferred_install``): a bucket that may wait, not a root
-        bucket, every location of which is inside a hooked unit (whose pre-forward,
-        the first to run, lands it); and their locations, by bucket."""
+        in ``fsdp_buffers.deferred_install``): of the buffer's ``deferrable_installs``,
+        those every location of which is inside a unit with gathering hooks (whose
+        pre-forward, the first to run, lands it); and their locations, by bucket."""
         inside: set[nn.Module] = set()
         for unit in self.units:
             if unit.on_pre_backward is not None:  # a unit with gathering hooks
@@ -100,9 +100,8 @@ class ParamSwapping:
                 blocked.add(gid)
             to_compute, to_dist = by_gid.setdefault(gid, {}).setdefault(module, ({}, {}))
             to_compute[attr], to_dist[attr] = compute, dparam
-        buckets = self.buffer.buckets
         self.deferred_installs = frozenset(
-            g for g in by_gid if g not in blocked and buckets[g].install_deferrable
+            g for g in self.buffer.deferrable_installs() if g in by_gid and g not in blocked
         )
         self._install_swaps = {
             g: [(m, c, d) for m, (c, d) in by_gid[g].items()] for g in self.deferred_installs

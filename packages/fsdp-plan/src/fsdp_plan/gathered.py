@@ -16,7 +16,9 @@ prefetched after it have theirs at once.
 
 ZeRO-1/2: after the optimizer step, ``install_optimized_model_weights`` all-gathers the
 updated shards of every group whose main weights are sharded, two in flight at a time,
-each into a rank-major copy unless the bucket is rank-major already.
+each into a rank-major copy unless the bucket is rank-major already (with
+``overlap_param_gather``, the units' groups in the next forward: the same two at a time,
+Note [deferred install]).
 """
 
 from __future__ import annotations
@@ -118,21 +120,26 @@ def _zero3_peak(buffer: ParamAndGradBuffer, prefetch_depth: int) -> int:
     return peak
 
 
-def _sync_peak(buffer: ParamAndGradBuffer) -> int:
+def _sync_peak(buffer: ParamAndGradBuffer, overlap_param_gather: bool) -> int:
     """``install_optimized_model_weights``: each gathering group's rank-major copy is held
-    from its all-gather until the next group's is started and it is waited on."""
-    copies = []
+    from its all-gather until the next group's is started and it is waited on; with
+    ``overlap_param_gather`` the units' groups (``deferrable_installs``) form a sequence
+    of their own, in the next forward."""
+    deferred = set(buffer.deferrable_installs()) if overlap_param_gather else set()
+    copies: tuple[list[int], list[int]] = ([], [])
     for gid, group in enumerate(buffer.groups):
         mw = group.model_weight_buffer
         assert mw is not None
         if not group.requires_grad or buffer.buckets[gid].outer_sharded:
             continue
         if buffer.buckets[gid].sharding.main_weights and not mw.is_data_distributed:
-            copies.append(_rank_major_copy(buffer, gid))
-    return max((a + b for a, b in zip([0, *copies], copies, strict=False)), default=0)
+            copies[gid in deferred].append(_rank_major_copy(buffer, gid))
+    return max((a + b for seq in copies for a, b in zip([0, *seq], seq, strict=False)), default=0)
 
 
-def gathered_peak(buffer: ParamAndGradBuffer, prefetch_depth: int = 1) -> int:
+def gathered_peak(
+    buffer: ParamAndGradBuffer, prefetch_depth: int = 1, overlap_param_gather: bool = True
+) -> int:
     """Bytes of gathered weights held at once by this rank (see the module note); run
     inside the fake world the buffer was built in."""
-    return max(_zero3_peak(buffer, prefetch_depth), _sync_peak(buffer))
+    return max(_zero3_peak(buffer, prefetch_depth), _sync_peak(buffer, overlap_param_gather))

@@ -61,11 +61,11 @@ _MODELED = {
     "outer_dp_sharding_strategy",
     "suggested_communication_unit_size",
     "prefetch_depth",
+    "overlap_param_gather",  # which ZeRO-1/2 weight gathers are in flight together
 }
 # Options that change only when or how (not how many bytes), accepted as given.
 _NO_BYTES = {
     "overlap_grad_reduce",
-    "overlap_param_gather",
     "sync_model_each_microbatch",
     "preproc_state_dict_for_dcp_ckpt",
     "report_nan_in_param_grad",
@@ -305,7 +305,11 @@ def plan(
             communication_unit_max_units=unit_max,
         )
         held = model_state_bytes(buffer)
-        peak = gathered_peak(buffer, options.get("prefetch_depth", 1))
+        peak = gathered_peak(
+            buffer,
+            options.get("prefetch_depth", 1),
+            bool(options.get("overlap_param_gather", True)),
+        )
         by_dim = comm_per_step(buffer)
         comm = total_comm(by_dim)
         # Ranks differ only in the optimizer state of torch.chunk pieces (the buffers'
