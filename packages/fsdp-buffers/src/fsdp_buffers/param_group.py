@@ -38,6 +38,11 @@ DEFAULT_BUCKET_SIZE = 40_000_000
 # (measured above FSDP2's) for less and less time, so the default stops at two.
 DEFAULT_COMMUNICATION_UNIT_SIZE = 65_536
 DEFAULT_COMMUNICATION_UNIT_MAX_UNITS = 2
+# Below ZeRO-3 nothing stays gathered: a group's bucket exists only as transient
+# communication buffers (its weight all-gather's rank-major copy, its gradient staging),
+# so the default joins more: groups of at least 131,072 elements, of at most four units.
+REPLICATED_COMMUNICATION_UNIT_SIZE = 131_072
+REPLICATED_COMMUNICATION_UNIT_MAX_UNITS = 4
 
 UnitSpec = type[nn.Module] | str
 
@@ -180,14 +185,19 @@ def coalesce_units(
     return out
 
 
-def resolve_communication_units(suggested: int | None) -> tuple[int, int | None]:
+def resolve_communication_units(
+    suggested: int | None, shards_model_weights: bool = True
+) -> tuple[int, int | None]:
     """``suggested_communication_unit_size`` as the wrappers apply it, as (size, most
     units per communication unit): ``None`` (as in Megatron-FSDP, "choose for me") is
     ``DEFAULT_COMMUNICATION_UNIT_SIZE`` in groups of at most
-    ``DEFAULT_COMMUNICATION_UNIT_MAX_UNITS``; a number is that size with no cap on
-    units; 0 is no coalescing."""
+    ``DEFAULT_COMMUNICATION_UNIT_MAX_UNITS`` under ZeRO-3 (``shards_model_weights``),
+    and the ``REPLICATED_`` pair below it; a number is that size with no cap on units;
+    0 is no coalescing."""
     if suggested is None:
-        return DEFAULT_COMMUNICATION_UNIT_SIZE, DEFAULT_COMMUNICATION_UNIT_MAX_UNITS
+        if shards_model_weights:
+            return DEFAULT_COMMUNICATION_UNIT_SIZE, DEFAULT_COMMUNICATION_UNIT_MAX_UNITS
+        return REPLICATED_COMMUNICATION_UNIT_SIZE, REPLICATED_COMMUNICATION_UNIT_MAX_UNITS
     return suggested, None
 
 

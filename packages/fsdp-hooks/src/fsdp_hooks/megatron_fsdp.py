@@ -212,7 +212,8 @@ class MegatronFSDP(InnerModuleAttributes):
                 # Meta parameters get placeholders on self.device in place (see meta_init).
                 prepare_meta_init(module, self.device)
             unit_size, unit_max = resolve_communication_units(
-                ddp_config.suggested_communication_unit_size
+                ddp_config.suggested_communication_unit_size,
+                self.strategy.shards_model_weights,
             )
             self.buffer = ParamAndGradBuffer(
                 module,

@@ -285,7 +285,7 @@ def plan(
         check_hybrid_index(index, strategy, outer, False)
         check_param_dtype(meta, policy)
         unit_size, unit_max = resolve_communication_units(
-            options.get("suggested_communication_unit_size")
+            options.get("suggested_communication_unit_size"), strategy.shards_model_weights
         )
         buffer = ParamAndGradBuffer(
             meta,
