@@ -164,10 +164,11 @@ class Bucket(BucketGradients):
         self._range_release = annotate(f"fsdp.release.{gid}")
         self._reduce_label = annotate(f"fsdp.reduce.{gid}")
         # (bucket tensor, Layout.unpacker of it): the copy-out without the layout's
-        # lookups per gather.
+        # lookups per gather (``_copy_out_for``).
         self._unpacker: tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None = None
-        # (buffer tensor, its alias, the alias's copy-out) for deferred installs.
-        self._install_alias: tuple[torch.Tensor, torch.Tensor, Callable] | None = None
+        # (compute buffer tensor, an alias of it with its own version counter) for
+        # deferred installs.
+        self._install_alias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ---- construction ---------------------------------------------------------------
     def _whole_owners(self, pieces: int, outer_sharded: bool) -> list[int | None] | None:
@@ -353,13 +354,20 @@ class Bucket(BucketGradients):
                 # grad mode on: no no_grad context per gather.
                 with self._range_copy_out:
                     bucket = early if early is not None else buf.fetch_bucket()
-                    kept = self._unpacker
-                    if kept is None or kept[0] is not bucket:  # made once per bucket tensor
-                        kept = self._unpacker = (bucket, buf.layout.unpacker(bucket, buf.coarse))
-                    kept[1](gathered)
+                    self._copy_out_for(bucket, buf.coarse)(gathered)
 
             self._gather = PendingCollective(work, unpack, keepalive=(gathered,))
         self.status = BucketStatus.GATHER_IN_PROGRESS
+
+    def _copy_out_for(
+        self, pm: torch.Tensor, coarse: int | None = None
+    ) -> Callable[[torch.Tensor], None]:
+        """``Layout.unpacker`` of ``pm``, made once per tensor (the bucket's, or the
+        compute buffer's or its alias for installs: a bucket uses one of them)."""
+        kept = self._unpacker
+        if kept is None or kept[0] is not pm:
+            kept = self._unpacker = (pm, self.model.layout.unpacker(pm, coarse))
+        return kept[1]
 
     def wait_gather(self, what: str) -> None:
         """-> READY_TO_USE, gathering first if nothing is in flight."""
@@ -401,12 +409,14 @@ class Bucket(BucketGradients):
             and (self.group.main_weight_buffer is not None or not model.layout.is_rank_major())
         )
 
-    def start_install(self, deferred: bool = False) -> PendingCollective | None:
+    def start_install(
+        self, deferred: bool = False, written: Callable[[], bool] | None = None
+    ) -> PendingCollective | None:
         """Copy the optimizer's main weights into the compute weights; where compute
         weights are replicated but main weights sharded (strategies 1 and 2), start the
         all-gather that gives every rank the whole updated bucket. ``deferred`` (only
         where ``install_deferrable``): users may write the main weights while it is in
-        flight (Note [deferred install])."""
+        flight, which ``written`` tells when it lands (Note [deferred install])."""
         if not self.group.requires_grad:
             return None
         model = self.model
@@ -440,8 +450,9 @@ class Bucket(BucketGradients):
             padding=layout.padding_fraction,
         )
 
-        if deferred and main is None:
-            return PendingCollective(work, self._deferred_unpack(gathered), (send, gathered))
+        if deferred:
+            unpack = self._deferred_unpack(gathered, written, main is None)
+            return PendingCollective(work, unpack, keepalive=(send, gathered))
 
         def unpack() -> None:
             if gathered is not model.data:
@@ -449,27 +460,40 @@ class Bucket(BucketGradients):
 
         return PendingCollective(work, unpack, keepalive=(send, gathered))
 
-    def _deferred_unpack(self, gathered: torch.Tensor) -> Callable[[], None]:
-        """The copy-out of a deferred install whose main weights are the compute
-        buffer's local shard (no main-weight buffer). This rank's shard is taken from
-        the buffer as it is now, not as it was sent: a user may have written it since
-        (an in-place write to a parameter). And the copy goes through an alias of the
-        buffer with a version counter of its own, so that it does not look like such a
-        write to ``ParamState``: its versions were recorded when the install began."""
+    def _deferred_unpack(
+        self, gathered: torch.Tensor, written: Callable[[], bool] | None, main_is_model: bool
+    ) -> Callable[[], None]:
+        """The copy-out of a deferred install. Users may write the main weights while it
+        is in flight; if one did (``written``, asked before anything is copied: where the
+        main weights are the compute buffer's local shard, the copy-out would overwrite
+        the write), what was sent is stale, and the bucket is installed again, at once,
+        from what is there now (every rank writes alike, as ``ParamState`` requires).
+        Where the main weights are the compute buffer's local shard, the copy goes
+        through an alias of the buffer with a version counter of its own, so that it
+        cannot look like a user's write to ``ParamState``, which recorded the versions
+        when the install began."""
         model = self.model
-        alias = self._install_alias
-        if alias is None or alias[0] is not model.data:
-            data = model.data
-            view = torch.empty(0, dtype=data.dtype, device=data.device)
-            view.set_(data.untyped_storage(), data.storage_offset(), data.size(), data.stride())
-            alias = self._install_alias = (data, view, model.layout.unpacker(view))
-        _data, view, copy_out = alias
-        layout, (own,) = model.layout, model.owned_shards
-        shard = layout.shard_numel
+        if gathered is model.data:
+            copy_out: Callable[[torch.Tensor], None] | None = None  # gathered in place
+        elif not main_is_model:
+            copy_out = self._copy_out_for(model.data)
+        else:
+            alias = self._install_alias
+            if alias is None or alias[0] is not model.data:
+                data = model.data
+                view = torch.empty(0, dtype=data.dtype, device=data.device)
+                view.set_(data.untyped_storage(), data.storage_offset(), data.size(), data.stride())
+                alias = self._install_alias = (data, view)
+            copy_out = self._copy_out_for(alias[1])
 
         def unpack() -> None:
-            layout.pack_rank(view, own, gathered[own * shard : (own + 1) * shard])
-            copy_out(gathered)
+            if written is not None and written():
+                again = self.start_install()
+                if again is not None:
+                    again.wait(f"the weight all-gather of bucket {self.gid} (installed again)")
+                return
+            if copy_out is not None:
+                copy_out(gathered)
 
         return unpack
 

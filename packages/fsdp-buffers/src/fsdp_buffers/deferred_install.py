@@ -23,11 +23,12 @@ With ``overlap_param_gather`` so does fsdp:
   weights, already updated): a read outside the unit that lands it computes on the
   DTensor or raises, never on the stale compute weights.
 - Main weights are written by users between steps (in-place ops on the DTensor
-  parameters). A main-weight buffer of its own is not touched by the gather; where the
-  main weights are the compute buffer's local shard, this rank's shard is copied out of
-  the buffer as it is when the gather lands, not as it was sent (``Bucket.start_install``).
-  ``ParamState`` recorded the main weights' versions when the step queued the installs,
-  so the next forward re-installs what users wrote.
+  parameters). ``ParamState`` recorded their versions when the step queued the
+  installs, so the root pre-forward re-installs what users wrote before it (nothing is
+  in flight then). A write after a bucket's gather started (inside the forward, before
+  the unit that uses it) is seen when the gather lands, by the same version counters
+  (``main_versions``), before anything is copied, and the bucket is installed again
+  then, from what is there now (``Bucket.start_install``).
 - Anything else that installs or overwrites the weights (``install_optimized_model_weights``,
   ``broadcast_params``) first lands what is in flight and forgets what is queued: it
   re-installs every bucket itself.
@@ -35,8 +36,9 @@ With ``overlap_param_gather`` so does fsdp:
 
 from __future__ import annotations
 
+import functools
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,6 +63,10 @@ class DeferredInstalls:
         self._started: deque[tuple[int, PendingCollective | None]] = deque()
         # Buckets whose install has not landed: truthy while any is pending.
         self.pending: set[int] = set()
+        # The version counters of a bucket's main weights as users write them, set by
+        # the layer that hands those parameters out (``fsdp_hooks``' ParamState): a
+        # gather whose bucket was written while in flight is done again when it lands.
+        self.main_versions: Callable[[int], object] | None = None
 
     def queue(self, gids: Iterable[int]) -> None:
         """Queue the installs of ``gids`` (after ``forget``)."""
@@ -74,10 +80,14 @@ class DeferredInstalls:
         queued, started, buckets = self._queued, self._started, self._buckets
         if not queued or len(started) >= self._in_flight:
             return
+        versions = self.main_versions
         with torch.no_grad():
             while queued and len(started) < self._in_flight:
                 gid = queued.popleft()
-                started.append((gid, buckets[gid].start_install(deferred=True)))
+                written = None
+                if versions is not None:
+                    written = functools.partial(_moved, versions, gid, versions(gid))
+                started.append((gid, buckets[gid].start_install(True, written)))
 
     def land(self, gid: int) -> list[int]:
         """Land ``gid``'s install and every one queued before it; start the next ones.
@@ -115,3 +125,7 @@ class DeferredInstalls:
             with torch.no_grad():
                 started.wait(f"the weight all-gather of bucket {gid} (deferred install)")
         return gid
+
+
+def _moved(versions: Callable[[int], object], gid: int, sent: object) -> bool:
+    return versions(gid) != sent

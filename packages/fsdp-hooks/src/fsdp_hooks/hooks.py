@@ -236,6 +236,7 @@ class FSDPHooks(ParamSwapping):
         self._installs = buffer.installs  # Note [deferred install]
         self._init_install_swaps(self.root_groups)
         self.params = ParamState(self)
+        self._installs.main_versions = self.params.bucket_versions
         self._reached_add = self.params.reached.add  # per gradient (the set is kept)
         # Opt-in (FSDP_CHECK_SCHEDULE=1): ranks agree on each point that issues collectives.
         self.schedule: ScheduleCheck | None = None
