@@ -41,8 +41,9 @@ class DistributedDataParallelConfig:
     suggested_communication_unit_size: int | None = None
     """Unit coalescing: consecutive FSDP units (registration order) are gathered and
     reduced as one collective until the group holds at least this many parameter
-    elements (None: pairs of units under 65,536 elements,
-    ``fsdp_buffers.param_group.resolve_communication_units``; 0: one collective per
+    elements (None: under ZeRO-3 pairs of units under 65,536 elements, below it up to
+    four units under 131,072, ``fsdp_buffers.param_group.resolve_communication_units``;
+    0: one collective per
     unit). Megatron-FSDP sizes its prefetch and reduce queue
     with it instead; see the README's "Unit coalescing"."""
     keep_fp8_transpose_cache: bool = False

@@ -149,7 +149,8 @@ def fully_shard_model(
     main weights.
 
     fsdp's own options: ``suggested_communication_unit_size`` (elements; None: pairs
-    of units under 65,536 elements, 0: off) gathers and reduces consecutive FSDP units
+    of units under 65,536 elements under ZeRO-3, groups of up to four units under
+    131,072 below it; 0: off) gathers and reduces consecutive FSDP units
     as one collective until each group holds at least that many parameter elements;
     ``prefetch_depth`` (default 1) is how many units (groups) are gathered ahead of the
     one in use, 0 for none. Peak gathered memory grows with both (README, "Unit

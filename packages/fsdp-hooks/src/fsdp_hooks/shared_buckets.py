@@ -121,8 +121,8 @@ def warn_if_units_joined_widely(buffer: ParamAndGradBuffer, size: int) -> None:
         "elements: they are gathered, held and reduced together, so under ZeRO-3 the "
         "gathered peak is that group's, not one unit's. fsdp uses this option to coalesce "
         "small units (Megatron-FSDP uses it to size its prefetch); pass 0 for one "
-        "collective per unit, or None for the default (pairs of units under 65,536 "
-        "elements)",
+        "collective per unit, or None for the default (under ZeRO-3, pairs of units under "
+        "65,536 elements)",
         UserWarning,
         stacklevel=4,
     )

@@ -116,7 +116,8 @@ def _parser() -> argparse.ArgumentParser:
         metavar="ELEMENTS",
         help="suggested_communication_unit_size: coalesce consecutive units into groups of "
         "at least this many elements (default: fully_shard's, pairs of units under 65,536 "
-        "elements; 0: one unit per collective)",
+        "elements under ZeRO-3, up to four under 131,072 below it; 0: one unit per "
+        "collective)",
     )
     p.add_argument(
         "--prefetch-depth", type=int, default=1, help="units (groups) gathered ahead (default 1)"
