@@ -27,11 +27,17 @@ __all__ = ["IMPLS", "bench_rank"]
 
 IMPLS = ("fsdp", "fsdp2", "megatron_fsdp")
 # fsdp with options, as a peer of its own: "fsdp@cu=4096:pd=2" is fully_shard with
-# suggested_communication_unit_size=4096 (elements) and prefetch_depth=2.
-_FSDP_OPTIONS = {"cu": "suggested_communication_unit_size", "pd": "prefetch_depth"}
+# suggested_communication_unit_size=4096 (elements) and prefetch_depth=2; "opg=0" is
+# overlap_param_gather=False.
+_FSDP_OPTIONS = {
+    "cu": "suggested_communication_unit_size",
+    "pd": "prefetch_depth",
+    "opg": "overlap_param_gather",
+}
+_BOOL_OPTIONS = {"overlap_param_gather"}
 
 
-def fsdp_options(impl: str) -> dict[str, int] | None:
+def fsdp_options(impl: str) -> dict[str, int | bool] | None:
     """The fully_shard options of an ``fsdp`` peer name, None for another peer."""
     name, _, spec = impl.partition("@")
     if name != "fsdp":
@@ -40,8 +46,9 @@ def fsdp_options(impl: str) -> dict[str, int] | None:
     for item in filter(None, spec.split(":")):
         key, _, value = item.partition("=")
         if key not in _FSDP_OPTIONS or not value.isdigit():
-            raise ValueError(f"bad fsdp peer option {item!r} in {impl!r}; use cu=N:pd=N")
-        out[_FSDP_OPTIONS[key]] = int(value)
+            raise ValueError(f"bad fsdp peer option {item!r} in {impl!r}; use cu=N:pd=N:opg=0|1")
+        name = _FSDP_OPTIONS[key]
+        out[name] = bool(int(value)) if name in _BOOL_OPTIONS else int(value)
     return out
 
 
