@@ -227,6 +227,19 @@ def test_the_default_pairs_small_units_and_leaves_large_ones():
     assert resolve_communication_units(8_192) == (8_192, None)  # a chosen size: no cap
 
 
+def test_below_zero3_the_default_joins_up_to_four_small_units():
+    """Nothing stays gathered below ZeRO-3, so the default joins more: groups of at
+    least 131,072 elements, of at most four units; a chosen size is the same under
+    every strategy."""
+    size, most = resolve_communication_units(None, shards_model_weights=False)
+    small, block = 33_216, 7_000_000
+    assert coalesce_units([small] * 9, size, most) == [0, 0, 0, 0, 4, 4, 4, 4, 8]
+    assert coalesce_units([4_160] * 9, size, most) == [0, 0, 0, 0, 4, 4, 4, 4, 8]
+    assert coalesce_units([block] * 3, size, most) == [0, 1, 2]
+    assert resolve_communication_units(0, False) == (0, None)
+    assert resolve_communication_units(8_192, False) == (8_192, None)
+
+
 # Units per communication unit -> the size that makes it.
 PER_GROUP = (1, 2, 3, UNITS)
 
