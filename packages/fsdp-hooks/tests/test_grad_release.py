@@ -204,6 +204,45 @@ def test_released_gradients_hybrid():
         _check(results[s], reference, s)
 
 
+def _module_zero_grad():
+    """``model.zero_grad()`` alone, as torch's ``Module.zero_grad``: set_to_none drops
+    every ``.grad`` and releases the sharded gradients; set_to_none=False keeps them,
+    zeroed."""
+    out = {}
+    for strategy in (2, 3):
+        for to_none in (True, False):
+            torch.manual_seed(0)
+            module = GPT(CFG)
+            model, opt = fully_shard(
+                module,
+                _optimizer(module.parameters()),
+                fsdp_unit_modules=[Block],
+                zero_dp_strategy=strategy,
+            )
+            x, y = _batch(0, 2)
+            F.cross_entropy(model(x[:M]).flatten(0, 1), y[:M].flatten()).backward()
+            opt.step()
+            live = _live_storages(model)
+            model.zero_grad(set_to_none=to_none)
+            grads = [p.grad for p in model.parameters()]
+            out[(strategy, to_none)] = (
+                bool(live),
+                [w.expired() for w in live],
+                [None if g is None else bool(g.to_local().any()) for g in grads],
+            )
+    return out
+
+
+def test_module_zero_grad_releases_like_torch():
+    for out in run_distributed(_module_zero_grad, 2):
+        for (strategy, to_none), (watched, gone, grads) in out.items():
+            assert watched, (strategy, to_none)
+            if to_none:
+                assert all(gone) and all(g is None for g in grads), (strategy, gone, grads)
+            else:
+                assert not any(gone) and grads and not any(grads), (strategy, gone, grads)
+
+
 def _replicated_kept():
     out = {}
     for strategy in (0, 1):

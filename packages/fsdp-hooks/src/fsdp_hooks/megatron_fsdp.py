@@ -520,6 +520,15 @@ class MegatronFSDP(InnerModuleAttributes):
         self.hooks.clear_nonfinite_grads()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's ``Module.zero_grad`` on the parameters users see (the DTensors):
+        with ``set_to_none`` their ``.grad`` is dropped, so sharded gradients nothing
+        else holds are released (Note [released gradients]), as FSDP2's are; else it
+        stays, zeroed. The gradient buffers are zeroed either way."""
+        if set_to_none:
+            self.hooks.recover_if_backward_aborted()  # reductions in flight land first
+            self.buffer.views.drop_grads()
+            for p in self.module.parameters():  # a whole-placed one's WholeParameter too
+                p.grad = None
         self.zero_grad_buffer()
 
     # ---- weights ----------------------------------------------------------------------
