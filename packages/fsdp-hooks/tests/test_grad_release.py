@@ -204,6 +204,22 @@ def test_released_gradients_hybrid():
         _check(results[s], reference, s)
 
 
+def _stepped(strategy):
+    """A GPT wrapped under ``strategy`` after one backward and step."""
+    torch.manual_seed(0)
+    module = GPT(CFG)
+    model, opt = fully_shard(
+        module,
+        _optimizer(module.parameters()),
+        fsdp_unit_modules=[Block],
+        zero_dp_strategy=strategy,
+    )
+    x, y = _batch(0, 2)
+    F.cross_entropy(model(x[:M]).flatten(0, 1), y[:M].flatten()).backward()
+    opt.step()
+    return model, opt
+
+
 def _module_zero_grad():
     """``model.zero_grad()`` alone, as torch's ``Module.zero_grad``: set_to_none drops
     every ``.grad`` and releases the sharded gradients; set_to_none=False keeps them,
@@ -211,17 +227,7 @@ def _module_zero_grad():
     out = {}
     for strategy in (2, 3):
         for to_none in (True, False):
-            torch.manual_seed(0)
-            module = GPT(CFG)
-            model, opt = fully_shard(
-                module,
-                _optimizer(module.parameters()),
-                fsdp_unit_modules=[Block],
-                zero_dp_strategy=strategy,
-            )
-            x, y = _batch(0, 2)
-            F.cross_entropy(model(x[:M]).flatten(0, 1), y[:M].flatten()).backward()
-            opt.step()
+            model, _opt = _stepped(strategy)
             live = _live_storages(model)
             model.zero_grad(set_to_none=to_none)
             grads = [p.grad for p in model.parameters()]
@@ -246,17 +252,7 @@ def test_module_zero_grad_releases_like_torch():
 def _replicated_kept():
     out = {}
     for strategy in (0, 1):
-        torch.manual_seed(0)
-        module = GPT(CFG)
-        model, opt = fully_shard(
-            module,
-            _optimizer(module.parameters()),
-            fsdp_unit_modules=[Block],
-            zero_dp_strategy=strategy,
-        )
-        x, y = _batch(0, 2)
-        F.cross_entropy(model(x[:M]).flatten(0, 1), y[:M].flatten()).backward()
-        opt.step()
+        model, opt = _stepped(strategy)
         live = [
             StorageWeakRef(g.main_grad_buffer.data.untyped_storage())
             for g in model.buffer.groups
