@@ -7,7 +7,8 @@ training must be what it is when the step gathers everything itself: the same lo
 and weights, bit for bit, and the one-process reference's within 1e-5. The cases: writes
 to the main weights after the step (with and without a main-weight buffer of their
 own), a state dict loaded after the step, an eval forward, a forward that raises
-half-way, units run out of registration order, a unit skipped on one rank only, a
+half-way, units run out of registration order, a unit skipped on one rank only, units
+under activation checkpointing (reentrant or not), a
 parameter of a unit written inside the forward before the unit runs (its install is then
 in flight, and is done again), and a unit's submodule called from outside the unit
 before the unit runs.
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from fsdp_buffers import MixedPrecisionPolicy
 from fsdp_hooks import fully_shard
@@ -58,6 +60,7 @@ class Model(nn.Module):
         self.peek = False
         self.fail_in: int | None = None
         self.write_in_forward = False
+        self.checkpoint: bool | None = None  # activation checkpointing: use_reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
@@ -70,8 +73,12 @@ class Model(nn.Module):
         for i in self.order:
             if i == self.fail_in:
                 raise ValueError("a forward that raises half-way")
-            if i != self.skip:
+            if i == self.skip:
+                continue
+            if self.checkpoint is None:
                 h = self.blocks[i](h)
+            else:
+                h = checkpoint(self.blocks[i], h, use_reentrant=self.checkpoint)
         return self.head(h)
 
 
@@ -98,12 +105,18 @@ def between(model: nn.Module, step: int, saved: dict | None) -> None:
         model.load_state_dict(saved)
 
 
+def _configure(model: Model, scenario: str) -> None:
+    if scenario == "order":
+        model.order = [2, 0, 3, 1]
+    model.write_in_forward = scenario == "write_in_forward"
+    if scenario.startswith("checkpoint"):
+        model.checkpoint = scenario == "checkpoint_reentrant"
+
+
 def _train(strategy: int, overlap: bool, scenario: str, precision: str) -> dict:
     rank = dist.get_rank()
     module = build()
-    if scenario == "order":
-        module.order = [2, 0, 3, 1]
-    module.write_in_forward = scenario == "write_in_forward"
+    _configure(module, scenario)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1)
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16)
@@ -163,9 +176,7 @@ def _train(strategy: int, overlap: bool, scenario: str, precision: str) -> dict:
 @functools.cache
 def reference(scenario: str) -> dict:
     model = build()
-    if scenario == "order":
-        model.order = [2, 0, 3, 1]
-    model.write_in_forward = scenario == "write_in_forward"
+    _configure(model, scenario)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses: list[float] = []
     saved = None
@@ -193,7 +204,16 @@ def _both(strategy: int, scenario: str, precision: str) -> dict:
     return {overlap: _train(strategy, overlap, scenario, precision) for overlap in (True, False)}
 
 
-SCENARIOS = ("writes", "eval", "raise", "order", "skip", "write_in_forward")
+SCENARIOS = (
+    "writes",
+    "eval",
+    "raise",
+    "order",
+    "skip",
+    "checkpoint",
+    "checkpoint_reentrant",
+    "write_in_forward",
+)
 
 
 def _scenarios(precision: str) -> tuple[str, ...]:
