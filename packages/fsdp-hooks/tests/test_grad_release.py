@@ -204,16 +204,21 @@ def test_released_gradients_hybrid():
         _check(results[s], reference, s)
 
 
-def _stepped(strategy):
-    """A GPT wrapped under ``strategy`` after one backward and step."""
+def _wrapped(strategy):
+    """The test GPT and its optimizer, wrapped under ``strategy``."""
     torch.manual_seed(0)
     module = GPT(CFG)
-    model, opt = fully_shard(
+    return fully_shard(
         module,
         _optimizer(module.parameters()),
         fsdp_unit_modules=[Block],
         zero_dp_strategy=strategy,
     )
+
+
+def _stepped(strategy):
+    """The wrapped GPT after one backward and step."""
+    model, opt = _wrapped(strategy)
     x, y = _batch(0, 2)
     F.cross_entropy(model(x[:M]).flatten(0, 1), y[:M].flatten()).backward()
     opt.step()
@@ -270,14 +275,7 @@ def test_replicated_gradients_keep_their_buffer():
 
 def _stale_reference(strategy):
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    module = GPT(CFG)
-    model, opt = fully_shard(
-        module,
-        _optimizer(module.parameters()),
-        fsdp_unit_modules=[Block],
-        zero_dp_strategy=strategy,
-    )
+    model, opt = _wrapped(strategy)
     params = list(model.parameters())
 
     def backward(step):

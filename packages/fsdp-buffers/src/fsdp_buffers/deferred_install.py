@@ -103,12 +103,7 @@ class DeferredInstalls:
 
     def land_all(self) -> list[int]:
         """Land every pending install (starting the queued ones)."""
-        landed: list[int] = []
-        while self.pending:
-            if not self._started:
-                self.start()
-            landed.append(self._land_oldest())
-        return landed
+        return self.land(max(self.pending)) if self.pending else []
 
     def forget(self) -> None:
         """Land the gathers in flight and drop the queued ones (for a caller that

@@ -234,7 +234,7 @@ class FSDPHooks(ParamSwapping):
             dparam._fsdp_model_ref = self._wrapper  # type: ignore[attr-defined]
         self._init_locations(module, by_param)
         self._installs = buffer.installs  # Note [deferred install]
-        self._init_install_swaps(self.root_groups)
+        self._init_install_swaps()
         self.params = ParamState(self)
         self._installs.main_versions = self.params.bucket_versions
         self._reached_add = self.params.reached.add  # per gradient (the set is kept)

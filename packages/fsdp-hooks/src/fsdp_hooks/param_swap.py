@@ -83,7 +83,7 @@ class ParamSwapping:
                 to_compute[attr], to_dist[attr] = compute, dparam
             unit.swaps = [(m, c, d) for m, (c, d) in by_module.items()]
 
-    def _init_install_swaps(self, root_groups: list[int]) -> None:
+    def _init_install_swaps(self) -> None:
         """Which buckets' installs may be left to the forward (Note [deferred install]
         in ``fsdp_buffers.deferred_install``): of the buffer's ``deferrable_installs``,
         those every location of which is inside a unit with gathering hooks (whose
@@ -93,7 +93,7 @@ class ParamSwapping:
             if unit.on_pre_backward is not None:  # a unit with gathering hooks
                 inside.update(unit.module.modules())
         by_gid: dict[int, dict[nn.Module, tuple[dict, dict]]] = {}
-        blocked = set(root_groups)
+        blocked: set[int] = set()
         for module, attr, compute, dparam in self._locations:
             gid = self.buffer.group_of(compute)[0]
             if module not in inside:
