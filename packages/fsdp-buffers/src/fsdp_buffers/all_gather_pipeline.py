@@ -179,25 +179,30 @@ class AllGatherPipeline:
     ) -> None:
         """Start gathering ``bucket_ids`` (in the given order), prefetch what follows
         them in ``prefetch_order``, and wait for ``bucket_ids`` unless told not to."""
-        ids = list(bucket_ids)
-        self._asked.update(ids)
-        if prefetch:
-            buckets = self.buckets
-            for gid in ids:
-                if buckets[gid].status is BucketStatus.EMPTY:
-                    self.prefetch_misses += 1
-        if prefetch and prefetch_order is PrefetchOrder.FORWARD_PASS_ORDER:
-            for gid in ids:
-                if gid not in self._observed_set:
-                    self._observed_set.add(gid)
-                    self._observed.append(gid)
+        ids = bucket_ids if type(bucket_ids) is list else list(bucket_ids)
+        if not ids:
+            return
+        self._asked.update(ids)  # asked for: no prefetch below may evict them
+        buckets = self.buckets
         for gid in ids:
-            self.async_bucket_gather(gid)
-        if prefetch and ids:
+            if buckets[gid].status is BucketStatus.EMPTY:
+                if prefetch:
+                    self.prefetch_misses += 1
+                self.async_bucket_gather(gid)
+        if prefetch:
+            if prefetch_order is PrefetchOrder.FORWARD_PASS_ORDER:
+                seen = self._observed_set
+                for gid in ids:
+                    if gid not in seen:
+                        seen.add(gid)
+                        self._observed.append(gid)
             self._prefetch(ids, prefetch_order)
         if wait_bucket_ready:
             for gid in ids:
-                self.wait_bucket_ready(gid)
+                # READY_TO_USE has nothing in flight (the second unit of a coalesced
+                # group, a replicated bucket): no call to wait on it.
+                if buckets[gid].status is not BucketStatus.READY_TO_USE:
+                    self.wait_bucket_ready(gid)
 
     def gather_for_immediate_use(self, gid: int) -> None:
         """Gather ``gid`` and wait, for a read that ends before the next gather (a weight
@@ -213,15 +218,16 @@ class AllGatherPipeline:
         sequence, position = self._forward_seq if forward else self._backward_seq
         budget = self.prefetch_budget_bytes
         used = 0
-        for gid in sequence[max(map(position.__getitem__, ids)) + 1 :]:
-            bucket = self.buckets[gid]
+        buckets = self.buckets
+        for i in range(max(map(position.__getitem__, ids)) + 1, len(sequence)):
+            bucket = buckets[sequence[i]]
             if not bucket.is_distributed:
                 continue
             size = bucket.unsharded_bytes
             if bucket.status is BucketStatus.EMPTY:
                 if used + size > budget or not bucket.can_gather():
                     break
-                self.async_bucket_gather(gid)
+                self.async_bucket_gather(sequence[i])
             used += size
             if used >= budget:
                 break
@@ -232,7 +238,10 @@ class AllGatherPipeline:
         bucket = self.buckets[gid]
         if not bucket.is_distributed:
             return
-        if bucket.status is BucketStatus.EMPTY and not bucket.model.has_unsharded_data:
+        if (
+            bucket.status is BucketStatus.EMPTY
+            and not bucket.group.model_weight_buffer.has_unsharded_data  # type: ignore[union-attr]
+        ):
             # Already released (most buckets at each reset): nothing in flight (EMPTY
             # has no pending gather) and nothing to free.
             self._asked.discard(gid)

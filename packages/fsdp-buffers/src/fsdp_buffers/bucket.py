@@ -387,7 +387,7 @@ class Bucket(BucketGradients):
         if pending is not None:
             pending.wait(what)
         with self._range_release:
-            self.model.free_bucket()
+            self.group.model_weight_buffer.free_bucket()  # type: ignore[union-attr]
         self.status = BucketStatus.EMPTY
 
     # ---- main weights ---------------------------------------------------------------

@@ -228,7 +228,7 @@ class BucketGradients:
             self._fused = True
             param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
         elif (grad := param.grad) is not None:
-            if isinstance(grad, DTensor):  # tensor parallelism (a plain one is local)
+            if type(grad) is not torch.Tensor and isinstance(grad, DTensor):  # tensor parallel
                 grad = self.tp.local_grad(param, grad)
             if self._direct:
                 touched = self._touched

@@ -48,7 +48,9 @@ class BucketAllocator:
         """The buffer's bucket tensor: fixed for the buffer's life."""
         raise NotImplementedError
 
-    def allocate(self, buffer: DataParallelBuffer) -> None:
+    def allocate(self, buffer: DataParallelBuffer) -> torch.Tensor | None:
+        """Give the buffer's bucket memory; may return its bucket tensor (saves the
+        caller a ``bucket_for``)."""
         raise NotImplementedError
 
     def free(self, buffer: DataParallelBuffer) -> None:
@@ -89,12 +91,13 @@ class TemporaryBucketAllocator(BucketAllocator):
             self._buckets[id(buffer)] = bucket
         return bucket
 
-    def allocate(self, buffer: DataParallelBuffer) -> None:
+    def allocate(self, buffer: DataParallelBuffer) -> torch.Tensor:
         bucket = self.bucket_for(buffer)
         storage = bucket.untyped_storage()
         nbytes = bucket.numel() * bucket.element_size()
         if storage.nbytes() != nbytes:  # nbytes: C; size() is a Python wrapper of it
             storage.resize_(nbytes)
+        return bucket
 
     def free(self, buffer: DataParallelBuffer) -> None:
         bucket = self._buckets.get(id(buffer))
@@ -173,8 +176,8 @@ class DoubleBufferAllocator(BucketAllocator):
             self._buckets[id(buffer)] = bucket
         return bucket
 
-    def allocate(self, buffer: DataParallelBuffer) -> None:
-        self.bucket_for(buffer)
+    def allocate(self, buffer: DataParallelBuffer) -> torch.Tensor:
+        bucket = self.bucket_for(buffer)
         key = self._keys[id(buffer)]
         holders = self._holders[key % 2]
         others = holders - {key}
@@ -186,6 +189,7 @@ class DoubleBufferAllocator(BucketAllocator):
             )
         holders.add(key)
         self._allocated.add(id(buffer))
+        return bucket
 
     def free(self, buffer: DataParallelBuffer) -> None:
         if id(buffer) not in self._allocated:
@@ -418,9 +422,10 @@ class DataParallelBuffer:
     def fetch_bucket(self) -> torch.Tensor:
         """Make room for the unsharded data and return it. Communication is the
         caller's: a sharded buffer's bucket holds garbage until it is gathered."""
-        if self.is_data_distributed:
-            self.allocator.allocate(self)
-        return self.unsharded_tensor()
+        if not self.is_data_distributed:
+            return self.data
+        bucket = self.allocator.allocate(self)
+        return bucket if bucket is not None else self.allocator.bucket_for(self)
 
     def free_bucket(self) -> None:
         """Release the unsharded data of a sharded buffer (no-op when replicated)."""

@@ -86,6 +86,11 @@ def wrap_inputs_for_post_backward(
 ) -> tuple[tuple, dict]:
     """Route every input tensor that requires grad (dataclass fields included) through
     the backward function."""
+    if len(args) == 1 and not kwargs and isinstance(x := args[0], torch.Tensor):
+        # The usual unit call, one tensor: no pytree, no maps by id.
+        if not x.requires_grad:
+            return args, kwargs
+        return (RegisterFSDPBackwardFunction.apply(post_backward, x),), kwargs
     plain = _plain_tensors(args, kwargs)
     leaves = args if plain else flatten_tensors((args, kwargs))
     unique = {id(x): x for x in leaves if x.requires_grad}
