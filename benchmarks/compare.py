@@ -193,7 +193,10 @@ def run_benchmark(
         "reps": reps,
         "tiny": tiny,
         "impls": list(impls),
-        "workloads": {w: vars_of(WORKLOADS[w], tiny) for w in workloads},
+        "workloads": {
+            w: {**vars_of(WORKLOADS[w], tiny), **({"size": sizes[w]} if w in (sizes or {}) else {})}
+            for w in workloads
+        },
         "rows": rows,
         "raw": {f"{k[0]}|{k[1]}": v for k, v in raw.items()},
     }

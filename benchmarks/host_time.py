@@ -14,13 +14,25 @@ Host time per step (steps = calls of ``run_backward``) divided by the workload's
 cProfile inflates Python time, for every peer alike: compare peers of one run.
 
     uv run python -m benchmarks.host_time OUT/profiles [--top 15] [--package fsdp_]
+
+Without a profiler (``--cpu OUT/compare.json`` of a run without ``--profile``): each rank's
+main-thread CPU time per timed step (``cpu_s``, ``time.thread_time``), median over steps
+and repetitions, minus the one-process floor's, divided by the units. With
+``OMP_NUM_THREADS=1`` torch's kernels run on that thread, so this counts everything a
+wrapper adds on the host thread: its Python and its own copies, but neither gloo's
+transfers (its threads) nor time spent waiting or descheduled, which the profile's wall
+clock does count. No profiler overhead either, which grows with the number of calls.
+
+    uv run python -m benchmarks.host_time --cpu OUT/compare.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import pstats
 import re
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,12 +95,60 @@ def top_own(path: Path, count: int, package: str | None) -> list[tuple[float, in
     return sorted(rows, reverse=True)[:count]
 
 
+def _median_cpu(reps: list[list[dict]]) -> dict[int, float]:
+    """Rank -> median main-thread CPU seconds per timed step over every repetition."""
+    per_rank: dict[int, list[float]] = {}
+    for ranks in reps:
+        for r in ranks:
+            if "cpu_s" not in r:
+                raise ValueError("no cpu_s in these results: rerun benchmarks.compare")
+            per_rank.setdefault(r.get("rank", 0), []).extend(r["cpu_s"])
+    return {rank: statistics.median(v) for rank, v in sorted(per_rank.items())}
+
+
+def host_cpu_table(result: dict) -> list[str]:
+    """Markdown rows from a ``benchmarks.compare`` result (its compare.json): main-thread
+    CPU per step, and its excess over the floor per unit, against FSDP2's."""
+    raw = result["raw"]
+    lines = [
+        "| workload | peer | CPU ms/step (rank 0 / 1) | floor ms/step | host CPU ms/unit | "
+        "×FSDP2 |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for key in sorted(raw):
+        label, impl = key.split("|")
+        workload = label.split()[0].split("+")[0]  # "frozen+no_shard ZeRO-3"
+        units = result["workloads"][workload]["size"].get("n_units")
+        floor_key, ref_key = f"{workload}|floor", f"{label}|fsdp2"
+        if impl == "floor" or units is None or floor_key not in raw:
+            continue
+        floor = _median_cpu(raw[floor_key])[0]
+        cpu = _median_cpu(raw[key])
+        ref = _median_cpu(raw[ref_key]) if ref_key in raw else {}
+        per_unit = {r: (v - floor) / units for r, v in cpu.items()}
+        ratio = [per_unit[r] / ((ref[r] - floor) / units) for r in cpu if r in ref]
+        lines.append(
+            f"| {label} | {impl} | {' / '.join(f'{v * 1e3:.1f}' for v in cpu.values())} "
+            f"| {floor * 1e3:.1f} | {' / '.join(f'{v * 1e3:.3f}' for v in per_unit.values())} "
+            f"| {' / '.join(f'{v:.2f}' for v in ratio)} |"
+        )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("profiles", type=Path, help="folder of .prof files")
+    parser.add_argument("profiles", type=Path, nargs="?", help="folder of .prof files")
     parser.add_argument("--top", type=int, default=0, help="also list the top own-time entries")
     parser.add_argument("--package", default=None, help="with --top: only files under this")
+    parser.add_argument(
+        "--cpu", type=Path, default=None, help="compare.json: main-thread CPU, no profiler"
+    )
     args = parser.parse_args()
+    if args.cpu is not None:
+        print("\n".join(host_cpu_table(json.loads(args.cpu.read_text()))))
+        return
+    if args.profiles is None:
+        parser.error("give a profiles folder, or --cpu compare.json")
     rows: dict[tuple[str, str], dict[str, dict[int, HostTime]]] = {}
     for path in sorted(args.profiles.glob("*.prof")):
         m = _NAME.match(path.stem)

@@ -138,15 +138,18 @@ def bench_rank(
     else:
         raise ValueError(f"unknown impl {impl!r}; choose from {(*IMPLS, 'floor')}")
 
+    cpu_times: list[float] = []
+
     def one_step(step: int) -> float:
         inputs, target = make_batch(workload, size, step, rank, world, device)
         _sync(device)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         loss = loss_of(workload, model(*inputs), target)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         _sync(device)
+        cpu_times.append(time.thread_time() - cpu)
         return time.perf_counter() - start
 
     result["wrapped_bytes"] = probe.current() - probe.baseline
@@ -166,9 +169,13 @@ def bench_rank(
     # steps and not another's, inside whatever function allocated at that moment.
     gc.collect()
     profiler = _profiler(profile_dir, impl, workload, strategy, no_shard_encoder, rank)
+    cpu_times.clear()  # the timed steps only
     with profiler:
         times = [one_step(warmup + step) for step in range(steps)]
     result["step_s"] = times
+    # CPU time of this rank's main thread per step (OMP_NUM_THREADS=1: torch's kernels
+    # run on it; gloo's transfers and the time it waits or is descheduled do not count).
+    result["cpu_s"] = list(cpu_times)
     result["peak_bytes"] = probe.peak_increase()
     result["end_bytes"] = probe.current() - probe.baseline
     result["elements"] = {k: v / steps for k, v in counter.numel.items()}

@@ -148,3 +148,22 @@ def test_comm_floor_schedule_moves_the_theory_of_its_strategy(workload):
         schedule = _schedule(strategy, root, units)
         assert sum(n for _op, n in schedule) == factor * sum(units) + 2 * root
         assert sum(n for op, n in schedule if op == "reduce") == psi
+
+
+def test_host_cpu_per_unit_is_reported_for_every_unit_workload(result):
+    from benchmarks.host_time import host_cpu_table
+
+    rows = [line.split("|")[1:-1] for line in host_cpu_table(result)[2:]]
+    got = {(cells[0].strip(), cells[1].strip()) for cells in rows}
+    want = {
+        (f"{w} ZeRO-{s}", impl)
+        for w in ("overhead", "blocks")
+        for s in STRATEGIES
+        for impl in ("fsdp", "fsdp2")
+    }
+    assert got == want
+    for cells in rows:
+        cpu = [float(v) for v in cells[2].split("/")]
+        assert len(cpu) == 2 and all(v > 0 for v in cpu), cells
+        if cells[1].strip() == "fsdp2":
+            assert [float(v) for v in cells[5].split("/")] == [1.0, 1.0], cells
