@@ -104,6 +104,14 @@ def test_pack_and_unpack_are_inverse_and_place_every_element(shapes, shard_count
         alone = torch.empty(layout.shard_numel)
         layout.pack_rank(pm, k, alone)
         assert torch.equal(shard, alone)
+        # With views kept for pm (a buffer's own tensor): made by the first call, read
+        # by the second, and they follow in-place writes to pm.
+        for scale in (1.0, 1.0, 2.0):
+            pm.mul_(scale)
+            kept = torch.full((layout.shard_numel,), float("nan"))  # every element written
+            layout.pack_rank(pm, k, kept, keep_views=True)
+            assert torch.equal(shard * (2.0 if scale == 2.0 else 1.0), kept)
+        pm.div_(2.0)
         for slot, v in zip(layout.slots, values, strict=True):
             r0, r1 = layout.local_rows(slot.index, k)
             piece = v.reshape(-1) if slot.replicated else v[r0:r1].reshape(-1)
@@ -323,6 +331,9 @@ def test_whole_slots_pack_unpack_and_place_every_element(shapes, shard_count, al
         alone = torch.full((s,), float("nan"))  # every element written
         layout.pack_rank(pm, k, alone)
         assert torch.equal(shard, alone)
+        kept = torch.full((s,), float("nan"))
+        layout.pack_rank(pm, k, kept, keep_views=True)  # whole slots: the per-slot copies
+        assert torch.equal(shard, kept)
         for slot, v, owner in zip(layout.slots, values, owners, strict=True):
             assert slot.owner == owner
             r0, r1 = layout.local_rows(slot.index, k)

@@ -344,7 +344,7 @@ class DataParallelBuffer:
         out = torch.empty(
             len(self.owned_shards) * self.layout.shard_numel, dtype=self.dtype, device=self.device
         )
-        self._pack_owned(self.data, out)
+        self._pack_owned(self.data, out, keep_views=True)
         return out
 
     def set_local_shard(self, shard: torch.Tensor) -> None:
@@ -357,10 +357,10 @@ class DataParallelBuffer:
         for j, k in enumerate(self.owned_shards):
             self.layout.unpack_rank(shard[j * s : (j + 1) * s], k, self.data)
 
-    def _pack_owned(self, pm: torch.Tensor, out: torch.Tensor) -> None:
+    def _pack_owned(self, pm: torch.Tensor, out: torch.Tensor, keep_views: bool = False) -> None:
         s = self.layout.shard_numel
         for j, k in enumerate(self.owned_shards):
-            self.layout.pack_rank(pm, k, out[j * s : (j + 1) * s])
+            self.layout.pack_rank(pm, k, out[j * s : (j + 1) * s], keep_views)
 
     def load_from_unsharded(self, pm: torch.Tensor) -> None:
         """Fill the buffer from a whole parameter-major tensor (its own shard of it when

@@ -417,13 +417,36 @@ class FlatLayout:
             out.append(region[0, :1, :1].view(1) if slot.replicated else region[0, shard_rank])
         return out
 
-    def pack_rank(self, pm: torch.Tensor, shard_rank: int, out: torch.Tensor) -> None:
-        """Copy ``shard_rank``'s shard out of the parameter-major ``pm`` into ``out``."""
+    def pack_rank(
+        self, pm: torch.Tensor, shard_rank: int, out: torch.Tensor, keep_views: bool = False
+    ) -> None:
+        """Copy ``shard_rank``'s shard out of the parameter-major ``pm`` into ``out``.
+        ``keep_views``: ``pm`` is a buffer's own tensor, not a temporary, so its views are
+        made once (two copies a call instead of one per parameter)."""
+        if keep_views and not self.has_whole and out.dtype == pm.dtype:
+            self._check_rank(shard_rank)
+            n = self.shard_count
+            pieces = self._cached(
+                f"rank{shard_rank}", pm, 1, n, lambda: self._rank_pieces(pm, shard_rank)
+            )
+            end = self._region_end
+            torch.cat(pieces, out=out[:end])
+            out[end:].zero_()
+            return
         regions = self.rank_regions(pm, shard_rank)
         for slot, region in zip(self.slots, regions, strict=True):
             start = self.rank_offset(slot.index, shard_rank)
             out[start : start + region.numel()].copy_(region)
         out[self._rank_end[shard_rank] :].zero_()
+
+    def _rank_pieces(self, pm: torch.Tensor, shard_rank: int) -> list[torch.Tensor]:
+        """``rank_regions`` of a layout without whole slots, from the kept regions: the
+        uniform slots back to back from 0 (``_region_end``), as the shard holds them."""
+        regions = self._regions(pm, 1, self.shard_count)[:-1]
+        return [
+            r[0, 0, :1] if slot.replicated else r[0, shard_rank]
+            for slot, r in zip(self._uniform, regions, strict=True)
+        ]
 
     def unpack_rank(self, shard: torch.Tensor, shard_rank: int, pm: torch.Tensor) -> None:
         """Copy ``shard`` (``shard_rank``'s) into its regions of the parameter-major ``pm``."""
