@@ -430,7 +430,8 @@ class FlatLayout:
                 f"rank{shard_rank}", pm, 1, n, lambda: self._rank_pieces(pm, shard_rank)
             )
             end = self._region_end
-            torch.cat(pieces, out=out[:end])
+            if pieces:  # torch.cat takes no empty list
+                torch.cat(pieces, out=out[:end])
             out[end:].zero_()
             return
         regions = self.rank_regions(pm, shard_rank)
