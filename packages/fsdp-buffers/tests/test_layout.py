@@ -199,6 +199,11 @@ def test_empty_group_and_all_empty_params():
     for shapes in ([], [(0,), (0, 4)]):
         layout = compute_layout(shapes, 4)
         assert layout.shard_numel == 0 and layout.total_numel == 0
+        for k in range(4):  # nothing to pack, with or without kept views
+            for keep_views in (False, True):
+                out = torch.empty(0)
+                layout.pack_rank(torch.empty(0), k, out, keep_views=keep_views)
+                assert out.numel() == 0
 
 
 class _Size(tuple):
