@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Sequence
+from itertools import islice
 
 from fsdp_buffers.bucket import BucketStatus
 from fsdp_buffers.collectives import describe_bucket
@@ -219,15 +220,15 @@ class AllGatherPipeline:
         budget = self.prefetch_budget_bytes
         used = 0
         buckets = self.buckets
-        for i in range(max(map(position.__getitem__, ids)) + 1, len(sequence)):
-            bucket = buckets[sequence[i]]
+        for gid in islice(sequence, max(map(position.__getitem__, ids)) + 1, None):
+            bucket = buckets[gid]
             if not bucket.is_distributed:
                 continue
             size = bucket.unsharded_bytes
             if bucket.status is BucketStatus.EMPTY:
                 if used + size > budget or not bucket.can_gather():
                     break
-                self.async_bucket_gather(sequence[i])
+                self.async_bucket_gather(gid)
             used += size
             if used >= budget:
                 break

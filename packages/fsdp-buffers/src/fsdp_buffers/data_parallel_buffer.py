@@ -48,9 +48,8 @@ class BucketAllocator:
         """The buffer's bucket tensor: fixed for the buffer's life."""
         raise NotImplementedError
 
-    def allocate(self, buffer: DataParallelBuffer) -> torch.Tensor | None:
-        """Give the buffer's bucket memory; may return its bucket tensor (saves the
-        caller a ``bucket_for``)."""
+    def allocate(self, buffer: DataParallelBuffer) -> torch.Tensor:
+        """Give the buffer's bucket memory; returns its bucket tensor (``bucket_for``)."""
         raise NotImplementedError
 
     def free(self, buffer: DataParallelBuffer) -> None:
@@ -424,8 +423,7 @@ class DataParallelBuffer:
         caller's: a sharded buffer's bucket holds garbage until it is gathered."""
         if not self.is_data_distributed:
             return self.data
-        bucket = self.allocator.allocate(self)
-        return bucket if bucket is not None else self.allocator.bucket_for(self)
+        return self.allocator.allocate(self)
 
     def free_bucket(self) -> None:
         """Release the unsharded data of a sharded buffer (no-op when replicated)."""

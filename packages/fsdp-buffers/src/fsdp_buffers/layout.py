@@ -405,30 +405,46 @@ class FlatLayout:
         ``pm`` (a replicated slot's: its element; a whole slot's: all of it on its owner,
         nothing elsewhere)."""
         self._check_rank(shard_rank)
-        out = []
         # Not cached: ``pm`` may be a temporary here.
-        uniform = iter(self._make_regions(pm, 1, self.shard_count))
+        regions = self._make_regions(pm, 1, self.shard_count)
+        uniform = iter(self._uniform_pieces(regions, shard_rank))
+        out = []
         for slot in self.slots:
             if slot.whole:
                 start = self.param_offset(slot.index) if slot.owner == shard_rank else 0
                 out.append(pm[start : start + self.rank_width(slot.index, shard_rank)])
-                continue
-            region = next(uniform)
-            out.append(region[0, :1, :1].view(1) if slot.replicated else region[0, shard_rank])
+            else:
+                out.append(next(uniform))
         return out
+
+    def _uniform_pieces(self, regions: list[torch.Tensor], shard_rank: int) -> list[torch.Tensor]:
+        """``shard_rank``'s piece of each uniform slot, from ``_make_regions``' views over
+        one coarse group (a replicated slot's: its element)."""
+        return [
+            r[0, 0, :1] if slot.replicated else r[0, shard_rank]
+            for slot, r in zip(self._uniform, regions[:-1], strict=True)
+        ]
 
     def pack_rank(
         self, pm: torch.Tensor, shard_rank: int, out: torch.Tensor, keep_views: bool = False
     ) -> None:
         """Copy ``shard_rank``'s shard out of the parameter-major ``pm`` into ``out``.
         ``keep_views``: ``pm`` is a buffer's own tensor, not a temporary, so its views are
-        made once (two copies a call instead of one per parameter)."""
-        if keep_views and not self.has_whole and out.dtype == pm.dtype:
-            self._check_rank(shard_rank)
+        made once."""
+        self._check_rank(shard_rank)
+        if not self.has_whole and out.dtype == pm.dtype:
+            # The shard is the uniform slots' pieces back to back, then padding: one copy.
             n = self.shard_count
-            pieces = self._cached(
-                f"rank{shard_rank}", pm, 1, n, lambda: self._rank_pieces(pm, shard_rank)
-            )
+            if keep_views:
+                pieces = self._cached(
+                    f"rank{shard_rank}",
+                    pm,
+                    1,
+                    n,
+                    lambda: self._uniform_pieces(self._regions(pm, 1, n), shard_rank),
+                )
+            else:
+                pieces = self._uniform_pieces(self._make_regions(pm, 1, n), shard_rank)
             end = self._region_end
             if pieces:  # torch.cat takes no empty list
                 torch.cat(pieces, out=out[:end])
@@ -439,15 +455,6 @@ class FlatLayout:
             start = self.rank_offset(slot.index, shard_rank)
             out[start : start + region.numel()].copy_(region)
         out[self._rank_end[shard_rank] :].zero_()
-
-    def _rank_pieces(self, pm: torch.Tensor, shard_rank: int) -> list[torch.Tensor]:
-        """``rank_regions`` of a layout without whole slots, from the kept regions: the
-        uniform slots back to back from 0 (``_region_end``), as the shard holds them."""
-        regions = self._regions(pm, 1, self.shard_count)[:-1]
-        return [
-            r[0, 0, :1] if slot.replicated else r[0, shard_rank]
-            for slot, r in zip(self._uniform, regions, strict=True)
-        ]
 
     def unpack_rank(self, shard: torch.Tensor, shard_rank: int, pm: torch.Tensor) -> None:
         """Copy ``shard`` (``shard_rank``'s) into its regions of the parameter-major ``pm``."""

@@ -19,6 +19,7 @@ main weights); forward and backward use compute parameters (views into buckets).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,14 @@ __all__ = ["ParamState"]
 
 _version = attrgetter("_version")
 _local_tensor = attrgetter("_local_tensor")
+
+
+def _counters(inner: Iterable, sharded: Iterable) -> tuple[list[int], list[int]]:
+    """The version counters ``ParamState`` compares: each parameter's own, and each
+    sharded one's local tensor's."""
+    return list(map(_version, inner)), list(map(_version, map(_local_tensor, sharded)))
+
+
 _requires_grad = attrgetter("requires_grad")
 
 
@@ -84,16 +93,12 @@ class ParamState:
     # a step: C-level maps, no Python call per parameter. The local tensor is looked up
     # each time (not cached), so one swapped in under a DTensor is still seen.
     def _all_versions(self) -> tuple[list[int], list[int]]:
-        return (
-            list(map(_version, self._inner)),
-            list(map(_version, map(_local_tensor, self._sharded))),
-        )
+        return _counters(self._inner, self._sharded)
 
     def bucket_versions(self, gid: int) -> tuple[list[int], list[int]]:
         """The same counters for bucket ``gid``'s trainable parameters only (a deferred
         install asks when its gather lands: Note [deferred install])."""
-        inner, sharded = self._by_bucket.get(gid, ((), ()))
-        return list(map(_version, inner)), list(map(_version, map(_local_tensor, sharded)))
+        return _counters(*self._by_bucket.get(gid, ((), ())))
 
     def record_versions(self) -> None:
         self._versions = self._all_versions()
