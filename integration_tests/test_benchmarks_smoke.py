@@ -167,3 +167,47 @@ def test_host_cpu_per_unit_is_reported_for_every_unit_workload(result):
         assert len(cpu) == 2 and all(v > 0 for v in cpu), cells
         if cells[1].strip() == "fsdp2":
             assert [float(v) for v in cells[5].split("/")] == [1.0, 1.0], cells
+
+
+def test_hook_cpu_counts_every_hook_call_of_the_timed_steps():
+    """benchmarks.hook_cpu times the timed steps only: per step, one pre- and post-forward
+    and pre-backward per unit, one gradient hook per parameter and one end of backward,
+    each with CPU time; a floor run (unwrapped) times nothing."""
+    from benchmarks.hook_cpu import hook_cpu_rank, table
+    from fsdp_mesh.testing import run_distributed
+
+    size = SIZES["blocks"]
+    steps, n_units, params_per_unit = 3, size["n_units"], 6  # norm, fc1, fc2: weight and bias
+    kwargs = {"workload": "blocks", "size": size, "strategy": 3, "steps": steps, "warmup": 1}
+    wrapped = run_distributed(
+        hook_cpu_rank, 2, kwargs={**kwargs, "wrap": True}, timeout=60, device_type="cpu"
+    )
+    (floor,) = run_distributed(
+        hook_cpu_rank, 1, kwargs={**kwargs, "wrap": False}, timeout=60, device_type="cpu"
+    )
+    assert floor["methods"] == {} and len(floor["cpu_s"]) == steps
+    want = {
+        "FSDPHooks._unit_pre_forward": n_units,
+        "FSDPHooks._unit_post_forward": n_units,
+        "FSDPHooks._unit_pre_backward": n_units,
+        "FSDPHooks._on_param_grad": n_units * params_per_unit,
+        "FSDPHooks._end_of_backward": 1,
+        "FSDPHooks.root_pre_forward": 1,
+    }
+    for rank in wrapped:
+        methods = rank["methods"]
+        for name, per_step in want.items():
+            calls, cpu = methods[name]
+            assert calls == per_step * steps, (name, calls)
+            assert cpu > 0, name
+    assert "FSDPHooks._on_param_grad" in table(size, steps, wrapped, floor)
+
+
+def test_hook_cpu_refuses_a_method_that_does_not_exist():
+    from benchmarks.hook_cpu import timed_methods
+
+    with (
+        pytest.raises(AttributeError, match="does not exist"),
+        timed_methods(["fsdp_hooks.hooks:FSDPHooks._no_such_hook"]),
+    ):
+        pass
