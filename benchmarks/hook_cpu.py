@@ -114,7 +114,8 @@ def hook_cpu_rank(
     device = torch.device("cpu")
     with timed_methods(TIMED if wrap else ()) as acc:
         module = build_model(workload, size)
-        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=1e-3)
         model: Any = module
         if wrap:
             from fsdp import fully_shard
@@ -162,9 +163,9 @@ def table(
             continue
         calls, cpu = methods[name]
         per_step = 1e3 * cpu / steps
+        share = f"{per_step / excess:.0%}" if excess > 0 else "n/a"
         lines.append(
-            f"| {name} | {calls / steps:.1f} | {1e6 * cpu / calls:.1f} | {per_step:.2f} | "
-            f"{per_step / excess:.0%} |"
+            f"| {name} | {calls / steps:.1f} | {1e6 * cpu / calls:.1f} | {per_step:.2f} | {share} |"
         )
     return "\n".join(lines)
 
