@@ -23,7 +23,10 @@ wrapper adds on the host thread: its Python and its own copies, but neither gloo
 transfers (its threads) nor time spent waiting or descheduled, which the profile's wall
 clock does count. No profiler overhead either, which grows with the number of calls.
 
-    uv run python -m benchmarks.host_time --cpu OUT/compare.json
+    uv run python -m benchmarks.host_time --cpu OUT/compare.json [OUT2/compare.json ...]
+
+With several sets, a last table gives each peer's ratio in every set, their median and
+their maximum.
 """
 
 from __future__ import annotations
@@ -106,15 +109,22 @@ def _median_cpu(reps: list[list[dict]]) -> dict[int, float]:
     return {rank: statistics.median(v) for rank, v in sorted(per_rank.items())}
 
 
-def host_cpu_table(result: dict) -> list[str]:
-    """Markdown rows from a ``benchmarks.compare`` result (its compare.json): main-thread
-    CPU per step, and its excess over the floor per unit, against FSDP2's."""
+@dataclass(frozen=True)
+class HostCpu:
+    """One peer's row of ``host_cpu_rows``: CPU seconds a step per rank, the floor's, the
+    excess a unit per rank, and that excess over FSDP2's per rank (empty without FSDP2)."""
+
+    cpu: dict[int, float]
+    floor: float
+    per_unit: dict[int, float]
+    ratio: list[float]
+
+
+def host_cpu_rows(result: dict) -> dict[tuple[str, str], HostCpu]:
+    """(configuration, peer) -> its main-thread CPU against the floor and FSDP2, for every
+    workload of a ``benchmarks.compare`` result (its compare.json) that has units."""
     raw = result["raw"]
-    lines = [
-        "| workload | peer | CPU ms/step (rank 0 / 1) | floor ms/step | host CPU ms/unit | "
-        "×FSDP2 |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
+    rows: dict[tuple[str, str], HostCpu] = {}
     for key in sorted(raw):
         label, impl = key.split("|")
         workload = label.split()[0].split("+")[0]  # "frozen+no_shard ZeRO-3"
@@ -127,10 +137,49 @@ def host_cpu_table(result: dict) -> list[str]:
         ref = _median_cpu(raw[ref_key]) if ref_key in raw else {}
         per_unit = {r: (v - floor) / units for r, v in cpu.items()}
         ratio = [per_unit[r] / ((ref[r] - floor) / units) for r in cpu if r in ref]
+        rows[(label, impl)] = HostCpu(cpu, floor, per_unit, ratio)
+    return rows
+
+
+def host_cpu_table(result: dict) -> list[str]:
+    """Markdown rows from a ``benchmarks.compare`` result (its compare.json): main-thread
+    CPU per step, and its excess over the floor per unit, against FSDP2's."""
+    lines = [
+        "| workload | peer | CPU ms/step (rank 0 / 1) | floor ms/step | host CPU ms/unit | "
+        "×FSDP2 |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for (label, impl), row in host_cpu_rows(result).items():
         lines.append(
-            f"| {label} | {impl} | {' / '.join(f'{v * 1e3:.1f}' for v in cpu.values())} "
-            f"| {floor * 1e3:.1f} | {' / '.join(f'{v * 1e3:.3f}' for v in per_unit.values())} "
-            f"| {' / '.join(f'{v:.2f}' for v in ratio)} |"
+            f"| {label} | {impl} | {' / '.join(f'{v * 1e3:.1f}' for v in row.cpu.values())} "
+            f"| {row.floor * 1e3:.1f} "
+            f"| {' / '.join(f'{v * 1e3:.3f}' for v in row.per_unit.values())} "
+            f"| {' / '.join(f'{v:.2f}' for v in row.ratio)} |"
+        )
+    return lines
+
+
+def host_cpu_summary(results: list[dict]) -> list[str]:
+    """Markdown rows over several sets of runs (one compare.json each): each peer's host
+    CPU ×FSDP2 in every set (its worst rank), their median and their maximum, so that a
+    target is judged on more than one set (one set's ratio moves by a few hundredths)."""
+    per_set = [host_cpu_rows(result) for result in results]
+    keys = sorted({key for rows in per_set for key in rows})
+    lines = [
+        "| workload | peer | ×FSDP2 in each set (worst rank) | median | max |",
+        "|---|---|---|---:|---:|",
+    ]
+    for label, impl in keys:
+        worst = [
+            max(rows[(label, impl)].ratio)
+            for rows in per_set
+            if (label, impl) in rows and rows[(label, impl)].ratio
+        ]
+        if not worst:
+            continue
+        lines.append(
+            f"| {label} | {impl} | {' / '.join(f'{v:.2f}' for v in worst)} "
+            f"| {statistics.median(worst):.2f} | {max(worst):.2f} |"
         )
     return lines
 
@@ -141,11 +190,22 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=0, help="also list the top own-time entries")
     parser.add_argument("--package", default=None, help="with --top: only files under this")
     parser.add_argument(
-        "--cpu", type=Path, default=None, help="compare.json: main-thread CPU, no profiler"
+        "--cpu",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="compare.json (one or more sets of runs): main-thread CPU, no profiler",
     )
     args = parser.parse_args()
     if args.cpu is not None:
-        print("\n".join(host_cpu_table(json.loads(args.cpu.read_text()))))
+        results = [json.loads(path.read_text()) for path in args.cpu]
+        for path, result in zip(args.cpu, results, strict=True):
+            if len(results) > 1:
+                print(f"\n{path}:")
+            print("\n".join(host_cpu_table(result)))
+        if len(results) > 1:
+            print(f"\nOver the {len(results)} sets:")
+            print("\n".join(host_cpu_summary(results)))
         return
     if args.profiles is None:
         parser.error("give a profiles folder, or --cpu compare.json")

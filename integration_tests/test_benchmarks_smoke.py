@@ -211,3 +211,16 @@ def test_hook_cpu_refuses_a_method_that_does_not_exist():
         timed_methods(["fsdp_hooks.hooks:FSDPHooks._no_such_hook"]),
     ):
         pass
+
+
+def test_host_cpu_summary_gives_each_set_its_worst_rank_and_the_median(result):
+    from benchmarks.host_time import host_cpu_rows, host_cpu_summary
+
+    rows = host_cpu_rows(result)
+    summary = [line.split("|")[1:-1] for line in host_cpu_summary([result, result])[2:]]
+    assert {(c[0].strip(), c[1].strip()) for c in summary} == set(rows)
+    for cells in summary:
+        worst = max(rows[(cells[0].strip(), cells[1].strip())].ratio)
+        per_set = [float(v) for v in cells[2].split("/")]
+        assert per_set == [round(worst, 2)] * 2, cells
+        assert float(cells[3]) == float(cells[4]) == round(worst, 2), cells
