@@ -126,20 +126,21 @@ def run_benchmark(
     raw: dict[tuple[str, str], list[list[dict[str, Any]]]] = {}
     traced: dict[tuple[str, str], list[int]] = {}
     env = {"OMP_NUM_THREADS": "1"}
+    run_vars = {w: vars_of(WORKLOADS[w], tiny, (sizes or {}).get(w)) for w in workloads}
 
     def run_ranks(
         cfg: Config | None, workload: str, impl: str, **options: Any
     ) -> list[dict[str, Any]]:
         """One repetition of ``impl`` (``floor``: one process) on fresh rank processes."""
-        wl = WORKLOADS[workload]
+        used = run_vars[workload]
         kwargs = {
             "impl": impl,
             "workload": workload,
-            "size": (sizes or {}).get(workload) or (wl.tiny if tiny else wl.full),
+            "size": used["size"],
             "strategy": cfg.strategy if cfg else 3,
             "no_shard_encoder": cfg.no_shard_encoder if cfg else False,
-            "steps": 2 if tiny else wl.steps,
-            "warmup": 1 if tiny else wl.warmup,
+            "steps": used["steps"],
+            "warmup": used["warmup"],
             **options,
         }
         world = 1 if impl == "floor" else world_size
@@ -193,10 +194,7 @@ def run_benchmark(
         "reps": reps,
         "tiny": tiny,
         "impls": list(impls),
-        "workloads": {
-            w: {**vars_of(WORKLOADS[w], tiny), **({"size": sizes[w]} if w in (sizes or {}) else {})}
-            for w in workloads
-        },
+        "workloads": run_vars,
         "rows": rows,
         "raw": {f"{k[0]}|{k[1]}": v for k, v in raw.items()},
     }

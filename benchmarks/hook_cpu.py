@@ -8,7 +8,9 @@ torch's kernels run on the main thread, so a method's figure counts its Python, 
 kernels it launches (copies, the gloo input clone) and the kernel time of waking from a
 wait, but not time spent blocked or descheduled, which cProfile's wall clock counts on
 two shared cores. Each timer costs about a microsecond, which every call's figure
-includes; the figures are inclusive (a hook's time contains the methods it calls).
+includes; the figures are inclusive (a hook's time contains the methods it calls). The
+steps are ``benchmarks.rank``'s, as ``benchmarks.compare`` runs them (its collective
+counter included), so the step CPU matches ``host_time --cpu``'s plus the timers.
 
     uv run python -m benchmarks.hook_cpu --workload blocks --strategy 3 --steps 100
 
@@ -22,16 +24,14 @@ import argparse
 import collections
 import functools
 import importlib
-import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from benchmarks.workloads import WORKLOADS, build_model, loss_of, make_batch, unit_classes
+from benchmarks.host_time import median_cpu
+from benchmarks.rank import bench_rank
+from benchmarks.workloads import WORKLOADS
 
 # "module:Class.method", outermost first within each group.
 TIMED: tuple[str, ...] = (
@@ -107,47 +107,30 @@ def timed_methods(names: Sequence[str]) -> Iterator[dict[str, list[float]]]:
 def hook_cpu_rank(
     workload: str, size: dict[str, Any], strategy: int, steps: int, warmup: int, wrap: bool
 ) -> dict[str, Any]:
-    """One rank: build (and with ``wrap``, wrap with fsdp), warm up, then time ``steps``
-    steps; returns the step CPU per step and, wrapped, the timed methods' sums."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    device = torch.device("cpu")
+    """One rank of ``benchmarks.rank.bench_rank`` (fsdp with ``wrap``, else the floor)
+    with the ``TIMED`` methods counted over its timed steps only; returns their step CPU
+    (``cpu_s``) and, wrapped, the methods' calls and CPU seconds."""
     with timed_methods(TIMED if wrap else ()) as acc:
-        module = build_model(workload, size)
-        trainable = [p for p in module.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trainable, lr=1e-3)
-        model: Any = module
-        if wrap:
-            from fsdp import fully_shard
-
-            model, optimizer = fully_shard(
-                module,
-                optimizer,
-                fsdp_unit_modules=unit_classes(workload),
-                zero_dp_strategy=strategy,
-            )
-
-        def one_step(step: int) -> float:
-            inputs, target = make_batch(workload, size, step, rank, world, device)
-            start = time.thread_time()
-            loss_of(workload, model(*inputs), target).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            return time.thread_time() - start
-
-        for step in range(warmup):
-            one_step(step)
-        acc.clear()
-        cpu = [one_step(warmup + step) for step in range(steps)]
-        return {"cpu_s": cpu, "methods": {k: tuple(v) for k, v in acc.items()}}
+        result = bench_rank(
+            "fsdp" if wrap else "floor",
+            workload,
+            size,
+            strategy,
+            no_shard_encoder=False,
+            steps=steps,
+            warmup=warmup,
+            before_timed=acc.clear,
+        )
+        methods = {k: tuple(v) for k, v in acc.items()}
+        return {"rank": result["rank"], "cpu_s": result["cpu_s"], "methods": methods}
 
 
 def table(
     size: dict[str, Any], steps: int, wrapped: list[dict[str, Any]], floor: dict[str, Any]
 ) -> str:
     """Markdown: the step's CPU against the floor, then each timed method (rank 0)."""
-    floor_ms = 1e3 * statistics.median(floor["cpu_s"])
-    step_ms = [1e3 * statistics.median(r["cpu_s"]) for r in wrapped]
+    floor_ms = 1e3 * median_cpu([[floor]])[0]
+    step_ms = [1e3 * v for v in median_cpu([wrapped]).values()]
     units = size.get("n_units")
     excess = step_ms[0] - floor_ms
     lines = [

@@ -98,7 +98,7 @@ def top_own(path: Path, count: int, package: str | None) -> list[tuple[float, in
     return sorted(rows, reverse=True)[:count]
 
 
-def _median_cpu(reps: list[list[dict]]) -> dict[int, float]:
+def median_cpu(reps: list[list[dict]]) -> dict[int, float]:
     """Rank -> median main-thread CPU seconds per timed step over every repetition."""
     per_rank: dict[int, list[float]] = {}
     for ranks in reps:
@@ -132,9 +132,9 @@ def host_cpu_rows(result: dict) -> dict[tuple[str, str], HostCpu]:
         floor_key, ref_key = f"{workload}|floor", f"{label}|fsdp2"
         if impl == "floor" or units is None or floor_key not in raw:
             continue
-        floor = _median_cpu(raw[floor_key])[0]
-        cpu = _median_cpu(raw[key])
-        ref = _median_cpu(raw[ref_key]) if ref_key in raw else {}
+        floor = median_cpu(raw[floor_key])[0]
+        cpu = median_cpu(raw[key])
+        ref = median_cpu(raw[ref_key]) if ref_key in raw else {}
         per_unit = {r: (v - floor) / units for r, v in cpu.items()}
         ratio = [per_unit[r] / ((ref[r] - floor) / units) for r in cpu if r in ref]
         rows[(label, impl)] = HostCpu(cpu, floor, per_unit, ratio)
@@ -170,11 +170,8 @@ def host_cpu_summary(results: list[dict]) -> list[str]:
         "|---|---|---|---:|---:|",
     ]
     for label, impl in keys:
-        worst = [
-            max(rows[(label, impl)].ratio)
-            for rows in per_set
-            if (label, impl) in rows and rows[(label, impl)].ratio
-        ]
+        found = (rows.get((label, impl)) for rows in per_set)
+        worst = [max(row.ratio) for row in found if row is not None and row.ratio]
         if not worst:
             continue
         lines.append(

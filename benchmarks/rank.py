@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,13 +68,17 @@ def bench_rank(
     warmup: int,
     profile_dir: str | None = None,
     trace_tensors: bool = False,
+    before_timed: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """One repetition on this rank: build, wrap, ``warmup`` steps, ``steps`` timed steps.
 
     ``trace_tensors`` (CPU): instead, trace live tensor bytes from before the build
     through one untimed step after the warm-up, and return their peak over the built
     model (``tensor_peak_bytes``) only: the trace slows the steps and its buffers would
-    count in RSS, so it is a repetition of its own."""
+    count in RSS, so it is a repetition of its own.
+
+    ``before_timed`` is called once the warm-up is done, right before the timed steps
+    (``benchmarks.hook_cpu`` restarts its counts there)."""
     # Import every peer before the memory baseline, so that no peer's RSS counts
     # another's (or its own) module imports.
     import torch.distributed.fsdp
@@ -170,6 +175,8 @@ def bench_rank(
     gc.collect()
     profiler = _profiler(profile_dir, impl, workload, strategy, no_shard_encoder, rank)
     cpu_times.clear()  # the timed steps only
+    if before_timed is not None:
+        before_timed()
     with profiler:
         times = [one_step(warmup + step) for step in range(steps)]
     result["step_s"] = times

@@ -222,10 +222,11 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
-def vars_of(wl: Workload, tiny: bool) -> dict[str, Any]:
+def vars_of(wl: Workload, tiny: bool, size: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a run of ``wl`` uses: its sizes (``size`` overrides them), steps and warm-up."""
     return {
         "description": wl.description,
-        "size": wl.tiny if tiny else wl.full,
+        "size": size or (wl.tiny if tiny else wl.full),
         "steps": 2 if tiny else wl.steps,
         "warmup": 1 if tiny else wl.warmup,
     }

@@ -37,15 +37,13 @@ __all__ = ["ParamState"]
 
 _version = attrgetter("_version")
 _local_tensor = attrgetter("_local_tensor")
+_requires_grad = attrgetter("requires_grad")
 
 
 def _counters(inner: Iterable, sharded: Iterable) -> tuple[list[int], list[int]]:
     """The version counters ``ParamState`` compares: each parameter's own, and each
     sharded one's local tensor's."""
     return list(map(_version, inner)), list(map(_version, map(_local_tensor, sharded)))
-
-
-_requires_grad = attrgetter("requires_grad")
 
 
 class ParamState:
