@@ -237,3 +237,6 @@ def test_find_runs_needs_members_that_follow_one_another():
         member(other[2:4], grads[2:4], step=2.0),  # another step count
     ]
     assert find_runs(members, frozenset({"exp_avg"})) == [range(0, 3), range(3, 5)]
+    # At most max_numel elements a run: the first three hold 7.
+    assert find_runs(members, frozenset({"exp_avg"}), max_numel=6) == [range(0, 2), range(3, 5)]
+    assert find_runs(members, frozenset({"exp_avg"}), max_numel=7) == [range(0, 3), range(3, 5)]

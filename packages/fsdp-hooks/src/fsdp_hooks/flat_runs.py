@@ -14,6 +14,8 @@ group's options and the scalar state (the same for every member). Floating-point
 results may differ from per-tensor stepping in the last bit where a member's elements
 fall on a different vector boundary; they are the same update.
 
+- A run holds ``RUN_MAX_NUMEL`` elements at most: the update's temporaries are the
+  size of the tensor stepped.
 - Per-element state is *re-homed* once, when a run is planned: each key gets one flat
   allocation per run, the members' values are copied in, and each member's local tensor
   is pointed into it with ``set_`` (the same tensor objects, so DTensor state,
@@ -55,6 +57,12 @@ __all__ = ["FlatRun", "Member", "RunLayout", "ScalarStore", "find_runs"]
 _data_ptr = torch.Tensor.data_ptr
 _is_contiguous = torch.Tensor.is_contiguous
 _numel = torch.Tensor.numel
+
+RUN_MAX_NUMEL = 1 << 20
+"""Elements in a flat run at most. A step's temporaries (CPU's single-tensor update
+allocates a few the size of the tensor it steps) then stay within what stepping a
+parameter of that size takes, and a tensor this large costs far more to step than the
+per-tensor overhead a run saves (Note [flat runs])."""
 
 
 class Member:
@@ -114,33 +122,40 @@ def _joins(first: Member, prev: Member, nxt: Member, per_element: frozenset[str]
     return True
 
 
-def find_runs(members: Sequence[Member | None], per_element: frozenset[str]) -> list[range]:
-    """The runs (two members or more) among ``members`` in order; None breaks a run (a
-    parameter without a gradient, which the step skips)."""
+def find_runs(
+    members: Sequence[Member | None],
+    per_element: frozenset[str],
+    max_numel: int = RUN_MAX_NUMEL,
+) -> list[range]:
+    """The runs (two members or more, ``max_numel`` elements at most) among ``members``
+    in order; None breaks a run (a parameter without a gradient: the step skips it)."""
     runs: list[range] = []
-    start = 0
+    start, numel = 0, 0
     for i in range(1, len(members) + 1):
         nxt = members[i] if i < len(members) else None
         prev = members[i - 1]
         first = members[start]
+        if prev is not None:
+            numel += prev.weight.numel()
         if (
             nxt is not None
             and prev is not None
             and first is not None
+            and numel + nxt.weight.numel() <= max_numel
             and _joins(first, prev, nxt, per_element)
         ):
             continue
         if i - start >= 2 and first is not None:
             runs.append(range(start, i))
-        start = i
+        start, numel = i, 0
     return runs
 
 
-@torch.no_grad()
 def _span(first: torch.Tensor, numel: int) -> torch.Tensor:
     """A flat tensor over ``numel`` elements of ``first``'s storage from ``first`` on: a
     tensor of its own (own version counter, re-pointable with ``set_``), bounds-checked
-    against the storage."""
+    against the storage. (A new tensor that does not require grad: no ``no_grad``
+    needed, whose context costs more than the rest once per run and step.)"""
     out = torch.empty(0, dtype=first.dtype, device=first.device)
     return out.set_(first.untyped_storage(), first.storage_offset(), (numel,), (1,))
 
@@ -249,50 +264,82 @@ class ScalarStore:
 
 class RunLayout:
     """Where every run's member tensors lay when last checked, to tell each step with
-    C-level maps whether they stayed, moved together (the flat tensors follow), or no
-    longer follow one another (plan anew)."""
+    C-level maps whether the flat tensors still cover them (Note [flat runs]).
 
-    __slots__ = ("deltas", "firsts", "next", "prev", "ptrs", "runs", "tensors", "views")
+    The persistent chains (weights, per-element state) stay where they are: their
+    locations are compared with the recorded ones, and when they all moved together the
+    flat views follow. Gradients move whenever fsdp allocates a bucket's gradient buffer
+    anew (every step under ZeRO-2/3): each step checks that they still follow one
+    another (contiguous, each member right after the one before), and the flat gradient
+    is made over them for the step. Anything else: plan anew."""
+
+    __slots__ = ("chains", "grads", "runs", "views")
 
     def __init__(self, runs: list[FlatRun]) -> None:
         self.runs = runs
-        # The persistent chains first (their firsts are the views'), then the gradients.
-        chains = [chain for run in runs for chain in run.chains]
-        n_views = len(chains)
-        chains += [run.grads for run in runs]
-        self.tensors = [t for chain in chains for t in chain]
+        self.chains = _Chains([chain for run in runs for chain in run.chains])
+        self.grads = _Chains([run.grads for run in runs])
         self.views = [view for run in runs for view in run.views]
+
+    def current(self) -> bool:
+        """True when the flat tensors cover their members (the views re-pointed if the
+        persistent members all moved together); False when the members no longer
+        follow one another."""
+        if not self.grads.follow_one_another():
+            return False
+        chains = self.chains
+        ptrs = chains.ptrs_now()
+        if ptrs == chains.ptrs and list(map(_data_ptr, self.views)) == chains.firsts_of(ptrs):
+            return True
+        if not chains.follow_one_another(ptrs):
+            return False
+        try:
+            for run in self.runs:
+                run.follow()
+        except RuntimeError:  # past the first member's storage: not one allocation
+            return False
+        return True
+
+
+class _Chains:
+    """Chains of tensors, each expected to follow one another in one storage: their
+    locations when last checked, and the byte distance between consecutive members."""
+
+    __slots__ = ("deltas", "firsts", "next", "prev", "ptrs", "tensors")
+
+    def __init__(self, chains: list[list[torch.Tensor]]) -> None:
+        self.tensors = [t for chain in chains for t in chain]
         prev: list[int] = []
         firsts: list[int] = []
         deltas: list[int] = []
         at = 0
-        for n, chain in enumerate(chains):
-            if n < n_views:
-                firsts.append(at)
+        for chain in chains:
+            firsts.append(at)
             for i in range(1, len(chain)):
                 prev.append(at + i - 1)
                 deltas.append(chain[i - 1].numel() * chain[i - 1].element_size())
             at += len(chain)
         self.prev, self.next = prev, [i + 1 for i in prev]
         self.firsts, self.deltas = firsts, deltas
-        self.ptrs = list(map(_data_ptr, self.tensors))
+        self.ptrs = self.ptrs_now()
 
-    def current(self) -> bool:
-        """True when the flat tensors cover their chains (re-pointed if the chains all
-        moved together); False when the members no longer follow one another."""
-        ptrs = list(map(_data_ptr, self.tensors))
-        views = list(map(_data_ptr, self.views))
+    def ptrs_now(self) -> list[int]:
+        return list(map(_data_ptr, self.tensors))
+
+    def firsts_of(self, ptrs: list[int]) -> list[int]:
+        return list(map(ptrs.__getitem__, self.firsts))
+
+    def follow_one_another(self, ptrs: list[int] | None = None) -> bool:
+        """Each chain's members still follow one another (at ``ptrs``, or where they
+        lie now); recorded as the new locations when they do."""
+        if ptrs is None:
+            ptrs = self.ptrs_now()
+            if ptrs == self.ptrs:
+                return True
         at = ptrs.__getitem__
-        if ptrs == self.ptrs and views == list(map(at, self.firsts)):
-            return True
-        if not all(map(_is_contiguous, self.tensors)):
-            return False
-        if list(map(sub, map(at, self.next), map(at, self.prev))) != self.deltas:
-            return False
-        try:
-            for run in self.runs:
-                run.follow()
-        except RuntimeError:  # past the first member's storage: not one allocation
+        if list(map(sub, map(at, self.next), map(at, self.prev))) != self.deltas or not all(
+            map(_is_contiguous, self.tensors)
+        ):
             return False
         self.ptrs = ptrs
         return True
