@@ -1,11 +1,13 @@
 """Flat runs of the local optimizer step (``fsdp_hooks.flat_runs``, Note [flat runs]).
 
+- State is created flat: the first step is local, on the runs, and each per-element key's
+  pieces lie back to back (no copy into flat storage later, nothing left behind).
 - Parity: units of a norm and an MLP (six small parameters each) under ZeRO-3, where each
   bucket's shards, gradients and state lie back to back, with AdamW (amsgrad), SGD with
   momentum, NAdam and ASGD: 5 steps against the same model and optimizer in one process
   on the whole batch (fp32, 1e-5), and bit for bit against the same run stepping one
-  tensor per parameter; from the second step on the step merges runs, and the gradient
-  storage fsdp allocates anew each step is followed.
+  tensor per parameter; every step merges runs, and the gradient storage fsdp
+  allocates anew each step is followed.
 - The state keeps its contract: DTensors placed as their parameters, 0-d plain scalars,
   the same objects before and after, and its values equal to the per-tensor run's.
 - A scalar written in place on one member (``state[p]["step"]``) is honoured: the run
@@ -17,6 +19,8 @@
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -117,6 +121,20 @@ def _state(opt) -> dict[str, tuple[str, object]]:
     return out
 
 
+def _born_flat(opt) -> bool:
+    """Each per-element state key's local pieces of the first bucket's parameters follow
+    one another in one storage."""
+    params = opt.param_groups[0]["params"][:12]
+    for key, value in opt.state[params[0]].items():
+        if not isinstance(value, DTensor):
+            continue
+        pieces = [opt.state[p][key]._local_tensor for p in params]
+        for a, b in itertools.pairwise(pieces):
+            if b.data_ptr() != a.data_ptr() + a.numel() * a.element_size():
+                return False
+    return True
+
+
 def _train(opt_names: list[str]) -> dict:
     rows = _rows()
     out = {}
@@ -129,6 +147,8 @@ def _train(opt_names: list[str]) -> dict:
                 _loss(model, step, rows).backward()
                 grad_ptrs.append(opt.param_groups[0]["params"][0].grad._local_tensor.data_ptr())
                 opt.step()
+                if step == 0 and flatten:
+                    out[(opt_name, "born_flat")] = _born_flat(opt)
                 params.append(_full(model))
                 runs.append(opt._fsdp_local_step.last_flat_runs)
             state_ids = [
@@ -153,10 +173,14 @@ def test_flat_runs_match_one_process_and_the_per_tensor_step():
         ref = _reference(opt_name)
         for rank_got in got:
             params, runs, state, _ids, grad_ptrs = rank_got[(opt_name, True)]
+            born_flat = rank_got[(opt_name, "born_flat")]
             per_params, per_runs, per_state, _ids, _ptrs = rank_got[(opt_name, False)]
             # One run per bucket (two units by default: their twelve shards back to
-            # back) once the state exists; none when stepping one tensor per parameter.
-            assert runs == [0] + [2] * (STEPS - 1), (opt_name, runs)
+            # back), from the first step, which creates the state flat; none when
+            # stepping one tensor per parameter.
+            assert runs == [2] * STEPS, (opt_name, runs)
+            # Born flat: each per-element state key's pieces lie back to back.
+            assert born_flat, opt_name
             assert per_runs == [0] * STEPS
             # fsdp allocated the gradient storage anew: the runs followed it.
             assert len(set(grad_ptrs)) > 1, grad_ptrs
@@ -210,11 +234,11 @@ def test_flat_runs_honour_edits_between_steps():
         assert all(moved[3]) and moved[4].count(False) == 1, moved
         assert steps == per_steps
         assert steps[0] == STEPS + 2 and steps[2] == STEPS + 2 + 5 and steps[7] == STEPS + 1
-        # Two buckets of two units (twelve parameters each), one run each from step 1.
+        # Two buckets of two units (twelve parameters each), one run each.
         # Step 3: the first bucket splits around the edited step count (parameters 0-1
         # and 3-11; parameter 2 alone). Step 4: around parameter 7 too (no gradient).
         # After it, parameter 7 is a step behind its neighbours: the split stays.
-        assert runs == [0, 2, 2, 3, 4, 4, 4], runs
+        assert runs == [2, 2, 2, 3, 4, 4, 4], runs
         for step, (a, b) in enumerate(zip(params, per_params, strict=True)):
             assert_tensors_close(a, b, rtol=0, atol=0, where=f"edits {step}")
 

@@ -3,8 +3,8 @@
 - Parity: Adam (plain, ``foreach``, ``fused``), AdamW and SGD with momentum under ZeRO-1/2/3
   (world 2) and HSDP, outer replicate and fully sharded (world 4), 4 steps of a model with
   an uneven shard, a 0-d parameter and an unused parameter (grad None), against the same
-  model and optimizer in one process on the whole batch, step by step (fp32, 1e-5); the
-  step after the first must run locally. Every other element-wise optimizer (Rprop is
+  model and optimizer in one process on the whole batch, step by step (fp32, 1e-5); every
+  step must run locally, the first creating the state. Every other element-wise optimizer (Rprop is
   refused over a 0-d parameter) likewise under ZeRO-1/2/3, locally and on the DTensors.
 - Against the DTensor step itself (an ``AdamW`` subclass is not stepped locally): every
   element-wise optimizer gives bit-identical weights and state, and the state has the same
@@ -63,8 +63,6 @@ def _model(scalar: bool = True) -> nn.Module:
 # boolean mask, which torch turns into a plain index tensor; test_optimizer_support
 # tests the refusal). Tested here without the 0-d parameter.
 _NO_SCALAR = {"Rprop"}
-# State from __init__ (moved onto the main weights at wrap): its first step is local too.
-_STATE_BEFORE_STEP = {"SGD-plain", "Adagrad"}
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,8 +160,9 @@ def _check_parity(cases: list[tuple[str, str]], world: int) -> None:
         ref = _reference(opt_name)
         for rank_got in got:
             params, local = rank_got[(opt_name, config)]
-            # The first step creates the state on the DTensors (plain SGD keeps none).
-            expected = [opt_name in _STATE_BEFORE_STEP] + [True] * (STEPS - 1)
+            # The first step creates the state on the local shards (written back as
+            # DTensors; plain SGD keeps none).
+            expected = [True] * STEPS
             if config.endswith("-dtensor"):
                 expected = [False] * STEPS
             assert local == expected, (opt_name, config)
@@ -316,9 +315,9 @@ def test_hyperparameters_set_between_steps_are_honoured():
     ref = {n: p.detach().clone() for n, p in module.named_parameters()}
     for params_got, lrs, local in got:
         assert lrs == pytest.approx(ref_lrs)
-        # First step, and the one after add_param_group (b.bias has no state yet): the
-        # DTensor step, which creates the state; every other step is local.
-        assert local == [False, True, True, False, True, True]
+        # Every step is local: the first, and the one after add_param_group (b.bias has
+        # no state yet), create the state on the local shards.
+        assert local == [True] * 6
         assert_tensors_close(params_got, ref, where="hyperparameters")
 
 

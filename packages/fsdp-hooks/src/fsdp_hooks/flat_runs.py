@@ -16,10 +16,14 @@ fall on a different vector boundary; they are the same update.
 
 - A run holds ``RUN_MAX_NUMEL`` elements at most: the update's temporaries are the
   size of the tensor stepped.
-- Per-element state is *re-homed* once, when a run is planned: each key gets one flat
-  allocation per run, the members' values are copied in, and each member's local tensor
-  is pointed into it with ``set_`` (the same tensor objects, so DTensor state,
-  ``state_dict()`` and DCP see no difference).
+- State is *born flat*: a run's first step (no state yet) creates it on the flat shadow,
+  and each member's state is written back as DTensors over views of it
+  (``split_flat``). State that arrives otherwise (loaded, or created before runs could
+  form) is *re-homed* once, when a run is planned: each key gets one flat allocation per
+  run, the members' values are copied in, and each member's local tensor is pointed
+  into it with ``set_`` (the same tensor objects, so DTensor state, ``state_dict()`` and
+  DCP see no difference). Re-homing frees the old pieces, which an allocator keeps for
+  later use (RSS, CUDA's reserved memory), so the common path avoids it.
 - Each scalar key's members (over every run of the plan) are likewise pointed into one
   tensor ``S``; a run's step updates its first member's scalar, and after the step one
   copy broadcasts it to the rest of the run. Before each step one comparison checks that
@@ -52,7 +56,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import increment_version
 
-__all__ = ["FlatRun", "Member", "RunLayout", "ScalarStore", "find_runs"]
+__all__ = ["FlatRun", "Member", "RunLayout", "ScalarStore", "find_runs", "split_flat"]
 
 _data_ptr = torch.Tensor.data_ptr
 _is_contiguous = torch.Tensor.is_contiguous
@@ -158,6 +162,26 @@ def _span(first: torch.Tensor, numel: int) -> torch.Tensor:
     needed, whose context costs more than the rest once per run and step.)"""
     out = torch.empty(0, dtype=first.dtype, device=first.device)
     return out.set_(first.untyped_storage(), first.storage_offset(), (numel,), (1,))
+
+
+def split_flat(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` (one element per element of ``like``, back to back) as tensors shaped as
+    ``like``'s, each of its own over ``flat``'s storage (as ``_rehome`` leaves them);
+    raises when ``flat`` is not such a tensor."""
+    numel = sum(map(_numel, like))
+    if not (isinstance(flat, torch.Tensor) and flat.shape == (numel,) and flat.is_contiguous()):
+        raise RuntimeError(
+            f"{type(flat).__name__} {tuple(getattr(flat, 'shape', ()))} came out of a local "
+            f"step over a flat run of {numel} elements as per-element optimizer state; its "
+            "update may not be element-wise (report it; fsdp_hooks.local_step lists the "
+            "optimizers stepped locally)"
+        )
+    storage, offset, out = flat.untyped_storage(), flat.storage_offset(), []
+    for t in like:
+        piece = torch.empty(0, dtype=flat.dtype, device=flat.device)
+        out.append(piece.set_(storage, offset, t.shape, t.stride()))
+        offset += t.numel()
+    return out
 
 
 @torch.no_grad()

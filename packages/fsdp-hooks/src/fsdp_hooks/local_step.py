@@ -16,8 +16,9 @@ own ``step`` with, for its duration only:
   hyperparameter (``lr`` set by a scheduler, ``weight_decay``, ...) is read as set;
 - ``optimizer.state`` replaced by a shadow state whose tensors are the local tensors of
   the real DTensor state (shared storage: the step's in-place updates are the real
-  state's). A value the step replaces instead (a new object) is written back, wrapped as
-  a DTensor placed as its parameter when it is a per-element key.
+  state's). A value the step replaces or creates instead (a new object; all of a
+  parameter's state on its first step) is written back, wrapped as a DTensor placed as
+  its parameter when it is a per-element key, as the DTensor step would create it.
 
 Before and after, ``optimizer.param_groups`` and ``optimizer.state`` are what they are
 on the DTensor path (DTensor parameters, DTensor state), so ``state_dict()``,
@@ -37,11 +38,9 @@ flat tensor (Note [flat runs] in ``flat_runs.py``).
   update), or a group is ``differentiable``;
 - ``step`` gets arguments (a closure) or step hooks are registered (they would see the
   shadows);
-- a parameter with a gradient has no state yet (its first step: the DTensor step creates
-  the state as a DTensor; SGD without momentum keeps none and needs none), or a state
-  entry is not a known per-element key holding a DTensor placed as the parameter with
-  the local shard's shape, or a known scalar key holding a 0-d plain tensor or a number
-  (e.g. state loaded from a plain tensor);
+- a state entry is not a known per-element key holding a DTensor placed as the parameter
+  with the local shard's shape, or a known scalar key holding a 0-d plain tensor or a
+  number (e.g. state loaded from a plain tensor);
 - a gradient is not a DTensor placed as its parameter with the local shard's shape and
   dtype.
 """
@@ -60,7 +59,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import optimizer as torch_optimizer
 
-from fsdp_hooks.flat_runs import FlatRun, Member, RunLayout, ScalarStore, find_runs
+from fsdp_hooks.flat_runs import FlatRun, Member, RunLayout, ScalarStore, find_runs, split_flat
 
 __all__ = ["LocalStep", "state_keys"]
 
@@ -181,6 +180,7 @@ class _Plan:
         self.layout: RunLayout | None = None
         self.stores: list[ScalarStore] = []
         self.run_seen: list[tuple] = []  # each run's handed state's keys and value ids
+        self.run_params: list[list[DTensor]] = []  # each run's DTensor parameters
 
     def flat_runs_hold(self) -> bool:
         """The runs' members still lie as the flat tensors need and agree on their
@@ -378,11 +378,12 @@ class LocalStep:
                     entry.grad, entry.grad_local = grad, grad._local_tensor
                 entries = state.get(p)
                 if not entries:
-                    if not stateless:
-                        return None  # first step: the DTensor step creates the state
+                    # No state (yet): the step creates it on the shadow (a flat run's
+                    # is born flat), and it is written back as DTensors placed as the
+                    # parameters.
                     entry.entries, entry.seen, entry.values = None, (), ()
                     entry.handed, entry.handed_seen = {}, ()
-                    items.append((entry, None))
+                    items.append((entry, None if stateless else {}))
                     continue
                 if entries is not entry.entries or _seen(entries) != entry.seen:
                     handed = self._check_state(entry, entries)
@@ -394,6 +395,7 @@ class LocalStep:
                     entry.handed, entry.handed_seen = handed, _seen(handed)
                 items.append((entry, entry.handed))
             groups.append(items)
+        run_params: list[list[DTensor]] = []  # each run's parameters, for write-back
         for group, items in zip(optimizer.param_groups, groups, strict=True):
             runs = find_runs(self._members(items), kind.per_element) if flatten else []
             starts = {run.start: run for run in runs}
@@ -409,6 +411,7 @@ class LocalStep:
                         kind.per_element,
                         members[0][0].shadow.requires_grad,
                     )
+                    run_params.append([e.param for e, _h in members])
                     plan.runs.append(flat)
                     shadows.append(flat.shadow)
                     if members[0][1] is not None:
@@ -431,6 +434,7 @@ class LocalStep:
                 return self._plan(optimizer, flatten=False)
             plan.layout = RunLayout(plan.runs)
             plan.run_seen = [_seen(plan.state.get(run.shadow, {})) for run in plan.runs]
+            plan.run_params = run_params
         return plan
 
     @staticmethod
@@ -495,7 +499,7 @@ class LocalStep:
             if plan.runs:
                 # What the step did to each run's first member, done to the others (even
                 # a step that raised half-way: each run's weights and scalars agree).
-                self._write_back_runs(plan)
+                self._write_back_runs(plan, saved_state)
                 for store in plan.stores:
                     store.broadcast()
                 for run in plan.runs:
@@ -508,15 +512,21 @@ class LocalStep:
             self._write_back(saved_state, plan)
         return result
 
-    def _write_back_runs(self, plan: _Plan) -> None:
-        """Into a run's flat state (its members' storage), what the step replaced instead
-        of updating in place; nothing else can be carried to the members."""
-        for run, seen in zip(plan.runs, plan.run_seen, strict=True):
+    def _write_back_runs(self, plan: _Plan, state: defaultdict[torch.Tensor, Any]) -> None:
+        """A run's state the step created (its first: born flat), written back as the
+        members' state, DTensors over views of it; into a run's flat state (its members'
+        storage), what the step replaced instead of updating in place."""
+        kind = self._kind
+        assert kind is not None
+        for run, seen, params in zip(plan.runs, plan.run_seen, plan.run_params, strict=True):
             after = plan.state.get(run.shadow) or {}
             if _seen(after) == seen:
                 continue
             self._snapshot = None
             handed = run.handed
+            if not handed:
+                self._distribute(run, after, params, state, kind)
+                continue
             for key, value in after.items():
                 before = handed.get(key, _MISSING)
                 if before is value:
@@ -544,6 +554,35 @@ class LocalStep:
                     "element-wise (report it; fsdp_hooks.local_step lists the optimizers "
                     "stepped locally)"
                 )
+
+    def _distribute(
+        self,
+        run: FlatRun,
+        created: dict[str, Any],
+        params: list[DTensor],
+        state: defaultdict[torch.Tensor, Any],
+        kind: _Kind,
+    ) -> None:
+        """The state a step created for a run's flat shadow, as each member's: a
+        per-element tensor split into the members' pieces (views of it, so the state
+        stays flat), a scalar copied to each."""
+        pieces: dict[str, list[Any]] = {}
+        for key, value in created.items():
+            if key in kind.per_element:
+                pieces[key] = [
+                    self._wrap(key, local, p, local, kind)
+                    for p, local in zip(params, split_flat(value, run.weights), strict=True)
+                ]
+            elif key in kind.scalars and not (isinstance(value, torch.Tensor) and value.ndim != 0):
+                pieces[key] = [
+                    value.clone() if isinstance(value, torch.Tensor) else value for _p in params
+                ]
+            else:
+                self._wrap(key, value, params[0], run.shadow, kind)  # raises, naming it
+        for i, p in enumerate(params):
+            real = state[p]
+            for key, values in pieces.items():
+                real[key] = values[i]
 
     def _write_back(self, state: defaultdict[torch.Tensor, Any], plan: _Plan) -> None:
         """Put into the real state what the step replaced or created (most steps update
