@@ -150,7 +150,13 @@ def _train(cases: list[tuple[str, str]], world: int) -> dict:
             params.append(_full(model))
             local.append(opt._fsdp_local_step.last_step_was_local)
         assert model.module.unused.weight.grad is None
-        out[(opt_name, config)] = (params, local)
+        # The order in which the state lists its parameters (state_dict and DCP iterate
+        # it), as positions in the groups.
+        position = {
+            id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])
+        }
+        order = [position[id(p)] for p in opt.state]
+        out[(opt_name, config)] = (params, local, order)
     return out
 
 
@@ -158,8 +164,11 @@ def _check_parity(cases: list[tuple[str, str]], world: int) -> None:
     got = run_distributed(_train, world, args=(cases, world), timeout=240)
     for opt_name, config in cases:
         ref = _reference(opt_name)
+        # The same on every rank, though their local shards (and so their flat runs) differ.
+        orders = [rank_got[(opt_name, config)][2] for rank_got in got]
+        assert all(order == orders[0] for order in orders), (opt_name, config, orders)
         for rank_got in got:
-            params, local = rank_got[(opt_name, config)]
+            params, local, _order = rank_got[(opt_name, config)]
             # The first step creates the state on the local shards (written back as
             # DTensors; plain SGD keeps none).
             expected = [True] * STEPS

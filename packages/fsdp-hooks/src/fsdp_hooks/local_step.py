@@ -383,6 +383,11 @@ class LocalStep:
                     # parameters.
                     entry.entries, entry.seen, entry.values = None, (), ()
                     entry.handed, entry.handed_seen = {}, ()
+                    if not stateless:
+                        # Its (empty) dict now, in parameter order, as the DTensor step
+                        # would add it: the write-back fills runs first, and ranks whose
+                        # runs differ must list the state (state_dict, DCP) alike.
+                        state[p]
                     items.append((entry, None if stateless else {}))
                     continue
                 if entries is not entry.entries or _seen(entries) != entry.seen:
