@@ -248,7 +248,7 @@ def test_find_runs_needs_members_that_follow_one_another():
     other = torch.zeros(4)
 
     def member(w: torch.Tensor, g: torch.Tensor, step: float = 1.0) -> Member:
-        return Member(w, g, {"exp_avg": torch.zeros(w.shape), "step": torch.tensor(step)})
+        return Member(None, w, g, {"exp_avg": torch.zeros(w.shape), "step": torch.tensor(step)})
 
     members = [
         member(flat[0:2], grads[0:2]),

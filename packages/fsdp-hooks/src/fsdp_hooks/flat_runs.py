@@ -70,13 +70,16 @@ per-tensor overhead a run saves (Note [flat runs])."""
 
 
 class Member:
-    """One parameter as a run sees it: its local weight, gradient and handed state (the
-    local tensors of its real state, Note [local step])."""
+    """One parameter as a run sees it: the parameter (whose state is written back), its
+    local weight, gradient and handed state (the local tensors of its real state, Note
+    [local step])."""
 
-    __slots__ = ("grad", "state", "weight")
+    __slots__ = ("grad", "param", "state", "weight")
 
-    def __init__(self, weight: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]) -> None:
-        self.weight, self.grad, self.state = weight, grad, state
+    def __init__(
+        self, param: Any, weight: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]
+    ) -> None:
+        self.param, self.weight, self.grad, self.state = param, weight, grad, state
 
 
 def _follows(prev: torch.Tensor, nxt: torch.Tensor) -> bool:
@@ -155,19 +158,24 @@ def find_runs(
     return runs
 
 
+def _point(view: torch.Tensor, first: torch.Tensor, numel: int) -> torch.Tensor:
+    """``view`` pointed at ``numel`` elements of ``first``'s storage from ``first`` on,
+    flat (``set_`` checks the bounds against the storage)."""
+    return view.set_(first.untyped_storage(), first.storage_offset(), (numel,), (1,))
+
+
 def _span(first: torch.Tensor, numel: int) -> torch.Tensor:
-    """A flat tensor over ``numel`` elements of ``first``'s storage from ``first`` on: a
-    tensor of its own (own version counter, re-pointable with ``set_``), bounds-checked
-    against the storage. (A new tensor that does not require grad: no ``no_grad``
-    needed, whose context costs more than the rest once per run and step.)"""
-    out = torch.empty(0, dtype=first.dtype, device=first.device)
-    return out.set_(first.untyped_storage(), first.storage_offset(), (numel,), (1,))
+    """A flat tensor over ``numel`` elements from ``first`` on, of its own (not a view: a
+    version counter of its own, re-pointable with ``set_``; ``dtensor_views._own`` makes
+    the same kind over a view's own extent). It does not require grad, so no ``no_grad``
+    is needed, whose context costs more than the rest once per run and step."""
+    return _point(torch.empty(0, dtype=first.dtype, device=first.device), first, numel)
 
 
 def split_flat(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     """``flat`` (one element per element of ``like``, back to back) as tensors shaped as
-    ``like``'s, each of its own over ``flat``'s storage (as ``_rehome`` leaves them);
-    raises when ``flat`` is not such a tensor."""
+    ``like``'s, each of its own over ``flat``'s storage; raises when ``flat`` is not such
+    a tensor."""
     numel = sum(map(_numel, like))
     if not (isinstance(flat, torch.Tensor) and flat.shape == (numel,) and flat.is_contiguous()):
         raise RuntimeError(
@@ -194,10 +202,8 @@ def _rehome(tensors: list[torch.Tensor]) -> torch.Tensor:
         return _span(tensors[0], numel)
     flat = torch.empty(numel, dtype=tensors[0].dtype, device=tensors[0].device)
     torch.cat([t.reshape(-1) for t in tensors], out=flat)
-    storage, offset = flat.untyped_storage(), 0
-    for t in tensors:
-        t.set_(storage, offset, t.size(), t.stride())
-        offset += t.numel()
+    for t, piece in zip(tensors, split_flat(flat, tensors), strict=True):
+        t.set_(piece)
     return flat
 
 
@@ -214,6 +220,7 @@ class FlatRun:
         "grads",
         "handed",
         "numel",
+        "params",
         "scalar_chains",
         "shadow",
         "views",
@@ -221,6 +228,7 @@ class FlatRun:
     )
 
     def __init__(self, members: list[Member], per_element: frozenset[str], requires_grad: bool):
+        self.params = [m.param for m in members]
         self.weights = weights = [m.weight for m in members]
         self.numel = sum(map(_numel, weights))
         self.grads = [m.grad for m in members]
@@ -248,13 +256,7 @@ class FlatRun:
     def follow(self) -> None:
         """Point the flat tensors at where their chains lie now (they moved together)."""
         for view, chain in zip(self.views, self.chains, strict=True):
-            first = chain[0]
-            view.set_(first.untyped_storage(), first.storage_offset(), (self.numel,), (1,))
-
-    def bump_versions(self) -> None:
-        """The members' own version counters, moved as a per-member step moves them (the
-        flat shadow has a counter of its own)."""
-        increment_version(self.weights)
+            _point(view, chain[0], self.numel)
 
 
 class ScalarStore:
@@ -297,13 +299,19 @@ class RunLayout:
     another (contiguous, each member right after the one before), and the flat gradient
     is made over them for the step. Anything else: plan anew."""
 
-    __slots__ = ("chains", "grads", "runs", "views")
+    __slots__ = ("chains", "grads", "runs", "views", "weights")
 
     def __init__(self, runs: list[FlatRun]) -> None:
         self.runs = runs
         self.chains = _Chains([chain for run in runs for chain in run.chains])
         self.grads = _Chains([run.grads for run in runs])
         self.views = [view for run in runs for view in run.views]
+        self.weights = [w for run in runs for w in run.weights]
+
+    def bump_versions(self) -> None:
+        """The members' own version counters, moved as a per-member step moves them (a
+        flat shadow has a counter of its own): one call for every run."""
+        increment_version(self.weights)
 
     def current(self) -> bool:
         """True when the flat tensors cover their members (the views re-pointed if the

@@ -179,8 +179,6 @@ class _Plan:
         self.runs: list[FlatRun] = []
         self.layout: RunLayout | None = None
         self.stores: list[ScalarStore] = []
-        self.run_seen: list[tuple] = []  # each run's handed state's keys and value ids
-        self.run_params: list[list[DTensor]] = []  # each run's DTensor parameters
 
     def flat_runs_hold(self) -> bool:
         """The runs' members still lie as the flat tensors need and agree on their
@@ -192,6 +190,14 @@ class _Plan:
 _params_of = itemgetter("params")
 _grad_of = attrgetter("grad")
 _local_of = attrgetter("_local_tensor")
+
+
+def _member(item: tuple[_Shadow, dict[str, Any] | None] | None) -> Member | None:
+    """A planned parameter as ``find_runs`` sees it (None: no gradient)."""
+    if item is None:
+        return None
+    entry, handed = item
+    return Member(entry.param, entry.local, entry.grad_local, handed or {})
 
 
 def _same(a: list, b: list) -> bool:
@@ -400,9 +406,9 @@ class LocalStep:
                     entry.handed, entry.handed_seen = handed, _seen(handed)
                 items.append((entry, entry.handed))
             groups.append(items)
-        run_params: list[list[DTensor]] = []  # each run's parameters, for write-back
         for group, items in zip(optimizer.param_groups, groups, strict=True):
-            runs = find_runs(self._members(items), kind.per_element) if flatten else []
+            members = list(map(_member, items))
+            runs = find_runs(members, kind.per_element) if flatten else []
             starts = {run.start: run for run in runs}
             shadows: list[nn.Parameter] = []
             i = 0
@@ -410,16 +416,16 @@ class LocalStep:
             while i < len(params):
                 run = starts.get(i)
                 if run is not None:
-                    members = [items[j] for j in run]
+                    first = items[i]
+                    assert first is not None  # find_runs starts no run at a None
                     flat = FlatRun(
-                        [Member(e.local, e.grad_local, e.handed) for e, _h in members],
+                        members[run.start : run.stop],
                         kind.per_element,
-                        members[0][0].shadow.requires_grad,
+                        first[0].shadow.requires_grad,
                     )
-                    run_params.append([e.param for e, _h in members])
                     plan.runs.append(flat)
                     shadows.append(flat.shadow)
-                    if members[0][1] is not None:
+                    if first[1] is not None:
                         plan.state[flat.shadow] = flat.handed.copy()
                     i = run.stop
                     continue
@@ -438,16 +444,7 @@ class LocalStep:
             except ValueError:
                 return self._plan(optimizer, flatten=False)
             plan.layout = RunLayout(plan.runs)
-            plan.run_seen = [_seen(plan.state.get(run.shadow, {})) for run in plan.runs]
-            plan.run_params = run_params
         return plan
-
-    @staticmethod
-    def _members(items: list) -> list[Member | None]:
-        return [
-            None if item is None else Member(item[0].local, item[0].grad_local, item[1] or {})
-            for item in items
-        ]
 
     def _scalar_stores(self, runs: list[FlatRun]) -> list[ScalarStore]:
         """One store per scalar key (and dtype, device) over every run (Note [flat
@@ -501,18 +498,19 @@ class LocalStep:
                 entry.shadow.grad = None
             for run in plan.runs:
                 run.shadow.grad = None
-            if plan.runs:
+            # Whether the step replaced or added anything (or raised): then it is written
+            # back, and the next step plans anew.
+            snapshot = self._snapshot
+            changed = snapshot is None or not snapshot.handed.unchanged(list(plan.state.values()))
+            if plan.layout is not None:
                 # What the step did to each run's first member, done to the others (even
                 # a step that raised half-way: each run's weights and scalars agree).
-                self._write_back_runs(plan, saved_state)
+                if changed:
+                    self._write_back_runs(plan, saved_state)
                 for store in plan.stores:
                     store.broadcast()
-                for run in plan.runs:
-                    run.bump_versions()
-        snapshot = self._snapshot
-        if snapshot is None or not snapshot.handed.unchanged(list(plan.state.values())):
-            # The step replaced or added something (or raised): written back, and the
-            # next step plans anew.
+                plan.layout.bump_versions()
+        if changed:
             self._snapshot = None
             self._write_back(saved_state, plan)
         return result
@@ -523,14 +521,13 @@ class LocalStep:
         storage), what the step replaced instead of updating in place."""
         kind = self._kind
         assert kind is not None
-        for run, seen, params in zip(plan.runs, plan.run_seen, plan.run_params, strict=True):
+        for run in plan.runs:
             after = plan.state.get(run.shadow) or {}
-            if _seen(after) == seen:
-                continue
-            self._snapshot = None
             handed = run.handed
+            if _seen(after) == _seen(handed):
+                continue
             if not handed:
-                self._distribute(run, after, params, state, kind)
+                self._distribute(run, after, state, kind)
                 continue
             for key, value in after.items():
                 before = handed.get(key, _MISSING)
@@ -564,13 +561,13 @@ class LocalStep:
         self,
         run: FlatRun,
         created: dict[str, Any],
-        params: list[DTensor],
         state: defaultdict[torch.Tensor, Any],
         kind: _Kind,
     ) -> None:
         """The state a step created for a run's flat shadow, as each member's: a
         per-element tensor split into the members' pieces (views of it, so the state
         stays flat), a scalar copied to each."""
+        params = run.params
         pieces: dict[str, list[Any]] = {}
         for key, value in created.items():
             if key in kind.per_element:
@@ -578,12 +575,11 @@ class LocalStep:
                     self._wrap(key, local, p, local, kind)
                     for p, local in zip(params, split_flat(value, run.weights), strict=True)
                 ]
-            elif key in kind.scalars and not (isinstance(value, torch.Tensor) and value.ndim != 0):
+            else:  # a scalar (``_wrap`` raises for anything else, naming it)
+                value = self._wrap(key, value, params[0], run.shadow, kind)
                 pieces[key] = [
                     value.clone() if isinstance(value, torch.Tensor) else value for _p in params
                 ]
-            else:
-                self._wrap(key, value, params[0], run.shadow, kind)  # raises, naming it
         for i, p in enumerate(params):
             real = state[p]
             for key, values in pieces.items():
