@@ -8,7 +8,9 @@ collectives, :class:`MemoryProbe` the peak memory over a baseline;
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -131,14 +133,23 @@ class TensorTrace:
     Python objects, and moves by a few MB with the allocator's thresholds).
 
     torch's CPU allocator reports each allocation and free to the profiler while it
-    records memory; a free is reported only for a block allocated while recording, so
-    the trace starts before the model is built. ``mark("baseline")`` after the build,
-    ``window()`` around the step to measure; :meth:`peak_increase` is the most live bytes
-    inside the window minus those at the baseline mark."""
+    records memory, but only on the threads it records: a tensor whose last reference a
+    gloo worker thread drops (a collective's buffer, when the caller let go first) is
+    freed there, unreported. Summing the reported sizes then counts such a block as live
+    until the end, and by a different amount each run, as the race falls (10-90 MB a
+    step on the GPT, for fsdp and FSDP2 alike). So the trace turns on the allocator's own
+    accounting of every thread (``caffe2_report_cpu_memory_usage``, which keeps the
+    running total of live CPU blocks that each reported event carries) and reads that
+    total at each of the recording thread's allocations and frees. Blocks allocated
+    before the trace are not in that total, so it starts before the model is built.
+    ``mark("baseline")`` after the build, ``window()`` around the step to measure;
+    :meth:`peak_increase` is the most live bytes inside the window minus those at the
+    baseline mark."""
 
     def __init__(self) -> None:
         from torch.profiler import ProfilerActivity, profile
 
+        self._was_counting = _count_every_thread(True)
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._prof.__enter__()
         self._peak: int | None = None
@@ -152,23 +163,30 @@ class TensorTrace:
 
     def stop(self) -> None:
         self._prof.__exit__(None, None, None)
-        events = self._prof.profiler.kineto_results.events()  # type: ignore[union-attr]
-        marks = {
-            e.name(): (e.start_ns(), e.end_ns()) for e in events if e.name().startswith("bench.")
-        }
+        _count_every_thread(self._was_counting)
+        marks: dict[str, tuple[int, int]] = {}
+        memory: list[tuple[int, int]] = []  # (time, live bytes of every thread after it)
+        stack = list(self._prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+        while stack:
+            node = stack.pop()
+            if node.name == "[memory]":
+                memory.append((node.start_time_ns, node.extra_fields.total_allocated))
+            elif node.name.startswith("bench."):
+                marks[node.name] = (node.start_time_ns, node.end_time_ns)
+            stack.extend(node.children)
         if "bench.baseline" not in marks or "bench.window" not in marks:
             raise RuntimeError(f"TensorTrace: marks missing, found {sorted(marks)}")
         baseline_at = marks["bench.baseline"][0]
         start, end = marks["bench.window"]
-        live = at_baseline = 0
+        memory.sort()
+        at_baseline = live = 0
         peak: int | None = None  # live bytes at the window's start, then its maximum
-        memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-        for t, nbytes in memory:
+        for t, total in memory:
             if t > end:
                 break
             if t >= start and peak is None:
                 peak = live
-            live += nbytes
+            live = total
             if t <= baseline_at:
                 at_baseline = live
             if peak is not None:
@@ -180,6 +198,24 @@ class TensorTrace:
         if self._peak is None:
             raise RuntimeError("TensorTrace.stop() was not called")
         return self._peak
+
+
+def _count_every_thread(on: bool) -> bool:
+    """Turn c10's accounting of CPU blocks on every thread on or off (a process-wide
+    flag; with it on, c10 also logs each block at INFO, below its default level);
+    returns what it was. Without it the trace would count a block freed on a thread it
+    does not record as live to the end."""
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    try:
+        flag = ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
+    except ValueError as err:
+        raise RuntimeError(
+            "TensorTrace needs c10's FLAGS_caffe2_report_cpu_memory_usage (to count blocks "
+            f"freed on gloo's threads); this torch build does not export it: {err}"
+        ) from err
+    was = bool(flag.value)
+    flag.value = on
+    return was
 
 
 # ---- expected bytes --------------------------------------------------------------------
