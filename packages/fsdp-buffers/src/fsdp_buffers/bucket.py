@@ -137,6 +137,9 @@ class Bucket(BucketGradients):
         self._direct = False
         self._touched: list[bool] = []
         self._targets: StagingTargets | None = None
+        # Note [held gradients]: gradients taken aside until the staging bucket is made.
+        self._held: dict[int, torch.Tensor] = {}
+        self._held_numel = 0
         self._grad_probe: torch.Tensor | bool | None = None  # see ``accumulate``
         self._plain = [not p.requires_grad for p in group.params]
         self._plain_missing = self._plain.count(False)

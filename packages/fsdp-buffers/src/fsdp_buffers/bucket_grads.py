@@ -15,6 +15,22 @@ reduce-scatter's input: no zeroing pass, no pack copy, and a copy instead of an 
 The values sent are the same bits. ``main_grad`` then stays None, and a fused write
 seen later raises.
 
+Note [held gradients]. A rank-major staging bucket is made when the first gradient that
+needs it arrives, not at the pre-backward (``prepare_grads``: no ``main_grad`` views to
+make valid in that mode). A gradient that arrives while it does not exist, and that
+with those already held is at most ``1/HOLD_FRACTION`` of the bucket, is held aside
+(taken from ``.grad`` as any gradient is; a later one for the same parameter is added
+to it); the next gradient past that share, or the reduction, makes the bucket and
+writes the held ones first.
+This is for buckets whose gradients come spread over the whole backward: a root
+bucket of a GPT with tied embeddings gets its final norm's small gradients right
+after the head's backward and the embedding's (almost all of the bucket) at the very
+end, so a bucket made at the first one is held through every block's backward, on
+top of the three embedding-sized tensors autograd has alive when it adds the head's
+and the embedding's gradients (32 MB each on the 49M GPT: docs/benchmarks.md, 11th
+session). Holding costs at most that share of the bucket, which is what the bucket
+made early would have cost anyway. ``zero_grads`` drops held gradients with the rest.
+
 Note [released gradients]. Sharded main grads (strategies 2 and 3) exist only from a
 backward's first reduction of the bucket until the gradients are cleared, as FSDP2's
 do: ``zero_grads`` releases the storage (``DataParallelBuffer.release``: the buffer
@@ -53,6 +69,10 @@ if TYPE_CHECKING:
 
 __all__ = ["BucketGradients"]
 
+# Note [held gradients]: a bucket is made once its held gradients would pass this
+# fraction of it.
+HOLD_FRACTION = 8
+
 
 class BucketGradients:
     """Gradient verbs and views of a ``Bucket``; its state is set up by ``Bucket``."""
@@ -73,6 +93,8 @@ class BucketGradients:
     _fused: bool
     _direct: bool
     _touched: list[bool]
+    _held: dict[int, torch.Tensor]
+    _held_numel: int
     _targets: StagingTargets | None
     _grad_probe: torch.Tensor | bool | None
     _reduce_label: annotate
@@ -173,6 +195,8 @@ class BucketGradients:
             else:
                 gbuf.fetch_bucket().zero_()
                 self._attach_main_grads()
+        if self._held:
+            self._write_held()
         if self._grad_probe is None:
             # What ``accumulate`` checks per gradient instead of calling this: the state
             # alone when the storage is persistent; the temporary staging bucket's
@@ -185,6 +209,65 @@ class BucketGradients:
                 self._grad_probe = allocator.bucket_for(gbuf)
             else:
                 self._grad_probe = False
+
+    def _stages_later(self) -> bool:
+        """Whether this backward's staging bucket is rank-major and not made yet (Note
+        [held gradients])."""
+        gbuf = self.group.main_grad_buffer
+        return (
+            gbuf is not None
+            and gbuf.is_data_distributed
+            and self._plain_missing == 0
+            and not self._fused
+            and not gbuf.allocator.is_allocated(gbuf)
+        )
+
+    def prepare_grads(self) -> None:
+        """Before any gradient of a backward: make ``param.main_grad`` valid where it is
+        kept (``begin_accumulating``). A rank-major staging bucket keeps none, so it is
+        made by the gradients themselves (Note [held gradients])."""
+        if not self._stages_later():
+            self.begin_accumulating()
+
+    def _hold(self, index: int, param: nn.Parameter) -> bool:
+        """Take ``param.grad`` aside instead of making the staging bucket for it, if that
+        is still cheaper (Note [held gradients]); True when held."""
+        grad = param.grad
+        if grad is None or getattr(param, "grad_added_to_main_grad", False):
+            return False
+        if not self._stages_later():
+            return False
+        if type(grad) is not torch.Tensor and isinstance(grad, DTensor):  # tensor parallel
+            grad = self.tp.local_grad(param, grad)
+        held = self._held
+        if (earlier := held.get(index)) is not None:
+            # The parameter's second gradient in this backward; not in place: the first
+            # was autograd's, which may share its storage with what it stole it from.
+            held[index] = earlier + grad
+        else:
+            numel = self._held_numel + grad.numel()
+            if numel * HOLD_FRACTION > self.main_grads.layout.total_numel:
+                return False
+            held[index] = grad
+            self._held_numel = numel
+        param.grad = None
+        return True
+
+    def _write_held(self) -> None:
+        """Write the held gradients into the staging bucket made now, in arrival order."""
+        if not self._direct:
+            raise RuntimeError(
+                f"bucket {self.gid} holds gradients for a rank-major staging bucket but "
+                "stages parameter-major (internal: Note [held gradients])"
+            )
+        held = self._held
+        self._held = {}
+        self._held_numel = 0
+        targets = self._targets or self._staging_targets()
+        touched = self._touched
+        for index, grad in held.items():
+            targets.write(index, grad, not touched[index])
+            touched[index] = True
 
     def _staging_targets(self) -> StagingTargets:
         targets = self._targets
@@ -215,6 +298,8 @@ class BucketGradients:
             or probe is False
             or (probe is not True and not probe.untyped_storage().nbytes())
         ):
+            if self._hold(index, param):  # Note [held gradients]
+                return
             self.begin_accumulating()  # else it would change nothing: one call less
         if getattr(param, "grad_added_to_main_grad", False):
             if self._direct:
@@ -379,6 +464,8 @@ class BucketGradients:
     def forget_grads(self) -> None:
         """-> EMPTY without touching the storage (its owner zeroes it)."""
         self.grad_state = GradState.EMPTY
+        self._held = {}
+        self._held_numel = 0
         for p in self.group.params:
             p.grad = None
 

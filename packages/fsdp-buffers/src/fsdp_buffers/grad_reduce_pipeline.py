@@ -79,11 +79,12 @@ class GradReducePipeline:
         self._launched: set[int] = set()
 
     def prepare(self, gid: int) -> None:
-        """Make bucket ``gid``'s gradient storage exist now, so that ``param.main_grad``
-        views are valid before any gradient arrives (frameworks that accumulate into
-        ``main_grad`` themselves, e.g. Transformer Engine's fused wgrad)."""
+        """Make bucket ``gid``'s gradient storage exist now where ``param.main_grad``
+        views are kept, so that they are valid before any gradient arrives (frameworks
+        that accumulate into ``main_grad`` themselves, e.g. Transformer Engine's fused
+        wgrad); a rank-major staging bucket is made by its gradients instead."""
         if gid in self._expected and gid not in self._launched:
-            self.buckets[gid].begin_accumulating()
+            self.buckets[gid].prepare_grads()
 
     def accumulate(self, param: nn.Parameter) -> None:
         """Take ``param``'s gradient into its bucket; an error if the bucket was
