@@ -28,8 +28,9 @@ after the head's backward and the embedding's (almost all of the bucket) at the 
 end, so a bucket made at the first one is held through every block's backward, on
 top of the three embedding-sized tensors autograd has alive when it adds the head's
 and the embedding's gradients (32 MB each on the 49M GPT: docs/benchmarks.md, 11th
-session). Holding costs at most that share of the bucket, which is what the bucket
-made early would have cost anyway. ``zero_grads`` drops held gradients with the rest.
+session). Until the bucket is made, holding saves the whole bucket less what is held;
+when it is made, the held gradients (at most an eighth of it) are alive beside it until
+written. ``zero_grads`` drops held gradients with the rest.
 
 Note [released gradients]. Sharded main grads (strategies 2 and 3) exist only from a
 backward's first reduction of the bucket until the gradients are cleared, as FSDP2's
