@@ -189,7 +189,7 @@ class BucketGradients:
                 self._rebase_shard()
             self.grad_state = GradState.ACCUMULATING
         if gbuf.is_data_distributed and not gbuf.allocator.is_allocated(gbuf):
-            self._direct = self._plain_missing == 0 and not self._fused
+            self._direct = self._next_rank_major()
             if self._direct:  # Note [rank-major staging]: written before it is read
                 gbuf.fetch_bucket()
                 self._touched = [False] * len(self.group.params)
@@ -211,6 +211,11 @@ class BucketGradients:
             else:
                 self._grad_probe = False
 
+    def _next_rank_major(self) -> bool:
+        """Whether a staging bucket made now stages rank-major (Note [rank-major
+        staging]): every trainable parameter brought a plain gradient, none a fused one."""
+        return self._plain_missing == 0 and not self._fused
+
     def _stages_later(self) -> bool:
         """Whether this backward's staging bucket is rank-major and not made yet (Note
         [held gradients])."""
@@ -218,8 +223,7 @@ class BucketGradients:
         return (
             gbuf is not None
             and gbuf.is_data_distributed
-            and self._plain_missing == 0
-            and not self._fused
+            and self._next_rank_major()
             and not gbuf.allocator.is_allocated(gbuf)
         )
 
