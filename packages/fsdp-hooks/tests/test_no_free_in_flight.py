@@ -1,4 +1,4 @@
-"""No memory is freed under a collective that may still write it.
+"""No memory is freed under a collective that may still use it.
 
 gloo and NCCL write a collective's output after the call has returned, until the work
 is waited on. fsdp frees bucket memory with ``storage.resize_(0)`` (the module note of
@@ -12,7 +12,7 @@ So the check does not depend on timing. Every collective a rank starts through a
 process group's methods is watched until its caller waits on it (or is told it has
 completed). A storage that shrinks while a watched collective reads or writes it fails the
 rank, naming the collective and where both calls came from. Training steps run under
-every strategy, with unit coalescing, prefetch two deep, double buffering, gradients
+ZeRO-1/2/3, with unit coalescing, prefetch two deep, double buffering, gradients
 communicated in another dtype, microbatches, hybrid sharding and gradient clipping.
 """
 
