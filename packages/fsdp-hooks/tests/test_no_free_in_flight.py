@@ -97,11 +97,11 @@ def _extents(obj, into: list[tuple[int, int]]) -> None:
 
 
 @contextlib.contextmanager
-def watch_frees() -> Iterator[list[str]]:
+def watch_frees() -> Iterator[set[str]]:
     """Fail a storage shrink under an unwaited collective that uses the storage; yields
-    the list of collective names watched (so a run can show it watched something)."""
+    the names of the collectives watched (so a run can show it watched something)."""
     in_flight: list[_Watched] = []
-    names: list[str] = []
+    names: set[str] = set()
     pg = dist.ProcessGroup
     originals = {}
 
@@ -117,7 +117,7 @@ def watch_frees() -> Iterator[list[str]]:
             watched = _Watched(work, name, extents)
             in_flight[:] = [w for w in in_flight if not w.finished]
             in_flight.append(watched)
-            names.append(name)
+            names.add(name)
             return watched
 
         setattr(pg, name, call)
@@ -213,7 +213,7 @@ def _train(kwargs: dict, hybrid: bool) -> list[str]:
             opt.zero_grad(set_to_none=step != 1)
         with torch.no_grad():  # a forward with no backward releases what it gathered
             model(x[:M])
-    return sorted(set(names))
+    return sorted(names)
 
 
 def _each(scenarios: dict, hybrid: bool) -> dict[str, list[str]]:

@@ -268,7 +268,7 @@ class BucketGradients:
         held = self._held
         self._held = {}
         self._held_numel = 0
-        targets = self._targets or self._staging_targets()
+        targets = self._staging_targets()
         touched = self._touched
         for index, grad in held.items():
             targets.write(index, grad, not touched[index])
