@@ -35,14 +35,14 @@ from benchmarks.workloads import WORKLOADS
 
 # "module:Class.method", outermost first within each group.
 TIMED: tuple[str, ...] = (
-    "fsdp_hooks.hooks:FSDPHooks.root_pre_forward",
-    "fsdp_hooks.hooks:FSDPHooks._unit_pre_forward",
-    "fsdp_hooks.hooks:FSDPHooks._unit_post_forward",
-    "fsdp_hooks.hooks:FSDPHooks.root_post_forward",
-    "fsdp_hooks.hooks:FSDPHooks._unit_pre_backward",
-    "fsdp_hooks.hooks:FSDPHooks._on_param_grad",
-    "fsdp_hooks.hooks:FSDPHooks._unit_post_backward",
-    "fsdp_hooks.hooks:FSDPHooks._end_of_backward",
+    "fsdp_hooks.runtime.hooks:FSDPHooks.root_pre_forward",
+    "fsdp_hooks.runtime.hooks:FSDPHooks._unit_pre_forward",
+    "fsdp_hooks.runtime.hooks:FSDPHooks._unit_post_forward",
+    "fsdp_hooks.runtime.hooks:FSDPHooks.root_post_forward",
+    "fsdp_hooks.runtime.hooks:FSDPHooks._unit_pre_backward",
+    "fsdp_hooks.runtime.hooks:FSDPHooks._on_param_grad",
+    "fsdp_hooks.runtime.hooks:FSDPHooks._unit_post_backward",
+    "fsdp_hooks.runtime.hooks:FSDPHooks._end_of_backward",
     "fsdp_buffers.all_gather_pipeline:AllGatherPipeline.all_gather_params",
     "fsdp_buffers.all_gather_pipeline:AllGatherPipeline._prefetch",
     "fsdp_buffers.all_gather_pipeline:AllGatherPipeline.release_bucket",
@@ -53,8 +53,8 @@ TIMED: tuple[str, ...] = (
     "fsdp_buffers.bucket_grads:BucketGradients.accumulate",
     "fsdp_buffers.bucket_grads:BucketGradients.start_reduce",
     "fsdp_buffers.collectives:PendingCollective.wait",
-    "fsdp_hooks.param_swap:ParamSwapping._unit_use",
-    "fsdp_hooks.local_step:LocalStep.step",
+    "fsdp_hooks.runtime.param_swap:ParamSwapping._unit_use",
+    "fsdp_hooks.optim.local_step:LocalStep.step",
 )
 
 

@@ -208,7 +208,7 @@ def test_hook_cpu_refuses_a_method_that_does_not_exist():
 
     with (
         pytest.raises(AttributeError, match="does not exist"),
-        timed_methods(["fsdp_hooks.hooks:FSDPHooks._no_such_hook"]),
+        timed_methods(["fsdp_hooks.runtime.hooks:FSDPHooks._no_such_hook"]),
     ):
         pass
 

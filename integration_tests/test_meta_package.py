@@ -83,8 +83,8 @@ INTERNALS = {
     "fsdp_buffers.data_parallel_buffer": ["BucketAllocator", "TemporaryBucketAllocator"],
     "fsdp_buffers.layout": ["ParamSlot"],
     "fsdp_buffers.tensor_parallel": ["TPKind", "tensor_parallel_specs"],
-    "fsdp_hooks.backward": ["RegisterFSDPBackwardFunction"],
-    "fsdp_hooks.hooks": ["FSDPUnit"],
+    "fsdp_hooks.runtime.backward": ["RegisterFSDPBackwardFunction"],
+    "fsdp_hooks.runtime.hooks": ["FSDPUnit"],
     "fsdp_mesh": ["current_device"],
     "fsdp_mesh.device": ["warn_once"],
 }

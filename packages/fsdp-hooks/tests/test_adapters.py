@@ -523,7 +523,7 @@ def test_ddp_config_errors(kwargs, error, words):
 def test_ddp_keywords_override_ddp_config_fields():
     """The older signature's keywords and the ddp_config fields mean the same thing;
     a keyword given wins (checked without ranks through the config helper)."""
-    from fsdp_hooks.adapters.ddp_checks import effective_ddp_config
+    from fsdp_hooks.integrations.megatron_core.ddp_checks import effective_ddp_config
 
     cfg = effective_ddp_config(
         DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=False),
@@ -555,7 +555,7 @@ class McoreDDPConfig:
 
 
 def _ignored_field_warnings(ddp_config: object) -> list[str]:
-    from fsdp_hooks.adapters._common import coerce_ddp_config
+    from fsdp_hooks.integrations.megatron_core._common import coerce_ddp_config
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -1,4 +1,4 @@
-"""The autograd plumbing of the unit hooks (``fsdp_hooks.backward``), one process.
+"""The autograd plumbing of the unit hooks (``fsdp_hooks.runtime.backward``), one process.
 
 ``register_pre_backward`` calls back once per backward (graph task) at the first
 gradient reaching any output; ``wrap_inputs_for_post_backward`` routes the inputs that
@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from fsdp_hooks.backward import register_pre_backward, wrap_inputs_for_post_backward
+from fsdp_hooks.runtime.backward import register_pre_backward, wrap_inputs_for_post_backward
 
 
 def test_pre_backward_once_per_backward_single_output():

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fsdp_hooks import default_is_expert_param, fully_shard, mark_expert_params
-from fsdp_hooks.experts import resolve_is_expert_param
+from fsdp_hooks.features.experts import resolve_is_expert_param
 from fsdp_mesh import build_device_mesh
 from fsdp_mesh.testing import run_distributed
 

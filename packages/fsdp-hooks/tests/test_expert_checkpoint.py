@@ -23,8 +23,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
-from fsdp_hooks import expert_names, fully_shard, fully_shard_model
-from fsdp_hooks.expert_names import ExpertStateNames, LocalExperts, global_expert_ids
+from fsdp_hooks import fully_shard, fully_shard_model
+from fsdp_hooks.features import expert_names
+from fsdp_hooks.features.expert_names import ExpertStateNames, LocalExperts, global_expert_ids
 from fsdp_mesh import build_device_mesh
 from fsdp_mesh.testing import mean_over_ranks, run_distributed
 

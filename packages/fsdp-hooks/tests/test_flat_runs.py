@@ -1,4 +1,4 @@
-"""Flat runs of the local optimizer step (``fsdp_hooks.flat_runs``, Note [flat runs]).
+"""Flat runs of the local optimizer step (``fsdp_hooks.optim.flat_runs``, Note [flat runs]).
 
 - State is created flat: the first step is local, on the runs, and each per-element key's
   pieces lie back to back (no copy into flat storage later, nothing left behind).
@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_hooks import fully_shard
-from fsdp_hooks.flat_runs import Member, find_runs
+from fsdp_hooks.optim.flat_runs import Member, find_runs
 from fsdp_mesh.testing import assert_tensors_close, run_distributed
 
 STEPS = 5

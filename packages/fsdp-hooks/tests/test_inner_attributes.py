@@ -19,7 +19,7 @@ from fsdp_hooks import (
     MegatronFSDP,
     fully_shard,
 )
-from fsdp_hooks.inner_module import InnerModuleAttributes
+from fsdp_hooks.module.inner_module import InnerModuleAttributes
 from fsdp_mesh.testing import run_distributed
 
 

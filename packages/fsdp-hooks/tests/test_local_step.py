@@ -1,4 +1,4 @@
-"""The local optimizer step (``fsdp_hooks.local_step``, Note [local step]).
+"""The local optimizer step (``fsdp_hooks.optim.local_step``, Note [local step]).
 
 - Parity: Adam (plain, ``foreach``, ``fused``), AdamW and SGD with momentum under ZeRO-1/2/3
   (world 2) and HSDP, outer replicate and fully sharded (world 4), 4 steps of a model with

@@ -1,5 +1,5 @@
 """Every ``torch.optim`` optimizer either steps fsdp's main weights as one process
-steps the whole model, or is refused at wrap naming why (``fsdp_hooks.optimizers``);
+steps the whole model, or is refused at wrap naming why (``fsdp_hooks.optim.optimizers``);
 LR schedulers built after ``fully_shard`` (the usual order) work.
 
 Parity: world size 2, ZeRO-3 (and the other strategies for some), 3 steps of a two-layer MLP whose shapes

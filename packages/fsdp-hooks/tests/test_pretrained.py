@@ -222,7 +222,11 @@ def _load_memory(directory: str) -> dict[str, int]:
     import ctypes
 
     from fsdp_hooks import fully_shard_model
-    from fsdp_hooks.pretrained import _build_on_meta, _default_units, load_pretrained_weights
+    from fsdp_hooks.integrations.huggingface import (
+        _build_on_meta,
+        _default_units,
+        load_pretrained_weights,
+    )
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     cls, _ = _make("llama_big")

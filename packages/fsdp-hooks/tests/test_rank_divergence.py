@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from fsdp_buffers.collectives import CollectiveError
 from fsdp_hooks import fully_shard
-from fsdp_hooks.schedule_check import ScheduleDivergedError
+from fsdp_hooks.runtime.schedule_check import ScheduleDivergedError
 from fsdp_mesh.testing import run_distributed
 
 WORLD = 2

@@ -28,7 +28,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_hooks import TrainingState, fully_shard
-from fsdp_hooks.backward import in_backward
+from fsdp_hooks.runtime.backward import in_backward
 from fsdp_mesh.testing import (
     assert_losses_close,
     assert_tensors_close,

@@ -257,7 +257,7 @@ def test_a_custom_function_sees_the_saved_parameters_attributes():
     like the parameter, returning plain tensors."""
     import gc
 
-    from fsdp_hooks import saved_weights
+    from fsdp_hooks.runtime import saved_weights
 
     seen = {}
 

@@ -1,4 +1,4 @@
-"""A wrap that raises leaves the module as it was (``fsdp_hooks.rollback``): its own
+"""A wrap that raises leaves the module as it was (``fsdp_hooks.setup.rollback``): its own
 parameter objects, plain tensors with their values, no fsdp hooks or attributes, and it
 wraps again. Two failures are forced at world size 2, under every strategy: inside
 ``ParamAndGradBuffer`` after the first group's storage moved into its buffers, and at
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import fsdp_hooks.megatron_fsdp as megatron_fsdp
+import fsdp_hooks.module.megatron_fsdp as megatron_fsdp
 from fsdp_buffers import Bucket
 from fsdp_hooks import fully_shard
 from fsdp_mesh.testing import run_distributed

@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 _WRAPPER_PREFIX = "module."
-STATE_KEYS_ATTR = "_fsdp_state_dict_keys"  # set by fsdp_hooks.expert_names
+STATE_KEYS_ATTR = "_fsdp_state_dict_keys"  # set by fsdp_hooks.features.expert_names
 
 
 def _state_key(name: str, keys: Collection[str], param: object) -> str | None:

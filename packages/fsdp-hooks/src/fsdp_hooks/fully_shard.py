@@ -8,7 +8,7 @@ for it runs unchanged. Differences a user may notice:
   place by its DTensor main-weight parameter. Megatron-FSDP rebuilds a single group.
   State the optimizer already holds (Adagrad creates it in ``__init__``) moves onto the
   main-weight shards; optimizers that cannot step row shards are refused at wrap (see
-  ``fsdp_hooks.optimizers``). Whole-matrix optimizers (``torch.optim.Muon``) get their
+  ``fsdp_hooks.optim.optimizers``). Whole-matrix optimizers (``torch.optim.Muon``) get their
   matrices placed whole on one rank each (Note [whole placement] in
   ``fsdp_buffers.layout``). ``fully_shard`` also takes a list of optimizers over disjoint
   parameters (Muon for hidden matrices, AdamW for the rest) and returns the list: the
@@ -30,11 +30,11 @@ for it runs unchanged. Differences a user may notice:
   first if you read gradients before the step (``clip_grad_norm_``), or run the last
   microbatch's backward under ``model.sync()``.
 - Expert parallelism: ``expt_device_mesh`` (see ``fsdp_mesh.build_device_mesh``) with
-  expert parameters recognised as ``fsdp_hooks.experts`` documents (markers, the
+  expert parameters recognised as ``fsdp_hooks.features.experts`` documents (markers, the
   default name rule ``experts.``, or the extra keyword ``is_expert_param``): they get
   their own buckets, sharded and reduced over the expert mesh's ``dp_shard`` dim, with
   gradients scaled by 1/(dense data-parallel size) as in Megatron-Core. State dicts
-  name experts by their global index (``fsdp_hooks.expert_names``). Clip with
+  name experts by their global index (``fsdp_hooks.features.expert_names``). Clip with
   ``model.clip_grad_norm_`` (``torch.nn.utils.clip_grad_norm_`` cannot mix the dense
   and expert meshes). With hybrid sharding too (over the expert mesh's outer dim).
 - Tensor parallelism: ``tp_dim`` names the tensor-parallel dim of ``device_mesh``.
@@ -60,11 +60,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
 from fsdp_buffers.whole_param import inner_of, is_whole_parameter
-from fsdp_hooks.config import DistributedDataParallelConfig
-from fsdp_hooks.local_step import LocalStep
-from fsdp_hooks.megatron_fsdp import MegatronFSDP
-from fsdp_hooks.optim_init import InitialState, init_optimizer_state
-from fsdp_hooks.optimizers import (
+from fsdp_hooks.features.whole_state import register_whole_optimizer_state
+from fsdp_hooks.module.config import DistributedDataParallelConfig
+from fsdp_hooks.module.megatron_fsdp import MegatronFSDP
+from fsdp_hooks.optim.local_step import LocalStep
+from fsdp_hooks.optim.optim_init import InitialState, init_optimizer_state
+from fsdp_hooks.optim.optimizers import (
     check_optimizer_supported,
     inner_parameters,
     mark_whole_placement,
@@ -72,8 +73,7 @@ from fsdp_hooks.optimizers import (
     refuse_positional_expert_state_in_dcp,
     show_whole_parameters,
 )
-from fsdp_hooks.validation import check_argument_types, check_outer_strategy
-from fsdp_hooks.whole_state import register_whole_optimizer_state
+from fsdp_hooks.setup.validation import check_argument_types, check_outer_strategy
 from fsdp_mesh import FSDPDistributedIndex, default_device_type
 from fsdp_mesh.device import warn_once
 
@@ -225,7 +225,7 @@ def fully_shard_model(
         fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
         disable_symmetric_registration=disable_symmetric_registration,
         megatron_fsdp_use_decoupled_grad=use_decoupled_grad,
-        # Accepted, ignored (MegatronFSDP warns once; see fsdp_hooks.unused_options).
+        # Accepted, ignored (MegatronFSDP warns once; see fsdp_hooks.module.unused_options).
         megatron_fsdp_cuda_graph_mode=cuda_graph_mode,
         megatron_fsdp_enable_fine_grained_param_gather=enable_fine_grained_param_gather,
         megatron_fsdp_max_pool_double_buffer=maxpool_double_buffer,

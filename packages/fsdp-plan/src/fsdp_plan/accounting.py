@@ -34,7 +34,7 @@ OPTIMIZER_STATES: dict[str, tuple[int, bool]] = {
 }
 # ``"muon"``: ``torch.optim.Muon`` (one ``momentum_buffer``, no ``step``) for the
 # parameters marked for whole placement (``FSDP_WHOLE_ATTR``: what ``fully_shard`` marks
-# from a Muon optimizer, ``fsdp_hooks.optimizers.mark_whole_placement``), AdamW for the rest.
+# from a Muon optimizer, ``fsdp_hooks.optim.optimizers.mark_whole_placement``), AdamW for the rest.
 MUON_STATE = (1, False)
 OPTIMIZERS = (*OPTIMIZER_STATES, "muon")
 _STEP_BYTES = torch.empty((), dtype=torch.float32).element_size()

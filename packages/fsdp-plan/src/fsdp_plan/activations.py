@@ -1,7 +1,7 @@
 """Activations of one forward, from a meta-device run: the tensors saved for backward.
 
 The module (a meta-device copy) runs forward on meta inputs under
-``fsdp_hooks.activations.SavedTensorCounter``, the accounting ``measure_activations()``
+``fsdp_hooks.diagnostics.activations.SavedTensorCounter``, the accounting ``measure_activations()``
 applies to the real forward: each saved storage once, parameters and buffers not.
 Nothing is allocated and no kernel runs.
 
@@ -22,7 +22,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
-from fsdp_hooks.activations import SavedTensorCounter
+from fsdp_hooks.diagnostics.activations import SavedTensorCounter
 
 __all__ = ["forward_inputs", "meta_activations"]
 

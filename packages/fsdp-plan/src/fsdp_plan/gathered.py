@@ -30,7 +30,7 @@ from fsdp_buffers import (
     PrefetchOrder,
     module_is_fully_no_shard,
 )
-from fsdp_hooks.activations import storage_key
+from fsdp_hooks.diagnostics.activations import storage_key
 
 __all__ = ["gathered_peak"]
 
@@ -45,7 +45,7 @@ def _rank_major_copy(buffer: ParamAndGradBuffer, gid: int) -> int:
 
 def _units(buffer: ParamAndGradBuffer) -> list[tuple[int, list[int], list[int]]]:
     """Each hooked unit's (index, buckets to gather, buckets it releases), in forward
-    order, as ``fsdp_hooks.hooks.FSDPHooks`` builds them."""
+    order, as ``fsdp_hooks.runtime.hooks.FSDPHooks`` builds them."""
     roots = set(buffer.root_groups)
     out = []
     for index, name in enumerate(buffer.unit_names):

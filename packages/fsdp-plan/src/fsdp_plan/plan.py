@@ -23,9 +23,9 @@ from fsdp_buffers.collectives import CollectiveKind
 from fsdp_buffers.no_shard import FSDP_WHOLE_ATTR, copy_param_attributes
 from fsdp_buffers.param_group import resolve_communication_units
 from fsdp_hooks import DistributedDataParallelConfig
-from fsdp_hooks.experts import resolve_is_expert_param
-from fsdp_hooks.optimizers import muon_needs_whole
-from fsdp_hooks.validation import check_hybrid_index, check_outer_strategy, check_param_dtype
+from fsdp_hooks.features.experts import resolve_is_expert_param
+from fsdp_hooks.optim.optimizers import muon_needs_whole
+from fsdp_hooks.setup.validation import check_hybrid_index, check_outer_strategy, check_param_dtype
 from fsdp_mesh import FSDPDistributedIndex, build_device_mesh
 from fsdp_plan.accounting import (
     OPTIMIZERS,
@@ -180,7 +180,7 @@ def _pieces(meshes, world_size: int) -> dict[str, list[int]]:
 
 def _mark_muon(meta: nn.Module, muon_params: Callable[[str, nn.Parameter], bool] | None) -> None:
     """Mark what ``fully_shard(model, [Muon(hidden), AdamW(rest)])`` places whole: the
-    trainable parameters Muon needs whole (``fsdp_hooks.optimizers.muon_needs_whole``) that
+    trainable parameters Muon needs whole (``fsdp_hooks.optim.optimizers.muon_needs_whole``) that
     ``muon_params(name, param)`` selects (all of them without it)."""
     if muon_params is not None and not callable(muon_params):
         raise TypeError(

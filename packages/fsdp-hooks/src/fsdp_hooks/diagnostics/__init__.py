@@ -1,0 +1,1 @@
+"""Reports about a wrapped model: unit summary, memory stats, activation bytes."""

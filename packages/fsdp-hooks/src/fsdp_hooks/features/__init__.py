@@ -1,0 +1,1 @@
+"""Parameter features that cut across layers: experts, whole placement's state dicts."""

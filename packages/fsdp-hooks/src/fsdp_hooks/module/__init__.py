@@ -1,0 +1,1 @@
+"""The MegatronFSDP wrapper module: its configuration, attribute resolution and Megatron-FSDP compatibility."""

@@ -1,0 +1,645 @@
+"""``MegatronFSDP``: the wrapper module that schedules when the bytes move.
+
+It owns a ``ParamAndGradBuffer`` and its two pipelines, and registers the hooks that
+``hooks.py`` defines. Outside forward and backward the wrapped module's parameters are
+DTensors holding this rank's shard of the main weights (with ``.grad`` on the main-grad
+shard), so any torch optimizer, ``clip_grad_norm_`` and ``state_dict()`` work on them;
+from the start of forward to the end of backward they are the compute parameters, whose
+``.data`` are views into gathered buckets. Tied parameters are swapped at every place
+they are reachable from, so they stay tied.
+
+Around it: wrap-time checks in ``validation``, the Megatron-FSDP/Megatron-Core surface
+(``param_and_grad_buffer``'s view, the policy-reset rule) in ``megatron_compat``, and
+``generate`` in ``pretrained``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from fsdp_buffers import (
+    AllGatherPipeline,
+    GradReducePipeline,
+    MixedPrecisionPolicy,
+    ParamAndGradBuffer,
+    PrefetchOrder,
+    ShardingStrategy,
+)
+from fsdp_buffers.mixed_precision import cast_floating
+from fsdp_buffers.param_group import resolve_communication_units
+from fsdp_hooks.diagnostics.activations import ActivationMeter, measured_forward
+from fsdp_hooks.diagnostics.summary import log_unit_summary
+from fsdp_hooks.features.expert_names import ExpertStateNames
+from fsdp_hooks.features.experts import resolve_is_expert_param
+from fsdp_hooks.features.whole_state import row_placed_whole_params
+from fsdp_hooks.module.config import DistributedDataParallelConfig
+from fsdp_hooks.module.inner_module import InnerModuleAttributes
+from fsdp_hooks.module.megatron_compat import (
+    MegatronParamAndGradBuffer,
+    default_ddp_config,
+    reset_policy,
+)
+from fsdp_hooks.module.unused_options import options_set, warn_unused_options
+from fsdp_hooks.optim.grad_norm import clip_grad_norm_
+from fsdp_hooks.runtime.hooks import FSDPHooks
+from fsdp_hooks.runtime.shared_buckets import warn_if_units_joined_widely
+from fsdp_hooks.runtime.training_state import TrainingState
+from fsdp_hooks.setup.rollback import rollback_on_failure
+from fsdp_hooks.setup.validation import (
+    broadcast_from_dp_rank0,
+    check_argument_types,
+    check_hybrid_index,
+    check_no_meta_params,
+    check_not_wrapped,
+    check_param_dtype,
+    check_same_model,
+    check_tensor_parallel_replicas,
+)
+from fsdp_mesh import current_device
+
+__all__ = ["MegatronFSDP"]
+
+logger = logging.getLogger("fsdp_hooks")
+
+
+class MegatronFSDP(InnerModuleAttributes):
+    """Fully Sharded Data Parallel training of ``module`` over ``dist_index``'s groups.
+
+    Strategies (``ddp_config.data_parallel_sharding_strategy``): ``no_shard`` (plain
+    data parallel), ``optim`` (~ZeRO-1: main weights and optimizer state sharded),
+    ``optim_grads`` (~ZeRO-2: also gradients), ``optim_grads_params`` (~ZeRO-3: also
+    the compute weights, gathered per FSDP unit for forward and again for backward).
+    """
+
+    _is_fsdp_wrapper = True
+
+    def __init__(
+        self,
+        module: nn.Module,
+        dist_index,  # fsdp_mesh.FSDPDistributedIndex
+        ddp_config: DistributedDataParallelConfig | None = None,
+        mixed_precision_policy: MixedPrecisionPolicy | None = None,
+        fsdp_unit_modules: Iterable[type[nn.Module] | str] | None = None,
+        disable_bucketing: bool = False,
+        device: torch.device | None = None,
+        calculate_per_token_loss: bool = False,
+        init_model_with_meta_device: bool = False,
+        sync_model_each_microbatch: bool = False,
+        keep_fp8_transpose_cache: bool = False,
+        nccl_ub: bool = False,
+        fsdp_double_buffer: bool = False,
+        fsdp_db_use_persist_buf_on_alloc_fail: bool = False,
+        disable_symmetric_registration: bool = False,
+        enable_fine_grained_param_gather_hook: bool = False,
+        enable_fine_grained_param_gather_backward_hook: bool = False,
+        fine_grained_recurse_module_types: tuple[type[nn.Module], ...] | None = None,
+        report_nan_in_param_grad: bool = False,
+        *,
+        is_expert_param: Callable[[str, nn.Parameter], bool] | str | None = None,
+        prefetch_depth: int = 1,
+    ) -> None:
+        super().__init__()
+        check_argument_types(
+            "MegatronFSDP",
+            module,
+            fsdp_unit_modules,
+            mixed_precision_policy=(
+                mixed_precision_policy,
+                MixedPrecisionPolicy,
+                "MixedPrecisionPolicy(main_params_dtype=torch.float32)",
+            ),
+        )
+        check_not_wrapped(module)
+        if ddp_config is None:
+            ddp_config = default_ddp_config(
+                keep_fp8_transpose_cache,
+                nccl_ub,
+                fsdp_double_buffer,
+                disable_symmetric_registration,
+            )
+        self.ddp_config = ddp_config
+        self.dist_index = dist_index
+        self.device = (
+            torch.device(device) if device is not None else current_device(dist_index.device_type)
+        )
+        warn_unused_options(
+            self.device,
+            "MegatronFSDP",
+            options_set(
+                ddp_config,
+                nccl_ub=nccl_ub,
+                disable_symmetric_registration=disable_symmetric_registration,
+                keep_fp8_transpose_cache=keep_fp8_transpose_cache,
+                fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
+                enable_fine_grained_param_gather_hook=enable_fine_grained_param_gather_hook,
+                enable_fine_grained_param_gather_backward_hook=(
+                    enable_fine_grained_param_gather_backward_hook
+                ),
+                fine_grained_recurse_module_types=fine_grained_recurse_module_types,
+            ),
+        )
+        self.strategy = ShardingStrategy.parse(ddp_config.data_parallel_sharding_strategy)
+        self.outer_strategy = ShardingStrategy.parse(ddp_config.outer_dp_sharding_strategy)
+        check_hybrid_index(
+            dist_index, self.strategy, self.outer_strategy, init_model_with_meta_device
+        )
+        self.calculate_per_token_loss = calculate_per_token_loss
+        self.init_model_with_meta_device = init_model_with_meta_device
+        self.report_nan_in_param_grad = report_nan_in_param_grad or ddp_config.check_for_nan_in_grad
+        # Megatron-FSDP's step bookkeeping: backwards since the last finish_grad_sync, and
+        # whether the caller flagged this microbatch as the last (it reduces everything).
+        self.microbatch_count = 0
+        self._is_last_microbatch = False
+        self.mixed_precision_policy = mixed_precision_policy or MixedPrecisionPolicy(
+            main_params_dtype=ddp_config.megatron_fsdp_main_params_dtype,
+            main_grads_dtype=ddp_config.megatron_fsdp_main_grads_dtype,
+            grad_comm_dtype=ddp_config.megatron_fsdp_grad_comm_dtype,
+        )
+        check_param_dtype(module, self.mixed_precision_policy)
+        if not init_model_with_meta_device:
+            check_no_meta_params(
+                module,
+                "MegatronFSDP",
+                "pass init_model_with_meta_device=True to materialize them shard by shard",
+            )
+        if not any(p.device.type == "meta" for p in module.parameters()):
+            module.to(self.device)
+        split_experts = dist_index.expt_dp_size != dist_index.dp_size
+        differ = check_same_model(
+            module,
+            dist_index,
+            {
+                "ddp_config": ddp_config,
+                "fsdp_unit_modules": fsdp_unit_modules,
+                "disable_bucketing": disable_bucketing,
+                "device": self.device.type,
+                "calculate_per_token_loss": calculate_per_token_loss,
+                "init_model_with_meta_device": init_model_with_meta_device,
+                "sync_model_each_microbatch": sync_model_each_microbatch,
+                "keep_fp8_transpose_cache": keep_fp8_transpose_cache,
+                "nccl_ub": nccl_ub,
+                "fsdp_double_buffer": fsdp_double_buffer,
+                "disable_symmetric_registration": disable_symmetric_registration,
+                "mixed_precision_policy": self.mixed_precision_policy,
+                "is_expert_param": is_expert_param,
+                "prefetch_depth": prefetch_depth,
+            },
+            # Experts differ across ranks on an expert-parallel mesh.
+            skip_values=resolve_is_expert_param(is_expert_param, True) if split_experts else None,
+        )
+        if differ:
+            broadcast_from_dp_rank0(module, differ, dist_index)
+        tensor_parallel = check_tensor_parallel_replicas(module, dist_index)
+        self.module = module
+        # From here storage moves into buffers: a failure on any rank restores the module
+        # on every rank (agreed at the end); ZeRO-3 keeps the original values until then.
+        with rollback_on_failure(
+            module,
+            dist_index.get_dp_group() if torch.distributed.is_initialized() else None,
+            keep_values=self.strategy is ShardingStrategy.OPTIM_GRADS_PARAMS,
+        ):
+            if init_model_with_meta_device:
+                from fsdp_hooks.setup.meta_init import prepare_meta_init
+
+                # Meta parameters get placeholders on self.device in place (see meta_init).
+                prepare_meta_init(module, self.device)
+            unit_size, unit_max = resolve_communication_units(
+                ddp_config.suggested_communication_unit_size,
+                self.strategy.shards_model_weights,
+            )
+            self.buffer = ParamAndGradBuffer(
+                module,
+                dist_index,
+                strategy=self.strategy,
+                mixed_precision_policy=self.mixed_precision_policy,
+                fsdp_unit_modules=fsdp_unit_modules,
+                bucket_size=ddp_config.bucket_size,
+                disable_bucketing=disable_bucketing,
+                device=self.device,
+                # NCCL user buffers need persistent double buffers; off CUDA nccl_ub is
+                # ignored (with a warning), and so is what it implies.
+                fsdp_double_buffer=fsdp_double_buffer
+                or ddp_config.fsdp_double_buffer
+                or ((nccl_ub or ddp_config.nccl_ub) and self.device.type == "cuda"),
+                # A per-token loss is normalized by the caller: sum, do not average.
+                gradient_scaling_factor=1.0 if calculate_per_token_loss else None,
+                expert_gradient_scaling_factor=1.0 if calculate_per_token_loss else None,
+                average_in_collective=ddp_config.average_in_collective,
+                is_expert_param=resolve_is_expert_param(
+                    is_expert_param, dist_index.has_expert_mesh
+                ),
+                allow_meta=init_model_with_meta_device,
+                tensor_parallel=tensor_parallel,
+                communication_unit_size=unit_size,
+                communication_unit_max_units=unit_max,
+            )
+            if ddp_config.suggested_communication_unit_size:
+                warn_if_units_joined_widely(
+                    self.buffer, ddp_config.suggested_communication_unit_size
+                )
+            self.all_gather_pipeline = AllGatherPipeline(
+                self.buffer, follow_observed_order=True, prefetch_depth=prefetch_depth
+            )
+            if ddp_config.megatron_fsdp_use_decoupled_grad:
+                # Megatron-FSDP's precision-aware path: the reduced gradient shard goes
+                # to .decoupled_grad in the main grads' dtype, .grad stays None.
+                self.buffer.views.grad_attr = "decoupled_grad"
+            self.grad_reduce_pipeline = GradReducePipeline(self.buffer)
+            if init_model_with_meta_device:
+                from fsdp_hooks.setup.meta_init import initialize_from_meta
+
+                initialize_from_meta(self)
+            self.model_auto_sync = sync_model_each_microbatch
+            self._sync_override: bool | None = None
+            self.hooks = FSDPHooks(self)
+            self._replace_param_with_distributed_if_needed()
+            optimizer_params = self.buffer.views.optimizer_named_parameters()
+            # As in a fresh module: no gradient before the first backward.
+            self.buffer.views.drop_grads()
+            for _name, dparam in optimizer_params:
+                # Megatron-FSDP's marker: Megatron-Core's optimizers then read the local
+                # shard of .grad for the gradient norm (a DTensor grad otherwise).
+                dparam.__fsdp_param__ = True
+            self._state_names = self._expert_state_names()
+            # Megatron-FSDP's flag, recorded: its preprocessing measures where uneven pieces
+            # lie; fsdp's pieces are DTensor's torch.chunk ones, so DCP's own metadata is
+            # already exact and nothing (no collective) is done per state_dict().
+            self.preproc_state_dict_for_dcp_ckpt = False
+            log_unit_summary(self)
+
+    def _expert_state_names(self) -> ExpertStateNames:
+        """Local <-> global expert names for state dicts when experts differ across
+        ranks (see ``expert_names``); a collective then, as wrapping is."""
+        experts = [n for g in self.buffer.groups if g.is_expert_param for n in g.names]
+        if not self.experts_differ_across_ranks or not experts:
+            return ExpertStateNames()
+        names = ExpertStateNames.build(self.module, experts, self.dist_index)
+        names.tag(self.module)
+        return names
+
+    # ---- state ----------------------------------------------------------------------
+    @property
+    def experts_differ_across_ranks(self) -> bool:
+        """Expert parallelism: an expert mesh whose data-parallel size differs from the
+        dense one, so ranks hold different experts under the same local names."""
+        return self.dist_index.expt_dp_size != self.dist_index.dp_size
+
+    @property
+    def training_state(self) -> TrainingState:
+        return self.hooks.root_state
+
+    def unit_training_state(self, unit_id: int) -> TrainingState:
+        return self.hooks.units[unit_id].state
+
+    @property
+    def sync_grads(self) -> bool:
+        """Whether the backward running now (or next) reduces every gradient: inside
+        ``no_sync()``/``sync()`` as they say, else when ``model_auto_sync`` or
+        ``is_last_microbatch`` is set (Megatron-FSDP's rule). Only a backward that
+        reduces every gradient attaches ``.grad`` at its end; otherwise ``.grad`` stays
+        empty until ``finish_grad_sync()``, as in Megatron-FSDP."""
+        if self._sync_override is not None:
+            return self._sync_override
+        return self.model_auto_sync or self._is_last_microbatch
+
+    @property
+    def is_last_microbatch(self) -> bool:
+        return self._is_last_microbatch
+
+    @is_last_microbatch.setter
+    def is_last_microbatch(self, value: bool) -> None:
+        self._is_last_microbatch = bool(value)
+
+    # ---- Megatron-FSDP's buffer and mixed-precision surface ----------------------------
+    @property
+    def param_and_grad_buffer(self) -> MegatronParamAndGradBuffer:
+        """The ``ParamAndGradBuffer`` as Megatron-FSDP and Megatron-Core's optimizer
+        read it (``parameter_groups``, ``copy_main_weights_to_model_weights()``; other
+        attributes are the buffer's)."""
+        view = self.__dict__.get("_param_and_grad_buffer_view")
+        if view is None:
+            view = self.__dict__["_param_and_grad_buffer_view"] = MegatronParamAndGradBuffer(self)
+        return view
+
+    @property
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        return self.mixed_precision_policy
+
+    def reset_mixed_precision_policy(self, mixed_precision_policy: MixedPrecisionPolicy) -> None:
+        """Megatron-FSDP's: keep the main weight and gradient dtypes (the buffers are
+        allocated in them) and take ``grad_comm_dtype`` from the new policy (gradients
+        are communicated in it from the next reduction on)."""
+        self.mixed_precision_policy = reset_policy(
+            self.mixed_precision_policy, mixed_precision_policy
+        )
+        self.buffer.policy = self.mixed_precision_policy
+
+    @contextlib.contextmanager
+    def mixed_precision_context(
+        self, mixed_precision_policy: MixedPrecisionPolicy
+    ) -> Iterator[None]:
+        """``reset_mixed_precision_policy`` inside, the previous policy restored after."""
+        previous = self.mixed_precision_policy
+        self.reset_mixed_precision_policy(mixed_precision_policy)
+        try:
+            yield
+        finally:
+            self.reset_mixed_precision_policy(previous)
+
+    def get_distributed_index(self):
+        return self.dist_index
+
+    # ---- forward --------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self._root_call(self.module, inputs, kwargs)
+
+    def _root_call(self, fn: Callable[..., Any], inputs: tuple, kwargs: dict) -> Any:
+        """``fn(*inputs, **kwargs)`` as one root forward: the root groups gathered and the
+        compute parameters in place around it, the policy's input and output casts."""
+        policy = self.mixed_precision_policy
+        if policy.cast_forward_inputs and policy.param_dtype is not None:
+            inputs, kwargs = cast_floating((inputs, kwargs), policy.param_dtype)
+        inputs, kwargs = self.hooks.root_pre_forward(inputs, kwargs)
+        meter = self.__dict__.get("_activation_meter")
+        if meter is None:
+            with self.hooks.saved_weights_hooks():
+                output = fn(*inputs, **kwargs)
+        else:
+            output = measured_forward(self, meter, lambda: fn(*inputs, **kwargs))
+        output = self.hooks.root_post_forward(output)
+        if policy.output_dtype is not None:
+            output = cast_floating(output, policy.output_dtype)
+        return output
+
+    def save_pretrained(self, directory: Any, **kwargs: Any) -> None:
+        """``fsdp.save_pretrained(self, directory, **kwargs)``: the wrapped transformers
+        model written as its ``save_pretrained`` does, consolidated. Call on every rank."""
+        from fsdp_hooks.integrations.huggingface import save_pretrained
+
+        save_pretrained(self, directory, **kwargs)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's ``generate`` (a Hugging Face ``GenerationMixin``), every
+        forward it makes run as the wrapper's forward does: parameters gathered unit by
+        unit (ZeRO-3 included) and released after each step. Same tokens as the
+        unwrapped model."""
+        from fsdp_hooks.integrations.huggingface import generate
+
+        return generate(self, *args, **kwargs)
+
+    # ---- parameter views ------------------------------------------------------------
+    def _replace_param_with_distributed_if_needed(self) -> None:
+        self.hooks.use_distributed_params()
+
+    # ---- gathers --------------------------------------------------------------------
+    def all_gather_and_wait_parameters_ready(
+        self,
+        params: Iterable[nn.Parameter],
+        prefetch: bool = True,
+        prefetch_order: PrefetchOrder = PrefetchOrder.FORWARD_PASS_ORDER,
+        wait_bucket_ready: bool = True,
+    ) -> None:
+        gids = sorted({self.hooks.group_of_any(p) for p in params})
+        self.all_gather_pipeline.all_gather_params(
+            gids,
+            prefetch=prefetch,
+            prefetch_order=prefetch_order,
+            wait_bucket_ready=wait_bucket_ready,
+        )
+
+    def start_param_sync(
+        self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False
+    ) -> None:
+        """Gather every sharded bucket: asynchronously when ``overlap_param_gather`` (or
+        ``force_dispatch``), and waited for when not (or ``force_sync``)."""
+        self.hooks.land_installs()  # ZeRO-1/2 installs left to the forward, if any
+        pipeline = self.all_gather_pipeline
+        for gid in pipeline.forward_order:
+            pipeline.async_bucket_gather(gid)
+        wait = force_sync or not (self.ddp_config.overlap_param_gather or force_dispatch)
+        if wait:
+            self.synchronize_param_gather()
+
+    def synchronize_param_gather(self) -> None:
+        self.hooks.land_installs()
+        pipeline = self.all_gather_pipeline
+        for gid in pipeline.gathered_buckets():
+            pipeline.wait_bucket_ready(gid)
+
+    # ---- gradients --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate replicated gradients without reducing them
+        (``no_shard``/``optim``); sharded gradients are always reduce-scattered."""
+        previous, self._sync_override = self._sync_override, False
+        try:
+            yield
+        finally:
+            self._sync_override = previous
+
+    @contextlib.contextmanager
+    def sync(self) -> Iterator[None]:
+        """Backwards inside reduce every gradient before they return."""
+        previous, self._sync_override = self._sync_override, True
+        try:
+            yield
+        finally:
+            self._sync_override = previous
+
+    def set_model_auto_sync(self, sync_model: bool = True) -> None:
+        self.model_auto_sync = sync_model
+
+    def start_grad_sync(self, *unused: Any) -> None:
+        """Launch the reduction of every bucket not reduced yet (outside backward)."""
+        self.grad_reduce_pipeline.reduce_accumulated()
+
+    def synchronize_gradient_reduce(self) -> None:
+        self.grad_reduce_pipeline.wait_all()
+
+    def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
+        """Reduce whatever is still unreduced, wait for every reduction, check for
+        NaN/Inf when asked, and attach the main-grad shards to the parameters.
+        ``force_all_reduce`` is accepted for Megatron-Core's ``finalize_model_grads``
+        and, as in Megatron-FSDP, has no effect."""
+        self.hooks.publish_grads()
+        self.microbatch_count = 0
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the main gradients, correct in every
+        mode, expert parallelism included (torch's cannot mix the dense and expert
+        meshes; see ``grad_norm``). Reduces what is still unreduced first
+        (``finish_grad_sync``), so call it after the last backward of a step."""
+        self.finish_grad_sync()
+        split = self.experts_differ_across_ranks
+        return clip_grad_norm_(
+            self.buffer,
+            max_norm,
+            expert_replicas=self.dist_index.expt_dp_size if split else None,
+            norm_type=norm_type,
+            error_if_nonfinite=error_if_nonfinite,
+            foreach=foreach,
+        )
+
+    @property
+    def use_decoupled_grad(self) -> bool:
+        """Gradients go to the optimizer parameters' ``.decoupled_grad`` (Megatron-FSDP's
+        ``use_decoupled_grad``), not ``.grad``."""
+        return self.buffer.views.grad_attr == "decoupled_grad"
+
+    def attach_grad_to_optimizer_state(self) -> None:
+        """Point ``.grad`` of the optimizer's parameters at their main-grad shards, in
+        the groups a backward filled since ``zero_grad_buffer`` (a step without
+        backward after ``zero_grad()`` then behaves as in plain PyTorch)."""
+        self.hooks.attach_grads(only_with_grads=True)
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        self.buffer.scale_gradients(scaling_factor)
+
+    def zero_grad_buffer(self) -> None:
+        self.hooks.recover_if_backward_aborted()  # reductions in flight land first
+        if self.use_decoupled_grad:
+            # Megatron-FSDP drops .decoupled_grad here; first, so that sharded gradients
+            # no optimizer parameter holds are released, not zeroed (Note [released
+            # gradients]).
+            self.buffer.views.drop_grads()
+        self.buffer.zero_grad_buffer()
+        self.hooks.clear_nonfinite_grads()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's ``Module.zero_grad`` on the parameters users see (the DTensors):
+        with ``set_to_none`` their ``.grad`` is dropped, so sharded gradients nothing
+        else holds are released (Note [released gradients]), as FSDP2's are; else it
+        stays, zeroed. The gradient buffers are zeroed either way."""
+        if set_to_none:
+            self.hooks.recover_if_backward_aborted()  # reductions in flight land first
+            self.buffer.views.drop_grads()
+            for p in self.module.parameters():  # a whole-placed one's WholeParameter too
+                p.grad = None
+        self.zero_grad_buffer()
+
+    # ---- weights ----------------------------------------------------------------------
+    def install_optimized_model_weights(self, *, defer: bool = False) -> None:
+        """Copy the main weights into the compute weights (after an optimizer step, or
+        in-place writes to the parameters; the next forward does it by itself when a
+        main weight's version moved since the last install). ``defer`` (what the
+        optimizer step passes with ``overlap_param_gather``): ZeRO-1/2 all-gathers are
+        left to the next forward, overlapped with it (Note [deferred install])."""
+        self.all_gather_pipeline.reset()  # gathered copies are stale after a step
+        hooks = self.hooks
+        self.buffer.install_optimized_model_weights(hooks.deferred_installs if defer else ())
+        hooks.params.record_versions()
+
+    def broadcast_params(self) -> None:
+        self.all_gather_pipeline.reset()
+        self.buffer.broadcast_params()
+
+    # ---- state dicts ------------------------------------------------------------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped module's state dict, under its own names (no ``module.``
+        prefix) with experts under their global index (see ``expert_names``):
+        DTensors holding this rank's shard of the main weights."""
+        self._check_checkpointable()
+        self.hooks.use_distributed_params()
+        with row_placed_whole_params(self.hooks, load=False):
+            sd = self.module.state_dict(*args, **kwargs)
+        if self._state_names.ids:
+            prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+            items = list(sd.items())
+            sd.clear()  # renamed in place: a parent's state_dict passes its own dict
+            for key, value in items:
+                if key.startswith(prefix):
+                    key = prefix + self._state_names.to_global(key[len(prefix) :])
+                sd[key] = value
+        return sd
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load into the main weights (DTensors of the same placement), then refresh the
+        compute weights from them. Experts are named as ``state_dict()`` names them;
+        other ranks' experts are unexpected keys."""
+        self._check_checkpointable()
+        self.hooks.use_distributed_params()
+        names = self._state_names
+        if not names.ids:
+            with row_placed_whole_params(self.hooks, load=True):
+                result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+            self.install_optimized_model_weights()
+            return result
+        local: dict[str, Any] = OrderedDict()
+        foreign: list[str] = []
+        for key, value in state_dict.items():
+            mine = names.to_local(key)
+            if mine is None:
+                foreign.append(key)
+            else:
+                local[mine] = value
+        local._metadata = getattr(state_dict, "_metadata", None)  # type: ignore[attr-defined]
+        with row_placed_whole_params(self.hooks, load=True):
+            result = self.module.load_state_dict(local, strict=False, assign=assign)
+        missing = [names.to_global(k) for k in result.missing_keys]
+        unexpected = [*result.unexpected_keys, *foreign]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(self.module).__name__}: "
+                f"missing keys {missing}, unexpected keys {unexpected} (experts under their "
+                f"global index; this rank holds {names.ids})"
+            )
+        self.install_optimized_model_weights()
+        return _IncompatibleKeys(missing, unexpected)
+
+    def _check_checkpointable(self) -> None:
+        if self._state_names.error is not None:
+            raise type(self._state_names.error)(*self._state_names.error.args)
+
+    # ---- accounting -------------------------------------------------------------------
+    def comm_stats(self, reset: bool = False) -> dict[str, dict[str, float]]:
+        """Collectives issued since the last reset: calls, unsharded elements and bytes,
+        and ring traffic per rank, by kind."""
+        stats = self.buffer.stats.as_dict()
+        if reset:
+            self.buffer.stats.reset()
+        return stats
+
+    def reset_comm_stats(self) -> None:
+        self.buffer.stats.reset()
+
+    @contextlib.contextmanager
+    def measure_activations(self) -> Iterator[None]:
+        """Forwards inside are measured: ``memory_stats()`` then reports the last one's
+        ``activations`` (and ``peak`` on CUDA, whose peak statistics each measured
+        forward resets); see ``fsdp_hooks.diagnostics.activations``."""
+        meter = self.__dict__["_activation_meter"] = ActivationMeter(self.buffer.device)
+        try:
+            yield
+        finally:
+            self.__dict__.pop("_activation_meter", None)
+            if meter.last is not None:  # no forward inside: the last measurement stands
+                self.__dict__["_measured_activations"] = meter
+
+    def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """This rank's model-state bytes, measured from the buffers' storages (and the
+        state tensors of ``optimizer``, or of the one ``fully_shard_optimizer`` attached):
+        ``parameters``, ``main_weights``, ``main_grads``, ``optimizer_state``, ``total``;
+        ``activations`` of the last forward run under ``measure_activations()`` (and
+        ``peak`` on CUDA). The keys of ``fsdp.plan(...).per_rank``; see
+        ``fsdp_hooks.diagnostics.memory_stats``."""
+        from fsdp_hooks.diagnostics.memory_stats import measure_memory_stats
+
+        if optimizer is None:
+            ref = self.__dict__.get("_fsdp_optimizer_ref")
+            optimizer = ref() if ref is not None else None
+        meter = self.__dict__.get("_activation_meter") or self.__dict__.get("_measured_activations")
+        return measure_memory_stats(self.buffer, optimizer, meter)

@@ -1,0 +1,1 @@
+"""Optimizers over the sharded main weights: patching, state initialisation, gradient norm."""

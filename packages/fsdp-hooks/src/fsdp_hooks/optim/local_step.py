@@ -1,0 +1,644 @@
+"""Stepping an element-wise optimizer on the plain local shards (no DTensor dispatch).
+
+Note [local step]: the optimizer's parameters are DTensors over this rank's shard of the
+main weights (``dtensor_views``), its gradients DTensors over the main-grad shard, its
+state DTensors placed like the parameter. For an optimizer whose update is element-wise
+(every state tensor has one entry per parameter entry, the rest are 0-d scalars such as
+``step``), stepping the local tensors gives exactly what the DTensor step gives, without
+DTensor's per-op spec building and dispatch (most of the step's host time on many small
+parameters; FSDP2 pays it too). So ``optimizer.step()`` under fsdp runs the optimizer's
+own ``step`` with, for its duration only:
+
+- each group's ``params`` list replaced by persistent plain "shadow" parameters, views of
+  each DTensor parameter's local shard (in-place updates land in the main weights), whose
+  ``.grad`` is the local tensor of the DTensor gradient (``None`` stays ``None``, so such
+  parameters are skipped as before); the group dicts themselves are the user's, so every
+  hyperparameter (``lr`` set by a scheduler, ``weight_decay``, ...) is read as set;
+- ``optimizer.state`` replaced by a shadow state whose tensors are the local tensors of
+  the real DTensor state (shared storage: the step's in-place updates are the real
+  state's). A value the step replaces or creates instead (a new object; all of a
+  parameter's state on its first step) is written back, wrapped as a DTensor placed as
+  its parameter when it is a per-element key, as the DTensor step would create it.
+
+Before and after, ``optimizer.param_groups`` and ``optimizer.state`` are what they are
+on the DTensor path (DTensor parameters, DTensor state), so ``state_dict()``,
+``load_state_dict``, DCP, schedulers, ``add_param_group`` and ``zero_grad`` see no
+difference. The state and gradients are checked every step, and the step runs on the
+DTensors instead, as before, whenever anything is not as this requires. The checks are
+cheap: the last step's plan (shadows and shadow state) is reused while the groups, their
+options that matter here, their parameters, each one's local tensor and gradient, and
+every state dict with its keys and values are the same objects as when it was built
+(C-level maps, no Python call per parameter); anything else (a group added, a state
+entry replaced, a new gradient) plans anew with the per-parameter checks below. A step
+that replaced or added a state value is written back and the next one plans anew.
+Consecutive parameters whose shards, gradients and state lie back to back step as one
+flat tensor (Note [flat runs] in ``flat_runs.py``).
+
+- the optimizer's class is not one of ``_KINDS`` exactly (a subclass may override the
+  update), or a group is ``differentiable``;
+- ``step`` gets arguments (a closure) or step hooks are registered (they would see the
+  shadows);
+- a state entry is not a known per-element key holding a DTensor placed as the parameter
+  with the local shard's shape, or a known scalar key holding a 0-d plain tensor or a
+  number (e.g. state loaded from a plain tensor);
+- a gradient is not a DTensor placed as its parameter with the local shard's shape and
+  dtype.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter, is_, itemgetter
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim import optimizer as torch_optimizer
+
+from fsdp_hooks.optim.flat_runs import (
+    FlatRun,
+    Member,
+    RunLayout,
+    ScalarStore,
+    find_runs,
+    split_flat,
+)
+
+__all__ = ["LocalStep", "state_keys"]
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """The state keys of one element-wise optimizer class: per-element tensors (shaped
+    like the parameter) and scalars (0-d tensors or numbers, alike for every element);
+    ``stateless``: a group option under which the class keeps no state at all."""
+
+    per_element: frozenset[str]
+    scalars: frozenset[str]
+    stateless: Callable[[dict[str, Any]], bool] | None = None
+
+
+def _kind(per_element: str, scalars: str = "step", stateless=None) -> _Kind:
+    return _Kind(frozenset(per_element.split()), frozenset(scalars.split()), stateless)
+
+
+# Checked against torch 2.15's implementations: every update is element-wise given the
+# group's hyperparameters and the scalar state.
+_KINDS_BY_NAME: dict[str, _Kind] = {
+    "SGD": _kind("momentum_buffer", "", stateless=lambda group: group["momentum"] == 0),
+    "Adam": _kind("exp_avg exp_avg_sq max_exp_avg_sq"),
+    "AdamW": _kind("exp_avg exp_avg_sq max_exp_avg_sq"),
+    "Adamax": _kind("exp_avg exp_inf"),
+    "NAdam": _kind("exp_avg exp_avg_sq", "step mu_product"),
+    "RAdam": _kind("exp_avg exp_avg_sq"),
+    "Adagrad": _kind("sum"),
+    "Adadelta": _kind("square_avg acc_delta"),
+    "RMSprop": _kind("square_avg momentum_buffer grad_avg"),
+    "Rprop": _kind("prev step_size"),
+    "ASGD": _kind("ax", "step eta mu"),
+}
+_KINDS: dict[type, _Kind] = {
+    cls: kind
+    for name, kind in _KINDS_BY_NAME.items()
+    if (cls := getattr(torch.optim, name, None)) is not None
+}
+
+
+def state_keys(optimizer: torch.optim.Optimizer) -> _Kind | None:
+    """The state keys of ``optimizer``'s class, or of its nearest listed base class (a
+    subclass creates its base's state, whatever it does to the update); None: unknown."""
+    for cls in type(optimizer).__mro__:
+        kind = _KINDS.get(cls)
+        if kind is not None:
+            return kind
+    return None
+
+
+def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    return bool(
+        optimizer._optimizer_step_pre_hooks
+        or optimizer._optimizer_step_post_hooks
+        or torch_optimizer._global_optimizer_pre_hooks
+        or torch_optimizer._global_optimizer_post_hooks
+    )
+
+
+def _same_layout(value: DTensor, p: DTensor, local: torch.Tensor) -> bool:
+    """``value`` is a DTensor placed as ``p`` whose local tensor is shaped like ``p``'s."""
+    vs, ps = value._spec, p._spec
+    return (
+        value._local_tensor.shape == local.shape
+        and (vs.placements is ps.placements or vs.placements == ps.placements)
+        and (vs.mesh is ps.mesh or vs.mesh == ps.mesh)
+    )
+
+
+class _Shadow:
+    """One DTensor parameter's shadow and what was last checked of it (reused while the
+    gradient, the state dict and its values are the same objects)."""
+
+    __slots__ = (
+        "entries",
+        "grad",
+        "grad_local",
+        "handed",
+        "handed_seen",
+        "local",
+        "param",
+        "seen",
+        "shadow",
+        "values",
+    )
+
+    def __init__(self, p: DTensor) -> None:
+        self.param = p  # kept alive: the cache is keyed by id
+        self.local = p._local_tensor
+        self.shadow = nn.Parameter(self.local.detach(), requires_grad=p.requires_grad)
+        self.grad: object = None
+        self.grad_local: torch.Tensor | None = None
+        self.entries: dict[str, Any] | None = None  # the real state dict checked last
+        self.seen: tuple = ()  # its keys and the ids of its values then
+        # Those values, kept alive so that no new object can take one of their ids.
+        self.values: tuple = ()
+        # The shadow state handed to the step (copied: the copy is the optimizer's to
+        # change), and its keys and value ids, for the write-back.
+        self.handed: dict[str, Any] = {}
+        self.handed_seen: tuple = ()
+
+
+def _seen(entries: dict[str, Any]) -> tuple:
+    return (*entries, *map(id, entries.values()))
+
+
+class _Plan:
+    """One step's shadows: per group the shadow list, the shadow state, and the
+    parameters that have a gradient (to write back what the step replaced); the flat
+    runs among them (Note [flat runs]), where they lie, and their scalar stores."""
+
+    def __init__(self) -> None:
+        self.groups: list[list[nn.Parameter]] = []
+        self.state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        self.stepped: list[_Shadow] = []
+        self.runs: list[FlatRun] = []
+        self.layout: RunLayout | None = None
+        self.stores: list[ScalarStore] = []
+
+    def flat_runs_hold(self) -> bool:
+        """The runs' members still lie as the flat tensors need and agree on their
+        scalar state (Note [flat runs]); cheap, checked before every step."""
+        layout = self.layout
+        return (layout is None or layout.current()) and all(s.agree() for s in self.stores)
+
+
+_params_of = itemgetter("params")
+_grad_of = attrgetter("grad")
+_local_of = attrgetter("_local_tensor")
+
+
+def _member(item: tuple[_Shadow, dict[str, Any] | None] | None) -> Member | None:
+    """A planned parameter as ``find_runs`` sees it (None: no gradient)."""
+    if item is None:
+        return None
+    entry, handed = item
+    return Member(entry.param, entry.local, entry.grad_local, handed or {})
+
+
+def _same(a: list, b: list) -> bool:
+    """The same objects in the same order."""
+    return len(a) == len(b) and all(map(is_, a, b))
+
+
+class _Dicts:
+    """A list of dicts, their keys and their values' identities, taken with C-level maps
+    (no Python call per parameter): equal to a later snapshot exactly when no dict was
+    replaced, and no entry added, removed or rebound."""
+
+    __slots__ = ("dicts", "keys", "lens", "values")
+
+    def __init__(self, dicts: list[dict[str, Any]]) -> None:
+        self.dicts = dicts
+        self.lens = list(map(len, dicts))
+        self.keys = list(chain.from_iterable(dicts))
+        self.values = list(chain.from_iterable(map(dict.values, dicts)))
+
+    def unchanged(self, dicts: list[dict[str, Any]]) -> bool:
+        return (
+            _same(dicts, self.dicts)
+            and list(map(len, dicts)) == self.lens
+            and list(chain.from_iterable(dicts)) == self.keys
+            and _same(list(chain.from_iterable(map(dict.values, dicts))), self.values)
+        )
+
+
+class _Snapshot:
+    """What a plan was built from (Note [local step]): the groups, their flags and
+    parameters, each parameter's local tensor and gradient, and the whole optimizer
+    state (its keys, dicts, and their entries). A plan is reused while all of it is the
+    same objects; anything else rebuilds it with every check. Also the shadow state
+    handed to the step, to tell after it whether the step replaced anything."""
+
+    __slots__ = (
+        "flags",
+        "grads",
+        "groups",
+        "handed",
+        "locals",
+        "params",
+        "plan",
+        "sizes",
+        "state",
+        "state_dicts",
+        "state_keys",
+    )
+
+    def __init__(self, step: LocalStep, optimizer: torch.optim.Optimizer, plan: _Plan) -> None:
+        groups = optimizer.param_groups
+        self.plan = plan
+        self.groups = list(groups)
+        self.flags = step._group_flags(groups)
+        self.sizes = list(map(len, map(_params_of, groups)))
+        self.params = list(chain.from_iterable(map(_params_of, groups)))
+        self.locals = list(map(_local_of, self.params))
+        self.grads = list(map(_grad_of, self.params))
+        self.state = optimizer.state
+        self.state_keys = list(self.state)
+        self.state_dicts = _Dicts(list(self.state.values()))
+        self.handed = _Dicts(list(plan.state.values()))
+
+    def still_valid(self, step: LocalStep, optimizer: torch.optim.Optimizer) -> bool:
+        groups = optimizer.param_groups
+        if not _same(groups, self.groups) or step._group_flags(groups) != self.flags:
+            return False
+        if list(map(len, map(_params_of, groups))) != self.sizes:
+            return False
+        params = list(chain.from_iterable(map(_params_of, groups)))
+        if not (
+            _same(params, self.params)
+            and _same(list(map(_local_of, params)), self.locals)
+            and _same(list(map(_grad_of, params)), self.grads)
+        ):
+            return False
+        state = optimizer.state
+        return (
+            state is self.state
+            and _same(list(state), self.state_keys)
+            and self.state_dicts.unchanged(list(state.values()))
+        )
+
+
+class LocalStep:
+    """Runs an optimizer's step on the local shards when that is exact (see Note
+    [local step]); one per patched optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._kind = _KINDS.get(type(optimizer))
+        self._shadows: dict[int, _Shadow] = {}  # by id of the DTensor parameter
+        # The last plan and what it was built from, reused while that is unchanged.
+        self._snapshot: _Snapshot | None = None
+        self.last_step_was_local = False  # for tests and profiles
+        self.last_plan_was_reused = False  # for tests
+        self.last_flat_runs = 0  # for tests and profiles: runs the last local step merged
+        self.flatten = True  # step flat runs (Note [flat runs]); False: one tensor each
+
+    def _shadow(self, p: DTensor) -> _Shadow:
+        entry = self._shadows.get(id(p))
+        if entry is None or entry.param is not p or entry.local is not p._local_tensor:
+            entry = self._shadows[id(p)] = _Shadow(p)
+        return entry
+
+    def _check_state(self, entry: _Shadow, entries: dict[str, Any]) -> dict[str, Any] | None:
+        """The shadow state of one parameter (local tensors of the real state), or None
+        when its state is not what the local step requires."""
+        kind = self._kind
+        assert kind is not None
+        p, local = entry.param, entry.shadow
+        handed: dict[str, Any] = {}
+        for key, value in entries.items():
+            if key in kind.per_element:
+                if not (isinstance(value, DTensor) and _same_layout(value, p, local)):
+                    return None
+                handed[key] = value._local_tensor
+            elif key in kind.scalars:
+                if isinstance(value, DTensor) or (
+                    isinstance(value, torch.Tensor) and value.ndim != 0
+                ):
+                    return None
+                handed[key] = value
+            else:
+                return None
+        return handed
+
+    def _group_flags(self, groups: list[dict[str, Any]]) -> list[tuple[bool, bool]]:
+        """Per group, what its options decide for the plan: differentiable, stateless."""
+        kind = self._kind
+        assert kind is not None
+        stateless = kind.stateless
+        return [
+            (bool(g.get("differentiable", False)), stateless is not None and stateless(g))
+            for g in groups
+        ]
+
+    def _reused_or_new_plan(self, optimizer: torch.optim.Optimizer) -> _Plan | None:
+        """The last plan when nothing it was built from changed (cheap identity checks),
+        else a new one (``_plan``: every check)."""
+        snapshot = self._snapshot
+        if (
+            snapshot is not None
+            and snapshot.still_valid(self, optimizer)
+            and snapshot.plan.flat_runs_hold()
+        ):
+            self.last_plan_was_reused = True
+            return snapshot.plan
+        self.last_plan_was_reused = False
+        self._snapshot = None
+        plan = self._plan(optimizer, flatten=self.flatten)
+        if plan is not None:
+            self._snapshot = _Snapshot(self, optimizer, plan)
+        return plan
+
+    def _plan(self, optimizer: torch.optim.Optimizer, flatten: bool = True) -> _Plan | None:
+        kind = self._kind
+        assert kind is not None
+        plan = _Plan()
+        state = optimizer.state
+        # Per group, its parameters' entries in order: a stepped one with its shadow
+        # state (None when stateless), or None (no gradient: skipped by the step).
+        groups: list[list[tuple[_Shadow, dict[str, Any] | None] | None]] = []
+        for group in optimizer.param_groups:
+            if group.get("differentiable", False):
+                return None
+            stateless = kind.stateless is not None and kind.stateless(group)
+            items: list[tuple[_Shadow, dict[str, Any] | None] | None] = []
+            for p in group["params"]:
+                if not isinstance(p, DTensor):
+                    return None
+                entry = self._shadow(p)
+                grad = p.grad
+                if grad is None:
+                    items.append(None)
+                    continue  # skipped by the step, as before; its state is not touched
+                if grad is not entry.grad:
+                    if not (
+                        isinstance(grad, DTensor)
+                        and grad.dtype == p.dtype
+                        and _same_layout(grad, p, entry.shadow)
+                    ):
+                        return None
+                    entry.grad, entry.grad_local = grad, grad._local_tensor
+                entries = state.get(p)
+                if not entries:
+                    # No state (yet): the step creates it on the shadow (a flat run's
+                    # is born flat), and it is written back as DTensors placed as the
+                    # parameters.
+                    entry.entries, entry.seen, entry.values = None, (), ()
+                    entry.handed, entry.handed_seen = {}, ()
+                    if not stateless:
+                        # Its (empty) dict now, in parameter order, as the DTensor step
+                        # would add it: the write-back fills runs first, and ranks whose
+                        # runs differ must list the state (state_dict, DCP) alike.
+                        state[p]
+                    items.append((entry, None if stateless else {}))
+                    continue
+                if entries is not entry.entries or _seen(entries) != entry.seen:
+                    handed = self._check_state(entry, entries)
+                    if handed is None:
+                        entry.entries = None
+                        return None
+                    entry.entries, entry.seen = entries, _seen(entries)
+                    entry.values = tuple(entries.values())
+                    entry.handed, entry.handed_seen = handed, _seen(handed)
+                items.append((entry, entry.handed))
+            groups.append(items)
+        for group, items in zip(optimizer.param_groups, groups, strict=True):
+            members = list(map(_member, items))
+            runs = find_runs(members, kind.per_element) if flatten else []
+            starts = {run.start: run for run in runs}
+            shadows: list[nn.Parameter] = []
+            i = 0
+            params = group["params"]
+            while i < len(params):
+                run = starts.get(i)
+                if run is not None:
+                    first = items[i]
+                    assert first is not None  # find_runs starts no run at a None
+                    flat = FlatRun(
+                        members[run.start : run.stop],
+                        kind.per_element,
+                        first[0].shadow.requires_grad,
+                    )
+                    plan.runs.append(flat)
+                    shadows.append(flat.shadow)
+                    if first[1] is not None:
+                        plan.state[flat.shadow] = flat.handed.copy()
+                    i = run.stop
+                    continue
+                item = items[i]
+                entry = self._shadows[id(params[i])]
+                shadows.append(entry.shadow)
+                if item is not None:
+                    if item[1] is not None:
+                        plan.state[entry.shadow] = entry.handed.copy()
+                    plan.stepped.append(entry)
+                i += 1
+            plan.groups.append(shadows)
+        if plan.runs:
+            try:
+                plan.stores = self._scalar_stores(plan.runs)
+            except ValueError:
+                return self._plan(optimizer, flatten=False)
+            plan.layout = RunLayout(plan.runs)
+        return plan
+
+    def _scalar_stores(self, runs: list[FlatRun]) -> list[ScalarStore]:
+        """One store per scalar key (and dtype, device) over every run (Note [flat
+        runs]); raises ValueError when a scalar tensor is shared between members."""
+        kind = self._kind
+        assert kind is not None
+        by_key: dict[tuple, list[list[torch.Tensor]]] = {}
+        for run in runs:
+            for key, value in run.handed.items():
+                if key in kind.scalars:
+                    chain = run.scalar_chains[key]
+                    by_key.setdefault((key, value.dtype, value.device), []).append(chain)
+        return [ScalarStore(chains) for chains in by_key.values()]
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        base_step: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """``base_step(*args, **kwargs)``, on the local shards when exact."""
+        plan = None
+        if self._kind is not None and not args and not kwargs and not _has_step_hooks(optimizer):
+            plan = self._reused_or_new_plan(optimizer)
+        self.last_step_was_local = plan is not None
+        self.last_flat_runs = 0
+        if plan is None:
+            return base_step(*args, **kwargs)
+        groups = optimizer.param_groups
+        saved_params = [group["params"] for group in groups]
+        saved_state = optimizer.state
+        self.last_flat_runs = len(plan.runs)
+        try:
+            for entry in plan.stepped:
+                entry.shadow.grad = entry.grad_local
+            for run in plan.runs:
+                run.shadow.grad = run.grad()
+            for group, shadows in zip(groups, plan.groups, strict=True):
+                group["params"] = shadows
+            optimizer.state = plan.state
+            result = base_step()
+        except BaseException:
+            self._snapshot = None  # the shadow state may be half-updated: plan anew
+            raise
+        finally:
+            optimizer.state = saved_state
+            for group, params in zip(groups, saved_params, strict=True):
+                group["params"] = params
+            for entry in plan.stepped:
+                entry.shadow.grad = None
+            for run in plan.runs:
+                run.shadow.grad = None
+            # Whether the step replaced or added anything (or raised): then it is written
+            # back, and the next step plans anew.
+            snapshot = self._snapshot
+            changed = snapshot is None or not snapshot.handed.unchanged(list(plan.state.values()))
+            if plan.layout is not None:
+                # What the step did to each run's first member, done to the others (even
+                # a step that raised half-way: each run's weights and scalars agree).
+                if changed:
+                    self._write_back_runs(plan, saved_state)
+                for store in plan.stores:
+                    store.broadcast()
+                plan.layout.bump_versions()
+        if changed:
+            self._snapshot = None
+            self._write_back(saved_state, plan)
+        return result
+
+    def _write_back_runs(self, plan: _Plan, state: defaultdict[torch.Tensor, Any]) -> None:
+        """A run's state the step created (its first: born flat), written back as the
+        members' state, DTensors over views of it; into a run's flat state (its members'
+        storage), what the step replaced instead of updating in place."""
+        kind = self._kind
+        assert kind is not None
+        for run in plan.runs:
+            after = plan.state.get(run.shadow) or {}
+            handed = run.handed
+            if _seen(after) == _seen(handed):
+                continue
+            if not handed:
+                self._distribute(run, after, state, kind)
+                continue
+            for key, value in after.items():
+                before = handed.get(key, _MISSING)
+                if before is value:
+                    continue
+                if not (
+                    isinstance(before, torch.Tensor)
+                    and isinstance(value, torch.Tensor)
+                    and value.shape == before.shape
+                ):
+                    raise RuntimeError(
+                        f"the optimizer state key {key!r} came out of a local step over a "
+                        f"flat run of parameters as {type(value).__name__} "
+                        f"{tuple(getattr(value, 'shape', ()))}, not as a tensor shaped like "
+                        "what went in; its update may not be element-wise (report it; "
+                        "fsdp_hooks.optim.local_step lists the optimizers stepped locally)"
+                    )
+                with torch.no_grad():
+                    before.copy_(value)
+                after[key] = before
+            missing = handed.keys() - after.keys()
+            if missing:
+                raise RuntimeError(
+                    f"the optimizer state keys {sorted(missing)} were removed by a local "
+                    "step over a flat run of parameters; its update may not be "
+                    "element-wise (report it; fsdp_hooks.optim.local_step lists the optimizers "
+                    "stepped locally)"
+                )
+
+    def _distribute(
+        self,
+        run: FlatRun,
+        created: dict[str, Any],
+        state: defaultdict[torch.Tensor, Any],
+        kind: _Kind,
+    ) -> None:
+        """The state a step created for a run's flat shadow, as each member's: a
+        per-element tensor split into the members' pieces (views of it, so the state
+        stays flat), a scalar copied to each."""
+        params = run.params
+        pieces: dict[str, list[Any]] = {}
+        for key, value in created.items():
+            if key in kind.per_element:
+                pieces[key] = [
+                    self._wrap(key, local, p, local, kind)
+                    for p, local in zip(params, split_flat(value, run.weights), strict=True)
+                ]
+            else:  # a scalar (``_wrap`` raises for anything else, naming it)
+                value = self._wrap(key, value, params[0], run.shadow, kind)
+                pieces[key] = [
+                    value.clone() if isinstance(value, torch.Tensor) else value for _p in params
+                ]
+        for i, p in enumerate(params):
+            real = state[p]
+            for key, values in pieces.items():
+                real[key] = values[i]
+
+    def _write_back(self, state: defaultdict[torch.Tensor, Any], plan: _Plan) -> None:
+        """Put into the real state what the step replaced or created (most steps update
+        every tensor in place and write nothing here)."""
+        kind = self._kind
+        assert kind is not None
+        for entry in plan.stepped:
+            after = plan.state.get(entry.shadow) or {}
+            if _seen(after) == entry.handed_seen:
+                continue
+            handed = entry.handed
+            p = entry.param
+            real = state[p]
+            for key in handed:
+                if key not in after:
+                    real.pop(key, None)
+            for key, value in after.items():
+                if handed.get(key, _MISSING) is not value:
+                    real[key] = self._wrap(key, value, p, entry.shadow, kind)
+            entry.entries = None  # checked again next step
+
+    @staticmethod
+    def _wrap(key: str, value: Any, p: DTensor, shadow: torch.Tensor, kind: _Kind) -> Any:
+        if key in kind.per_element:
+            if not (isinstance(value, torch.Tensor) and value.shape == shadow.shape):
+                raise RuntimeError(
+                    f"{type(value).__name__} {key!r} of the optimizer state came out of a "
+                    f"local step with shape {getattr(value, 'shape', None)}, not the local "
+                    f"shard's {tuple(shadow.shape)}: this optimizer's update is not "
+                    "element-wise (report it; fsdp_hooks.optim.local_step lists the optimizers "
+                    "stepped locally)"
+                )
+            return DTensor.from_local(
+                value,
+                p.device_mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
+        if key in kind.scalars and not (isinstance(value, torch.Tensor) and value.ndim != 0):
+            return value
+        raise RuntimeError(
+            f"the optimizer state key {key!r} came out of a local step and is neither a "
+            "known per-element tensor nor a scalar of this optimizer; its update may not "
+            "be element-wise (report it; fsdp_hooks.optim.local_step lists the optimizers "
+            "stepped locally)"
+        )
+
+
+_MISSING = object()

@@ -1,0 +1,589 @@
+"""The hooks that decide when buckets are gathered, released and reduced.
+
+Note on one step under ZeRO-3 (see DESIGN.md's data flow):
+
+1. Root pre-forward: the wrapped module's parameters become the compute parameters
+   (views into buckets); buckets outside every FSDP unit are gathered and stay
+   gathered until the end of backward.
+2. Unit pre-forward: gather the unit's buckets, prefetch what follows in forward order,
+   and route the unit's inputs through ``RegisterFSDPBackwardFunction`` so that the
+   unit's post-backward runs once the gradients of its inputs exist.
+3. Unit post-forward: release the unit's buckets, and hook its outputs so that the first
+   gradient reaching them runs the unit's pre-backward. While a unit's buckets are
+   released its modules hold the DTensor parameters (this rank's shard), as in FSDP2:
+   the compute parameters are views into freed storage, and reading one would read
+   freed memory (a crash, not an error). Its pre-forward and pre-backward swap the
+   compute parameters back; autograd itself never looks them up by attribute.
+4. Unit pre-backward: gather again and prefetch in backward order. The first backward
+   event of a step also queues the end-of-backward callback on the outer graph task.
+5. Post-accumulate-grad hooks accumulate each gradient into its bucket.
+6. Unit post-backward: the unit's gradients are all in, so mark its buckets ready for
+   the ``GradReducePipeline``, which reduces them in its fixed order (see "When
+   reductions start" below); then release them.
+7. End of backward: launch what is left (parameters without gradients reduce zeros),
+   wait for every reduction, release everything, check for NaN/Inf when asked, and
+   swap the DTensor parameters back in with their ``.grad`` on the main-grad shards.
+
+Activation recompute: a unit's forward that runs inside backward (torch.utils.checkpoint
+recomputing it, reentrant or not) is not a new forward. ``TrainingState`` tells: a unit
+forward that starts while the root is in PRE_BACKWARD (a backward of this model is
+under way) is a recompute. Its pre-forward finds the buckets already gathered by the
+unit's pre-backward (or, when the unit itself was checkpointed reentrantly, its first
+forward ran under no_grad and no pre-backward was registered: gathers them itself),
+prefetches in backward order and puts the unit in PRE_BACKWARD; its post-forward, seeing
+PRE_BACKWARD, keeps them for the backward that follows, so a recomputed unit is gathered
+once for both. The engine's own "is a backward running" query is asked in two places
+only: at a unit's pre-forward when the root is not in PRE_BACKWARD (a forward run by a
+backward that reached no unit's outputs, ``_side_recompute``), and to tell a backward
+that raised (its end-of-backward callback never ran, the root is left in PRE_BACKWARD)
+from one still under way (``recover_if_backward_aborted``).
+
+When reductions start. A bucket's reduction is launched only at points that every rank
+reaches in the same order, so that reductions and the gathers of ZeRO-3's backward are
+issued in one order on every rank (they share the shard group): a unit's post-backward
+marks the buckets it releases ready, and the end of backward launches the rest (root
+buckets, buckets of units without hooks or whose post-backward did not run), in the
+pipeline's fixed order. A gradient that arrives is only accumulated into its bucket.
+With ``overlap_grad_reduce=False`` no unit marks its buckets: all wait for the end.
+Marking a bucket when its last gradient arrived instead would depend on the rank's
+data: with a branch taken on one rank only (some parameters get no gradient there) one
+rank would launch a reduce-scatter while the other issues the next all-gather, and both
+wait forever. The autograd engine runs a ready AccumulateGrad node before any other
+ready node, so a unit's gradients have arrived when its post-backward runs.
+
+Units called more than once in a forward (shared weights: ``block(block(h))``, or one
+module at two positions of a ``ModuleList``): each call has its own pre-forward,
+post-forward, pre-backward and post-backward, so under ZeRO-3 the unit is gathered and
+released once per call. A gradient usually arrives once, summed over the calls; under
+reentrant checkpointing each recomputed call runs its own backward and the gradient
+arrives once per call. So each unit counts its calls whose backward is still to come
+(``pending_backward``), and its buckets are marked ready at the post-backward of the
+last one, when every call's gradient is in.
+
+Graphs in flight (two forwards then two backwards; a ``no_grad`` forward, or an
+auxiliary loss's own backward, in between) reset the counts at their end: each root
+forward records its unit calls, and its root pre-backward sets the counts from them
+(``shared_buckets``: counts too low would reduce a shared bucket early).
+
+Coalesced units (``suggested_communication_unit_size``) share buckets: a shared
+bucket is released, and reduced, once all the units sharing it are done
+(``shared_buckets``).
+
+A unit that is entirely ``fsdp_no_shard`` gets no gathering hooks (seed 002: nothing
+to gather, and no per-module dispatch for a frozen encoder's many layers): two forward
+hooks on the unit keep its ``TrainingState`` true (plus the backward pair when it has
+trainable parameters), and its buckets are reduced at the end of backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_buffers import PrefetchOrder, annotate, module_is_fully_no_shard
+from fsdp_hooks.runtime.backward import (
+    in_backward,
+    queue_end_of_backward_callback,
+    register_pre_backward,
+    wrap_inputs_for_post_backward,
+)
+from fsdp_hooks.runtime.param_state import ParamState
+from fsdp_hooks.runtime.param_swap import ParamSwapping
+from fsdp_hooks.runtime.saved_weight_hooks import REGATHER_ENV, SavedWeightHooks
+from fsdp_hooks.runtime.schedule_check import Phase, ScheduleCheck, schedule_check_requested
+from fsdp_hooks.runtime.shared_buckets import SharedBuckets, backward_done
+from fsdp_hooks.runtime.training_state import TrainingState
+from fsdp_mesh.device import control_device
+
+if TYPE_CHECKING:
+    from fsdp_hooks.module.megatron_fsdp import MegatronFSDP
+
+__all__ = ["REGATHER_ENV", "FSDPHooks", "FSDPUnit"]
+
+
+def _eager(hook: Any) -> Any:
+    """``hook`` with its frame, and every frame it calls, skipped by TorchDynamo, as
+    FSDP2 does for its hooks (``_dynamo_disable``). ``unit.compile()`` compiles the
+    unit's ``_call_impl``; dynamo leaves that torch frame to Python and compiles the
+    frames it calls instead: each module hook as one and ``forward`` as another. Our
+    hooks gather, release and hook autograd: Python bookkeeping that dynamo cannot
+    trace (it broke each unit's hooks into several graphs). Skipped, they run eagerly
+    around the unit's one compiled ``forward`` graph and break nothing."""
+    return torch.compiler.disable(hook, recursive=True, reason="fsdp's hooks run eagerly")
+
+
+@dataclass(eq=False)
+class FSDPUnit:
+    index: int
+    name: str
+    module: nn.Module
+    groups: list[int]  # buckets to gather for this unit, tied ones included
+    release_groups: list[int]  # of those, the ones this unit releases (not root buckets)
+    state: TrainingState = TrainingState.IDLE
+    # Forward calls of this step whose backward has not finished (see the module note).
+    pending_backward: int = 0
+    handles: list[Any] = field(default_factory=list)
+    # (module, attr, compute, distributed) of the parameters whose gathered bucket this
+    # unit releases: swapped to the DTensor shard while released (see the module note).
+    locations: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = field(default_factory=list)
+    # ``locations`` by module: (module, {attr: compute}, {attr: DTensor}).
+    swaps: list[tuple[nn.Module, dict, dict]] = field(default_factory=list)
+    # Its pre- and post-backward as callbacks, made once at wrap (not per forward call).
+    on_pre_backward: Any = None
+    on_post_backward: Any = None
+
+
+class FSDPHooks(ParamSwapping):
+    """All hooks of one ``MegatronFSDP`` and the per-step state they share."""
+
+    def __init__(self, wrapper: MegatronFSDP) -> None:
+        self._wrapper = weakref.ref(wrapper)
+        buffer = wrapper.buffer
+        self.buffer = buffer
+        self.gather = wrapper.all_gather_pipeline
+        self.reduce = wrapper.grad_reduce_pipeline
+        self.root_state = TrainingState.IDLE
+        # Unit calls per unit: of the root forward under way, and outside any root
+        # forward since the last end of backward; whether the counts of the backward
+        # under way were set from a graph's record (module note).
+        self._forward_calls = [0] * len(buffer.unit_names)
+        self._outside_calls = [0] * len(buffer.unit_names)
+        self._counts_from_graph = False
+        # A post-backward of this backward found its unit's count at zero (shared_buckets).
+        self._uncounted_backward = False
+        # Root buckets (ParamAndGradBuffer.root_groups: outside every unit, or tied to
+        # a module outside every unit): gathered at the root pre-forward and kept until
+        # the end of backward, as no unit hook runs around them.
+        self.root_groups = buffer.root_groups
+        self._callback_queued = False
+        # Whether the gradients of the last backward were checked and attached.
+        self.grads_published = False
+        self._nonfinite: list[tuple[str, torch.Tensor]] = []
+        self._param_names = {p: name for name, _g, _i, p in buffer.named_params()}
+        # The per-unit hooks' profiler ranges, made once (re-entrant; the hooks of one
+        # model never run on two threads at once).
+        self._range_pre_forward = annotate("fsdp.pre_forward")
+        self._range_post_forward = annotate("fsdp.post_forward")
+        self._range_pre_backward = annotate("fsdp.pre_backward")
+        self._range_post_backward = annotate("fsdp.post_backward")
+
+        module = wrapper.module
+        root = set(self.root_groups)
+        self.units: list[FSDPUnit] = []
+        # Trainable bucket -> the hooked units that release it: the last of their
+        # post-backwards marks it ready (module note). Others wait for the end of backward,
+        # as all do without overlap_grad_reduce.
+        overlap = wrapper.ddp_config.overlap_grad_reduce
+        self._markers: dict[int, list[FSDPUnit]] = {}
+        for index, name in enumerate(buffer.unit_names):
+            unit_module = module.get_submodule(name)
+            groups: list[int] = []
+            for p in unit_module.parameters():
+                gid = buffer.group_of(p)[0]
+                if gid not in groups:
+                    groups.append(gid)
+            unit = FSDPUnit(index, name, unit_module, groups, [g for g in groups if g not in root])
+            self.units.append(unit)
+            if module_is_fully_no_shard(unit_module):
+                # Replicated: nothing to gather or release; hooks that keep its state.
+                self._register_state_hooks(unit)
+                continue
+            unit.on_pre_backward = functools.partial(self._unit_pre_backward, unit)
+            unit.on_post_backward = functools.partial(self._unit_post_backward, unit)
+            for gid in unit.release_groups:
+                if overlap and buffer.groups[gid].requires_grad:
+                    self._markers.setdefault(gid, []).append(unit)
+            unit.handles.append(
+                unit_module.register_forward_pre_hook(
+                    _eager(functools.partial(self._unit_pre_forward, unit)),
+                    prepend=True,
+                    with_kwargs=True,
+                )
+            )
+            unit.handles.append(
+                unit_module.register_forward_hook(
+                    _eager(functools.partial(self._unit_post_forward, unit))
+                )
+            )
+
+        self._shared = SharedBuckets(buffer, self.units)  # coalesced units' buckets
+
+        self._grad_handles = [
+            p.register_post_accumulate_grad_hook(self._on_param_grad)
+            for group in buffer.groups
+            if group.requires_grad
+            for p in group.params
+            if p.requires_grad
+        ]
+        for group in buffer.groups:
+            for p in group.params:
+                p._fsdp_managed = True  # type: ignore[attr-defined]
+
+        # Every place a parameter is reachable from, so tied weights swap together.
+        distributed = dict(buffer.views.distributed_named_parameters())
+        by_param = {p: distributed[name] for p, name in self._param_names.items()}
+        for dparam in distributed.values():
+            dparam._fsdp_model_ref = self._wrapper  # type: ignore[attr-defined]
+        self._init_locations(module, by_param)
+        self._installs = buffer.installs  # Note [deferred install]
+        self._init_install_swaps()
+        self.params = ParamState(self)
+        self._installs.main_versions = self.params.bucket_versions
+        self._reached_add = self.params.reached.add  # per gradient (the set is kept)
+        # Opt-in (FSDP_CHECK_SCHEDULE=1): ranks agree on each point that issues collectives.
+        self.schedule: ScheduleCheck | None = None
+        if schedule_check_requested() and dist.is_initialized():
+            device = control_device(buffer.device)
+            self.schedule = ScheduleCheck(
+                wrapper.dist_index.get_dp_group(), [u.name for u in self.units], device
+            )
+        # Saved-tensor hooks that gather released unit weights again (their module).
+        self._saved_weights = SavedWeightHooks(self)
+        # The wrapper's forward calls these: a compiled wrapper then breaks its graph at
+        # these calls only, not at each Python step inside them.
+        self.root_pre_forward = _eager(self.root_pre_forward)  # type: ignore[method-assign]
+        self.root_post_forward = _eager(self.root_post_forward)  # type: ignore[method-assign]
+
+    @property
+    def wrapper(self) -> MegatronFSDP:
+        wrapper = self._wrapper()
+        assert wrapper is not None, "the MegatronFSDP wrapper was garbage-collected"
+        return wrapper
+
+    # ---- weights saved for backward -------------------------------------------------
+    def saved_weights_hooks(self) -> contextlib.AbstractContextManager:
+        """Around the whole forward: ``SavedWeightHooks.saved_weights_hooks``."""
+        return self._saved_weights.saved_weights_hooks()
+
+    # ---- root -----------------------------------------------------------------------
+    def root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        with annotate("fsdp.root_pre_forward"):
+            self.recover_if_backward_aborted()
+            # A forward inside this model's backward is activation recompute (the whole
+            # model checkpointed): not a new step.
+            if self.root_state is not TrainingState.PRE_BACKWARD:
+                if self.schedule is not None:
+                    self.schedule.check(Phase.FORWARD)
+                self._forward_calls = [0] * len(self.units)
+                self.params.sync_requires_grad()
+                if self.root_state is TrainingState.IDLE and self.params.main_weights_changed():
+                    # In-place writes to the main weights since the last install.
+                    wrapper = self.wrapper
+                    wrapper.install_optimized_model_weights(
+                        defer=wrapper.ddp_config.overlap_param_gather
+                    )
+                self.root_state = TrainingState.FORWARD
+            self.use_compute_params()
+            if self._installs.pending:  # left to this forward by the optimizer step
+                self._hold_pending_installs()
+                self._installs.start()
+            self.gather.all_gather_params(self.root_groups, prefetch=False)
+        return args, kwargs
+
+    def root_post_forward(self, output: Any) -> Any:
+        if self.root_state is TrainingState.PRE_BACKWARD:
+            return output  # recompute inside backward: the backward goes on
+        with annotate("fsdp.root_post_forward"):
+            if self._installs.pending:  # buckets no unit of this forward used
+                self.land_installs()
+            for gid in self._shared.take_partly_run():  # a unit sharing it was skipped
+                self.gather.release_bucket(gid)
+            self.gather.commit_observed_order()
+            calls = tuple(self._forward_calls)
+            backward_pending = torch.is_grad_enabled() and register_pre_backward(
+                output, functools.partial(self._root_pre_backward, calls)
+            )
+            if not backward_pending:
+                # No backward will follow (eval, no_grad): nothing to keep gathered.
+                self._release_all()
+                self._reset_call_counts()
+                self.use_distributed_params()
+            self.root_state = TrainingState.IDLE
+        return output
+
+    def _root_pre_backward(self, calls: tuple[int, ...]) -> None:
+        """The first gradient of a backward reached the output of a forward that made
+        ``calls`` (per unit): they are the unit calls whose backward is to come."""
+        self._begin_backward()
+        self.root_state = TrainingState.PRE_BACKWARD
+        # Another graph's end of backward, or a forward without backward, may have reset
+        # the counts since this forward (module note): its own calls are what is pending.
+        if not self._counts_from_graph:
+            self._counts_from_graph = True
+            for unit in self.units:
+                unit.pending_backward = self._outside_calls[unit.index]
+        for unit, n in zip(self.units, calls, strict=True):
+            unit.pending_backward += n
+        if not self._using_compute:
+            # Another graph's end of backward, or a forward without backward (eval
+            # under no_grad), ran since this graph's forward and released everything:
+            # back to the state this forward ended in (units' buckets are gathered by
+            # their own pre-backward; the root buckets again here).
+            self.use_compute_params()
+            for unit in self.units:
+                self._unit_use(unit, compute=False)
+            self.gather.all_gather_params(self.root_groups, prefetch=False)
+        for gid in self.root_groups:  # param.main_grad exists before any gradient
+            self.reduce.prepare(gid)
+
+    def _begin_backward(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            self.grads_published = False
+            self.reduce.sync_grads = self.wrapper.sync_grads
+            queue_end_of_backward_callback(self._end_of_backward)
+
+    # ---- units ----------------------------------------------------------------------
+    def _register_state_hooks(self, unit: FSDPUnit) -> None:
+        """Hooks of a unit that is entirely ``fsdp_no_shard``: its ``TrainingState`` and
+        nothing else (no gather, release or bucket lookup). Backward states only when
+        a gradient can flow through it."""
+        trainable = any(p.requires_grad for p in unit.module.parameters())
+
+        def post_backward() -> None:
+            unit.state = TrainingState.POST_BACKWARD
+
+        def pre_backward() -> None:
+            unit.state = TrainingState.PRE_BACKWARD
+
+        def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
+            if self.root_state is TrainingState.PRE_BACKWARD:  # recompute
+                unit.state = TrainingState.PRE_BACKWARD
+                return args, kwargs
+            unit.state = TrainingState.FORWARD
+            if trainable and torch.is_grad_enabled():
+                return wrap_inputs_for_post_backward(post_backward, args, kwargs)
+            return args, kwargs
+
+        def post_forward(module: nn.Module, args: tuple, output: Any) -> Any:
+            if unit.state is not TrainingState.PRE_BACKWARD:
+                unit.state = TrainingState.IDLE
+                if trainable and torch.is_grad_enabled():
+                    register_pre_backward(output, pre_backward)
+            return output
+
+        unit.handles.append(
+            unit.module.register_forward_pre_hook(
+                _eager(pre_forward), prepend=True, with_kwargs=True
+            )
+        )
+        unit.handles.append(unit.module.register_forward_hook(_eager(post_forward)))
+
+    def _unit_pre_forward(self, unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict):
+        with self._range_pre_forward:
+            # A forward inside this model's backward is a recompute (activation
+            # checkpointing): the unit is in PRE_BACKWARD even when no pre-backward hook
+            # of its own fired (a reentrant checkpoint ran its forward under no_grad).
+            recompute = self.root_state is TrainingState.PRE_BACKWARD
+            if not recompute and torch._C._current_graph_task_id() != -1:  # in_backward()
+                self._side_recompute(unit)
+                return args, kwargs
+            unit.state = TrainingState.PRE_BACKWARD if recompute else TrainingState.FORWARD
+            if not recompute and self.schedule is not None:
+                self.schedule.check(Phase.UNIT_FORWARD, unit.index)
+            if not recompute:
+                # Counted under no_grad too: a reentrant checkpoint's first forward is one
+                # call, whose backward comes with its recompute.
+                unit.pending_backward += 1
+                in_root = self.root_state is TrainingState.FORWARD
+                (self._forward_calls if in_root else self._outside_calls)[unit.index] += 1
+            if self._installs.pending and self._using_compute:
+                self.land_installs(unit.groups)  # ZeRO-1/2: Note [deferred install]
+            order = (
+                PrefetchOrder.BACKWARD_PASS_ORDER if recompute else PrefetchOrder.FORWARD_PASS_ORDER
+            )
+            self.gather.all_gather_params(unit.groups, prefetch=True, prefetch_order=order)
+            self._unit_use(unit, compute=True)
+            if torch.is_grad_enabled():
+                args, kwargs = wrap_inputs_for_post_backward(unit.on_post_backward, args, kwargs)
+        return args, kwargs
+
+    def _side_recompute(self, unit: FSDPUnit) -> None:
+        """A unit's forward run by a backward that reached no unit's outputs (an aux loss
+        backpropagated on its own, whose saved tensors a checkpoint recomputes): no
+        pre- or post-backward of the unit will come. Gather for immediate use, as an
+        unpacked saved weight is (evictable by the next double-buffer gather: the
+        recomputed tensors are read by the node that asked for them, next), and keep
+        it until the end of that backward; the unit stays in PRE_BACKWARD so that its
+        post-forward (if the checkpoint does not stop early) releases nothing."""
+        self._begin_backward()
+        unit.state = TrainingState.PRE_BACKWARD
+        for gid in unit.groups:
+            self.gather.gather_for_immediate_use(gid)
+        self._unit_use(unit, compute=True)
+
+    def _unit_post_forward(self, unit: FSDPUnit, module: nn.Module, args: tuple, output: Any):
+        if unit.state is TrainingState.PRE_BACKWARD:
+            return output  # recompute: the backward that follows needs the buckets
+        with self._range_post_forward:
+            for gid in unit.release_groups:
+                if self._shared.release_after_forward(unit, gid):
+                    self.gather.release_bucket(gid)
+            self._unit_use(unit, compute=False)
+            unit.state = TrainingState.IDLE
+            if torch.is_grad_enabled():
+                # Autograd on, yet no output needs a gradient (a frozen unit): no
+                # backward will gather it, so none should prefetch it. (Under no_grad,
+                # a reentrant checkpoint's first forward, its recompute will.)
+                expected = register_pre_backward(output, unit.on_pre_backward)
+                self.gather.record_backward(unit.release_groups, expected)
+        return output
+
+    def _unit_pre_backward(self, unit: FSDPUnit) -> None:
+        with self._range_pre_backward:
+            if self.schedule is not None:
+                self.schedule.check(Phase.UNIT_BACKWARD, unit.index)
+            self._begin_backward()
+            self.root_state = TrainingState.PRE_BACKWARD
+            unit.state = TrainingState.PRE_BACKWARD
+            self.gather.all_gather_params(
+                unit.groups, prefetch=True, prefetch_order=PrefetchOrder.BACKWARD_PASS_ORDER
+            )
+            self._unit_use(unit, compute=True)
+            for gid in unit.groups:
+                self.reduce.prepare(gid)
+
+    def _unit_post_backward(self, unit: FSDPUnit) -> None:
+        with self._range_post_backward:
+            unit.state = TrainingState.POST_BACKWARD
+            if unit.pending_backward == 0:
+                self._uncounted_backward = True  # a call not counted: the counts are short
+            unit.pending_backward = max(0, unit.pending_backward - 1)
+            for gid in unit.release_groups:
+                self._mark_ready_if_complete(gid)
+            for gid in unit.release_groups:
+                if self._shared.release_after_backward(gid):
+                    self.gather.release_bucket(gid)
+            self._unit_use(unit, compute=False)
+
+    def _mark_ready_if_complete(self, gid: int) -> None:
+        """Mark bucket ``gid`` ready for reduction once no unit that uses it has a call
+        whose backward is still to come; missing gradients count as zeros."""
+        units = self._markers.get(gid)
+        if not units or self.reduce.is_ready(gid) or not backward_done(units):
+            return
+        if len(units) > 1 and self._uncounted_backward:
+            return  # another sharer's backward may still come: the end of backward launches it
+        self.reduce.mark_bucket_ready(gid)
+
+    def _reset_call_counts(self) -> None:
+        self._counts_from_graph = False
+        self._uncounted_backward = False
+        for unit in self.units:
+            unit.pending_backward = 0
+
+    # ---- gradients ------------------------------------------------------------------
+    def _on_param_grad(self, param: torch.Tensor) -> None:
+        saved = self._saved_weights
+        if not saved.regather_saved_weights:  # else there is nothing to check (the default)
+            saved.check_side_path(param)  # type: ignore[arg-type]
+        self._reached_add(id(param))  # ParamState.reached
+        wrapper = self._wrapper()  # per gradient: the property only to raise
+        if wrapper is None:
+            wrapper = self.wrapper
+        if wrapper.report_nan_in_param_grad and param.grad is not None:
+            grad = param.grad
+            local = grad.to_local() if isinstance(grad, DTensor) else grad  # tp: no collective
+            # Kept as a tensor: checking now would sync the device once per parameter.
+            self._nonfinite.append((self._param_names[param], torch.isfinite(local).all()))
+        # Later than its unit's post-backward (see the module note) it is still
+        # accumulated if the bucket waits for its turn, else an error names it.
+        self.reduce.accumulate(param)  # type: ignore[arg-type]
+
+    def _end_of_backward(self) -> None:
+        with annotate("fsdp.end_of_backward"):
+            self.root_state = TrainingState.POST_BACKWARD
+            try:
+                if self.schedule is not None:
+                    self.schedule.check(Phase.END_OF_BACKWARD)
+                self.reduce.finish()
+                if self.reduce.sync_grads:
+                    self.raise_if_nonfinite_grads()
+                self.params.agree_on_reached()
+            finally:
+                self._reset_after_backward()
+                # As in Megatron-FSDP, .grad appears only once every gradient is
+                # reduced: after a backward that synced, else at finish_grad_sync().
+                if self.reduce.sync_grads:
+                    self.attach_grads(only_with_grads=False)
+                self.wrapper.microbatch_count += 1
+                self._callback_queued = False
+                self.root_state = TrainingState.IDLE
+
+    def recover_if_backward_aborted(self) -> bool:
+        """Reset the per-step state when the last backward raised (an OOM-skipped batch,
+        Ctrl-C): the engine never ran its end-of-backward callback, so its flag, the
+        gathered buckets, the launched reductions, the compute parameters and the units'
+        states are as the exception left them. Runs at the next forward and at
+        ``zero_grad_buffer``; True when it reset."""
+        if not self._callback_queued or in_backward():
+            return False
+        self.reduce.abort()
+        self._reset_after_backward()
+        self._nonfinite.clear()
+        self._callback_queued = False
+        self.root_state = TrainingState.IDLE
+        return True
+
+    def _reset_after_backward(self) -> None:
+        """A backward ended (or was abandoned): nothing gathered, no calls pending, every
+        unit idle, the DTensor parameters in place."""
+        self._release_all()
+        self._reset_call_counts()
+        self._outside_calls = [0] * len(self.units)
+        for unit in self.units:
+            unit.state = TrainingState.IDLE
+        self.use_distributed_params()
+
+    def _release_all(self) -> None:
+        self._shared.clear()
+        self.gather.reset()
+
+    def attach_grads(self, only_with_grads: bool) -> None:
+        self.buffer.views.attach_grads(only_with_grads=only_with_grads)
+        self.params.drop_unreached_grads()
+        self.grads_published = True
+
+    def publish_grads(self) -> None:
+        """``finish_grad_sync``: reduce what is still unreduced; when that reduced
+        anything, or the last backward did not publish its gradients (it ran without
+        sync), check them for NaN/Inf and attach them. Once per step: after a backward
+        that synced, both already ran at its end."""
+        reduced = self.reduce.reduce_accumulated()
+        if reduced or not self.grads_published:
+            self.raise_if_nonfinite_grads()
+            self.attach_grads(only_with_grads=True)
+
+    def clear_nonfinite_grads(self) -> None:
+        self._nonfinite.clear()
+        self.params.clear()
+
+    def raise_if_nonfinite_grads(self) -> None:
+        """With ``check_for_nan_in_grad``/``report_nan_in_param_grad``: agree across
+        the data-parallel group whether any rank saw a NaN/Inf gradient, and if so
+        raise on every rank, naming the parameters and the ranks."""
+        if not self.wrapper.report_nan_in_param_grad:
+            return
+        bad = sorted({name for name, finite in self._nonfinite if not bool(finite)})
+        self._nonfinite.clear()
+        group = self.wrapper.dist_index.get_dp_group()
+        device = control_device(self.buffer.device)
+        flag = torch.tensor([1.0 if bad else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item() == 0:
+            return
+        reports: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(reports, (dist.get_rank(), bad), group=group)
+        lines = [f"rank {rank}: {names}" for rank, names in reports if names]
+        raise RuntimeError(
+            "NaN or Inf found in local gradients (report_nan_in_param_grad / "
+            "check_for_nan_in_grad) of parameters:\n" + "\n".join(lines)
+        )

@@ -1,0 +1,158 @@
+"""What users do to parameters between steps, carried to the compute weights.
+
+Outside forward and backward a wrapped module holds DTensor parameters (the optimizer's
+main weights); forward and backward use compute parameters (views into buckets).
+``ParamState`` keeps the two faithful to each other at each root forward:
+
+- In-place writes (``p.mul_(0.5)``, an EMA copied back, a re-init under ``no_grad``) land
+  in the main weights; their version counters move, and the next forward installs the
+  main weights into the compute weights (``install_optimized_model_weights``), as an
+  optimizer step does. Every rank must write alike (SPMD): under ZeRO-1/2 installing is
+  an all-gather.
+- ``requires_grad`` set on a DTensor parameter reaches its compute parameter: a frozen
+  parameter gets no gradient (and ``.grad`` None, so optimizers skip it); a parameter
+  that was frozen when wrapped has no gradient buffer, so making it trainable raises.
+- Parameters that no backward reached since ``zero_grad`` on any rank get ``.grad``
+  None, as in plain PyTorch (AdamW's weight decay then leaves them alone); their
+  buckets are still reduced, so collectives stay matched across ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from operator import attrgetter
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_buffers.whole_param import inner_of
+from fsdp_mesh.device import control_device
+
+if TYPE_CHECKING:
+    from fsdp_hooks.runtime.hooks import FSDPHooks
+
+__all__ = ["ParamState"]
+
+_version = attrgetter("_version")
+_local_tensor = attrgetter("_local_tensor")
+_requires_grad = attrgetter("requires_grad")
+
+
+def _counters(inner: Iterable, sharded: Iterable) -> tuple[list[int], list[int]]:
+    """The version counters ``ParamState`` compares: each parameter's own, and each
+    sharded one's local tensor's."""
+    return list(map(_version, inner)), list(map(_version, map(_local_tensor, sharded)))
+
+
+class ParamState:
+    def __init__(self, hooks: FSDPHooks) -> None:
+        buffer = hooks.buffer
+        self._hooks = hooks
+        names = {p: name for name, _g, _i, p in buffer.named_params()}
+        # (name, compute, DTensor parameter, trainable bucket) in a rank-independent order.
+        self.entries: list[tuple[str, nn.Parameter, nn.Parameter, bool]] = []
+        for name, gid, _i, compute in buffer.named_params():
+            dparam = hooks.distributed_by_compute[compute]
+            self.entries.append((name, compute, dparam, buffer.groups[gid].requires_grad))
+        self._names = names
+        self._trainable = [(c, d) for _n, c, d, t in self.entries if t]
+        self._expert = [
+            bool(buffer.groups[buffer.group_of(c)[0]].is_expert_param) for c, _d in self._trainable
+        ]
+        self._inner = [inner_of(d) for _c, d in self._trainable]
+        # For the checks run at every root forward (C-level maps, no call per parameter):
+        # the tensors whose local shard has a counter of its own, and the requires_grad
+        # pairs to compare.
+        self._sharded = [d for d in self._inner if hasattr(d, "_local_tensor")]
+        self._frozen_dparams = [d for _n, _c, d, t in self.entries if not t]
+        self._trainable_compute = [c for c, _d in self._trainable]
+        self._trainable_dparams = [d for _c, d in self._trainable]
+        self._trainable_ids = [id(c) for c in self._trainable_compute]
+        self._versions: tuple[list[int], list[int]] = ([], [])
+        self._by_bucket: dict[int, tuple[list, list]] = {}
+        for (compute, _d), inner in zip(self._trainable, self._inner, strict=True):
+            lists = self._by_bucket.setdefault(buffer.group_of(compute)[0], ([], []))
+            lists[0].append(inner)
+            if hasattr(inner, "_local_tensor"):
+                lists[1].append(inner)
+        # ids of the compute parameters a gradient reached (a Tensor hashes in Python;
+        # the parameters live as long as the model).
+        self.reached: set[int] = set()  # cleared, never replaced (the hooks bind .add)
+        self.unreached: list[nn.Parameter] = []  # DTensor parameters whose .grad stays None
+        self.record_versions()
+
+    # ---- in-place writes ------------------------------------------------------------
+    # Per trainable parameter, the DTensor's own counter (in-place ops on it) and its
+    # local shard's, shared with the buffer it views (writes through ``p.data``, which
+    # has a counter of its own); a WholeParameter's are its real tensor's (``inner_of``).
+    # Only optimizers, installs and users write main weights between steps. Read twice
+    # a step: C-level maps, no Python call per parameter. The local tensor is looked up
+    # each time (not cached), so one swapped in under a DTensor is still seen.
+    def _all_versions(self) -> tuple[list[int], list[int]]:
+        return _counters(self._inner, self._sharded)
+
+    def bucket_versions(self, gid: int) -> tuple[list[int], list[int]]:
+        """The same counters for bucket ``gid``'s trainable parameters only (a deferred
+        install asks when its gather lands: Note [deferred install])."""
+        return _counters(*self._by_bucket.get(gid, ((), ())))
+
+    def record_versions(self) -> None:
+        self._versions = self._all_versions()
+
+    def main_weights_changed(self) -> bool:
+        return self._all_versions() != self._versions
+
+    # ---- requires_grad ----------------------------------------------------------------
+    def sync_requires_grad(self) -> None:
+        if not any(map(_requires_grad, self._frozen_dparams)) and list(
+            map(_requires_grad, self._trainable_compute)
+        ) == list(map(_requires_grad, self._trainable_dparams)):
+            return  # nothing unfrozen, nothing to carry (the common case: C-level maps)
+        unfrozen = [n for n, _c, d, trainable in self.entries if d.requires_grad and not trainable]
+        if unfrozen:
+            raise ValueError(
+                f"parameters {unfrozen[:5]} were frozen (requires_grad=False) when the model was "
+                "wrapped and have requires_grad=True now; fsdp gave them no gradient buffer. Set "
+                "requires_grad before fully_shard (freeze later instead: that is honoured)."
+            )
+        for compute, dparam in self._trainable:
+            if compute.requires_grad != dparam.requires_grad:
+                compute.requires_grad_(dparam.requires_grad)
+
+    # ---- parameters no backward reached ---------------------------------------------
+    def clear(self) -> None:
+        self.reached.clear()
+        self.unreached = []
+
+    def agree_on_reached(self) -> None:
+        """After a backward that reduced: which trainable parameters got a gradient on
+        some rank since ``zero_grad`` (a MAX over each parameter's data-parallel group)."""
+        if not self._trainable:
+            return
+        reached = torch.tensor(
+            list(map(self.reached.__contains__, self._trainable_ids)), dtype=torch.uint8
+        )
+        if dist.is_initialized():
+            index = self._hooks.wrapper.dist_index
+            device = self._hooks.buffer.device
+            device = control_device(device)
+            flags = reached.to(device)
+            expert = torch.tensor(self._expert, device=device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=index.get_dp_group())
+            if self._hooks.wrapper.experts_differ_across_ranks and bool(expert.any()):
+                # Ranks hold different experts: agree over the expert group instead.
+                mine = reached.to(device)
+                dist.all_reduce(
+                    mine, op=dist.ReduceOp.MAX, group=index.get_dp_group(is_expert_parallel=True)
+                )
+                flags = torch.where(expert, mine, flags)
+            reached = flags.cpu()
+        self.unreached = [
+            d for (_c, d), hit in zip(self._trainable, reached.tolist(), strict=True) if not hit
+        ]
+        self.drop_unreached_grads()
+
+    def drop_unreached_grads(self) -> None:
+        self._hooks.buffer.views.drop_grads(self.unreached)

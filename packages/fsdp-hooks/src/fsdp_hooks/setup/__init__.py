@@ -1,0 +1,1 @@
+"""Wrap-time work: validation, failure-atomic rollback, meta-device initialisation."""
