@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from fsdp_hooks.module.megatron_fsdp import MegatronFSDP
+from fsdp_buffers import ParamAndGradBuffer
 
 logger = logging.getLogger("fsdp_hooks")
 
 __all__ = ["log_unit_summary", "unit_summary"]
 
 
-def unit_summary(wrapper: MegatronFSDP) -> list[dict[str, object]]:
+class _Wrapper(Protocol):
+    """What the summary reads of a ``MegatronFSDP``."""
+
+    buffer: ParamAndGradBuffer
+    strategy: object
+
+
+def unit_summary(wrapper: _Wrapper) -> list[dict[str, object]]:
     """One row per FSDP unit (and one for parameters outside units): parameter count,
     bytes in the compute dtype, and whether it is sharded or ``no_shard``. Coalesced
     units (``suggested_communication_unit_size``) are one row, under the first's name."""
@@ -48,7 +54,7 @@ def unit_summary(wrapper: MegatronFSDP) -> list[dict[str, object]]:
     return rows
 
 
-def log_unit_summary(wrapper: MegatronFSDP) -> None:
+def log_unit_summary(wrapper: _Wrapper) -> None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     rows = unit_summary(wrapper)

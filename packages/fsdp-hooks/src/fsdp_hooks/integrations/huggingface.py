@@ -27,7 +27,6 @@ rank raises.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -37,12 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_hooks.fully_shard import fully_shard_model
 from fsdp_hooks.module.megatron_fsdp import MegatronFSDP
+from fsdp_hooks.module.transformers_model import import_transformers, save_pretrained
 from fsdp_mesh.dtensor_chunks import chunk_piece
 
 __all__ = ["from_pretrained", "save_pretrained"]
@@ -50,23 +49,6 @@ __all__ = ["from_pretrained", "save_pretrained"]
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES = 10  # names listed in an error message
-
-
-def _import_transformers() -> Any:
-    try:
-        import transformers
-    except ImportError as e:  # optional client: the hf dependency group
-        raise ImportError(
-            "fsdp.from_pretrained needs transformers (>=5): install it (`uv sync --group hf` "
-            "or `pip install 'transformers>=5' safetensors`)"
-        ) from e
-    major = int(transformers.__version__.split(".")[0])
-    if major < 5:
-        raise ImportError(
-            f"fsdp.from_pretrained needs transformers >= 5 (its checkpoint conversion "
-            f"API); found {transformers.__version__}"
-        )
-    return transformers
 
 
 def _names(names: list[str]) -> str:
@@ -141,7 +123,7 @@ def load_pretrained_weights(wrapper: MegatronFSDP, directory: str | os.PathLike[
     """Load a ``save_pretrained`` safetensors checkpoint into the sharded
     ``wrapper.module`` (a transformers model), each rank its own piece (see the module
     note), then refresh the compute weights."""
-    _import_transformers()
+    import_transformers()
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (
         WeightConverter,
@@ -227,7 +209,7 @@ def load_pretrained_weights(wrapper: MegatronFSDP, directory: str | os.PathLike[
 
 
 def _build_on_meta(model_class: Any, directory: Path, dtype: torch.dtype) -> nn.Module:
-    transformers = _import_transformers()
+    transformers = import_transformers()
     config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     with torch.device("meta"):
         if hasattr(model_class, "from_config"):  # an Auto class
@@ -291,68 +273,3 @@ def from_pretrained(
     load_pretrained_weights(wrapper, directory)
     wrapper.eval()  # as transformers' from_pretrained returns it: call .train() to train
     return wrapper
-
-
-def _full_state_dict(wrapper: MegatronFSDP) -> dict[str, torch.Tensor]:
-    """Every entry of ``wrapper.module.state_dict()`` as a full tensor, on every rank
-    (collectives in key order, the same on every rank)."""
-    full: dict[str, torch.Tensor] = {}
-    for name, value in wrapper.module.state_dict().items():
-        if isinstance(value, DTensor):
-            full[name] = value.full_tensor().cpu()
-        else:
-            full[name] = value.detach().cpu()
-    return full
-
-
-def save_pretrained(
-    wrapper: MegatronFSDP, directory: str | os.PathLike[str], **kwargs: Any
-) -> None:
-    """Write the wrapped transformers model as ``save_pretrained`` does (config,
-    safetensors with transformers' on-disk names, sharded with an index past
-    ``max_shard_size``), loadable by ``from_pretrained`` of either library. Collective:
-    call it on every rank; rank 0 writes (it holds the consolidated model meanwhile).
-    ``kwargs`` go to transformers' ``save_pretrained`` (``max_shard_size``, ...)."""
-    _import_transformers()
-    full = _full_state_dict(wrapper)
-    error: list[str | None] = [None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            wrapper.module.save_pretrained(directory, state_dict=full, **kwargs)
-        except Exception as e:
-            error[0] = f"{type(e).__name__}: {e}"
-    del full
-    if dist.is_initialized():
-        dist.broadcast_object_list(error, src=0)
-    if error[0] is not None:
-        raise RuntimeError(f"save_pretrained to {directory} failed on rank 0: {error[0]}")
-
-
-def generate(wrapper: MegatronFSDP, *args: Any, **kwargs: Any) -> Any:
-    """``wrapper.generate(...)``: the wrapped model's ``generate`` (a Hugging Face ``GenerationMixin``), every
-    forward it makes run as the wrapper's forward does: parameters gathered unit by
-    unit (ZeRO-3 included) and released after each step. Same tokens as the
-    unwrapped model."""
-    inner = wrapper.module
-    generate = getattr(inner, "generate", None)
-    if not callable(generate):
-        raise AttributeError(
-            f"{type(inner).__name__} has no generate(): MegatronFSDP.generate runs the "
-            f"wrapped model's own (a transformers GenerationMixin)"
-        )
-    if "forward" in inner.__dict__:
-        raise RuntimeError(
-            f"{type(inner).__name__} has an instance attribute 'forward'; generate() "
-            f"routes the model's forward through the wrapper by setting one"
-        )
-    original = inner.forward
-
-    @functools.wraps(original)  # generate inspects forward's signature
-    def forward(*a: Any, **k: Any) -> Any:
-        return wrapper._root_call(original, a, k)
-
-    inner.forward = forward
-    try:
-        return generate(*args, **kwargs)
-    finally:
-        del inner.forward

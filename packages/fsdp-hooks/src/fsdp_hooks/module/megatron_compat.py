@@ -5,42 +5,21 @@
 - ``reset_policy``: Megatron-FSDP's ``reset_mixed_precision_policy`` rule.
 - ``MegatronParamAndGradBuffer``: ``model.param_and_grad_buffer`` as Megatron-FSDP's
   users and Megatron-Core's ``DistributedOptimizer`` read it.
-- ``find_megatron_fsdp``: the ``MegatronFSDP`` inside a chain of wrappers.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from fsdp_buffers import MixedPrecisionPolicy, ParameterGroup
+from fsdp_buffers import MixedPrecisionPolicy, ParamAndGradBuffer, ParameterGroup
 from fsdp_hooks.module.config import DistributedDataParallelConfig
-
-if TYPE_CHECKING:
-    from fsdp_hooks.module.megatron_fsdp import MegatronFSDP
 
 __all__ = [
     "MegatronParamAndGradBuffer",
     "default_ddp_config",
-    "find_megatron_fsdp",
     "reset_policy",
 ]
-
-
-def find_megatron_fsdp(model: Any) -> MegatronFSDP | None:
-    """The first ``MegatronFSDP`` on the chain ``model``, ``model.module``,
-    ``model.module.module``, ... (Megatron-Core's adapter keeps it as ``.module``), or
-    None when there is none (Megatron-FSDP's ``utils.find_megatron_fsdp``)."""
-    from fsdp_hooks.module.megatron_fsdp import MegatronFSDP  # it imports this module
-
-    seen: set[int] = set()
-    m = model
-    while m is not None and id(m) not in seen:
-        if isinstance(m, MegatronFSDP):
-            return m
-        seen.add(id(m))
-        m = getattr(m, "module", None)
-    return None
 
 
 def default_ddp_config(
@@ -88,6 +67,16 @@ def reset_policy(current: MixedPrecisionPolicy, new: MixedPrecisionPolicy) -> Mi
     )
 
 
+class _Wrapper(Protocol):
+    """The part of ``MegatronFSDP`` its buffer view reads (the wrapper imports this
+    module, so it is named by what it offers)."""
+
+    buffer: ParamAndGradBuffer
+    mixed_precision_policy: MixedPrecisionPolicy
+
+    def install_optimized_model_weights(self) -> None: ...
+
+
 class MegatronParamAndGradBuffer:
     """``MegatronFSDP.param_and_grad_buffer``: fsdp's ``ParamAndGradBuffer`` with the
     names Megatron-FSDP's buffer has and Megatron-Core's ``DistributedOptimizer``
@@ -102,10 +91,10 @@ class MegatronParamAndGradBuffer:
 
     Any other attribute is the underlying buffer's (``model.buffer``)."""
 
-    def __init__(self, wrapper: MegatronFSDP) -> None:
+    def __init__(self, wrapper: _Wrapper) -> None:
         object.__setattr__(self, "_wrapper", weakref.ref(wrapper))
 
-    def _model(self) -> MegatronFSDP:
+    def _model(self) -> _Wrapper:
         wrapper = self._wrapper()
         if wrapper is None:
             raise RuntimeError("the MegatronFSDP model owning this buffer no longer exists")

@@ -40,6 +40,7 @@ from fsdp_hooks.diagnostics.summary import log_unit_summary
 from fsdp_hooks.features.expert_names import ExpertStateNames
 from fsdp_hooks.features.experts import resolve_is_expert_param
 from fsdp_hooks.features.whole_state import row_placed_whole_params
+from fsdp_hooks.module import transformers_model
 from fsdp_hooks.module.config import DistributedDataParallelConfig
 from fsdp_hooks.module.inner_module import InnerModuleAttributes
 from fsdp_hooks.module.megatron_compat import (
@@ -382,18 +383,14 @@ class MegatronFSDP(InnerModuleAttributes):
     def save_pretrained(self, directory: Any, **kwargs: Any) -> None:
         """``fsdp.save_pretrained(self, directory, **kwargs)``: the wrapped transformers
         model written as its ``save_pretrained`` does, consolidated. Call on every rank."""
-        from fsdp_hooks.integrations.huggingface import save_pretrained
-
-        save_pretrained(self, directory, **kwargs)
+        transformers_model.save_pretrained(self, directory, **kwargs)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's ``generate`` (a Hugging Face ``GenerationMixin``), every
         forward it makes run as the wrapper's forward does: parameters gathered unit by
         unit (ZeRO-3 included) and released after each step. Same tokens as the
         unwrapped model."""
-        from fsdp_hooks.integrations.huggingface import generate
-
-        return generate(self, *args, **kwargs)
+        return transformers_model.generate(self, *args, **kwargs)
 
     # ---- parameter views ------------------------------------------------------------
     def _replace_param_with_distributed_if_needed(self) -> None:
@@ -643,3 +640,17 @@ class MegatronFSDP(InnerModuleAttributes):
             optimizer = ref() if ref is not None else None
         meter = self.__dict__.get("_activation_meter") or self.__dict__.get("_measured_activations")
         return measure_memory_stats(self.buffer, optimizer, meter)
+
+
+def find_megatron_fsdp(model: Any) -> MegatronFSDP | None:
+    """The first ``MegatronFSDP`` on the chain ``model``, ``model.module``,
+    ``model.module.module``, ... (Megatron-Core's adapter keeps it as ``.module``), or
+    None when there is none (Megatron-FSDP's ``utils.find_megatron_fsdp``)."""
+    seen: set[int] = set()
+    m = model
+    while m is not None and id(m) not in seen:
+        if isinstance(m, MegatronFSDP):
+            return m
+        seen.add(id(m))
+        m = getattr(m, "module", None)
+    return None

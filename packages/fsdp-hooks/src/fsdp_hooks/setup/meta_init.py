@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -83,10 +83,18 @@ from fsdp_buffers import ParamAndGradBuffer, annotate
 from fsdp_buffers.no_shard import copy_param_attributes
 from fsdp_hooks.setup.meta_plan import Plan, Reset, make_plan
 from fsdp_hooks.setup.validation import digest, gather_ints
+from fsdp_mesh import FSDPDistributedIndex
 from fsdp_mesh.device import warn_once
 
-if TYPE_CHECKING:
-    from fsdp_hooks.module.megatron_fsdp import MegatronFSDP
+
+class _Wrapper(Protocol):
+    """What meta initialization reads of a ``MegatronFSDP`` (which calls it after its
+    buffers exist)."""
+
+    module: nn.Module
+    buffer: ParamAndGradBuffer
+    dist_index: FSDPDistributedIndex
+
 
 __all__ = [
     "META_INIT_PENDING_ATTR",
@@ -330,7 +338,7 @@ def _any_nan(t: torch.Tensor) -> bool:
 
 
 # ---- the entry point ----------------------------------------------------------------------
-def initialize_from_meta(wrapper: MegatronFSDP) -> None:
+def initialize_from_meta(wrapper: _Wrapper) -> None:
     """Initialize ``wrapper.module``'s meta parameters and buffers by running
     ``reset_parameters()``, one FSDP unit at a time, into this rank's shards (see the
     module note). Called by ``MegatronFSDP`` after its buffers exist, when
@@ -446,7 +454,7 @@ def _rng_state(device: torch.device) -> torch.Tensor | None:
     return None
 
 
-def _check_same_rng_state(wrapper: MegatronFSDP) -> None:
+def _check_same_rng_state(wrapper: _Wrapper) -> None:
     """Every data-parallel rank must draw the same random numbers, or their shards would
     come from different models."""
     if not dist.is_initialized():
@@ -461,7 +469,7 @@ def _check_same_rng_state(wrapper: MegatronFSDP) -> None:
             _check_same_rng_in(wrapper, state, group, which)
 
 
-def _check_same_rng_in(wrapper: MegatronFSDP, state: torch.Tensor, group, which: str) -> None:
+def _check_same_rng_in(wrapper: _Wrapper, state: torch.Tensor, group, which: str) -> None:
     mine = digest(bytes(state.cpu().tolist()))
     values = [row[0] for row in gather_ints([mine], group, wrapper.dist_index.device_type)]
     if len(set(values)) > 1:
