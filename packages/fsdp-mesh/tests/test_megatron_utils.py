@@ -46,6 +46,17 @@ def test_log_single_rank(monkeypatch, caplog):
     assert [r.getMessage() for r in caplog.records] == ["on rank 1"]
 
 
+class _IndexLike:
+    """What megatron_fsdp's ``using_tensor_parallel`` reads of an index: ``tp_dim`` and
+    ``get_submesh`` (no ``get_root_mesh``)."""
+
+    def __init__(self, mesh, tp_dim):
+        self.mesh, self.tp_dim = mesh, tp_dim
+
+    def get_submesh(self, dim, is_expert_parallel=False):
+        return self.mesh[dim]
+
+
 def _index_checks() -> dict:
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -64,6 +75,8 @@ def _index_checks() -> dict:
     }
     plain = FSDPDistributedIndex(init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)))
     out["tp_plain"] = using_tensor_parallel(plain)
+    out["tp_index_like"] = using_tensor_parallel(_IndexLike(mesh, "tp"))
+    out["none_index_like"] = using_tensor_parallel(_IndexLike(mesh, None))
     meshes = build_device_mesh(dp_shard=4, tp=1, expert_parallel=2, device_type="cpu")
     eindex = FSDPDistributedIndex(**meshes.fsdp_kwargs())
     out["has_expert_mesh"] = eindex.expt_device_mesh is meshes.expt_device_mesh
@@ -80,6 +93,9 @@ def test_distributed_index_matches_megatron_fsdp():
         assert out["shard"] == ([0, 2] if rank in (0, 2) else [1, 3])
         assert out["expt_mesh"] is None  # dense: no expert mesh, as in Megatron-FSDP
         assert out["tp"] and out["tp_expert"] and not out["tp_plain"]
+        # An index-like object megatron_fsdp accepts (no get_root_mesh).
+        assert out["tp_index_like"] is True
+        assert out["none_index_like"] is False
         assert out["has_expert_mesh"]
         assert "must hold the same ranks" in out["bad_ag"]
 

@@ -34,11 +34,17 @@ def log_single_rank(
 
 def using_tensor_parallel(dist_index: Any, is_expert_parallel: bool = False) -> bool:
     """Whether the (expert) mesh of ``dist_index`` has a tensor-parallel dim of more
-    than one rank."""
+    than one rank.
+
+    ``dist_index`` is ours or any index megatron_fsdp's ``using_tensor_parallel``
+    accepts: it reads only ``tp_dim`` and ``get_submesh(tp_dim, is_expert_parallel=...)``.
+    Where the index can say which dims its (expert) mesh has (our ``get_root_mesh``),
+    an expert mesh without the tp dim is expert tp of size 1 rather than an error."""
     tp_dim = dist_index.tp_dim
     if tp_dim is None:
         return False
-    mesh = dist_index.get_root_mesh(is_expert_parallel)
-    if tp_dim not in get_mesh_names(mesh):
+    root_mesh = getattr(dist_index, "get_root_mesh", None)
+    if callable(root_mesh) and tp_dim not in get_mesh_names(root_mesh(is_expert_parallel)):
         return False  # an expert mesh without the tp dim: expert tp of size 1
-    return dist_index.get_submesh(tp_dim, is_expert_parallel=is_expert_parallel).size() > 1
+    tp_mesh = dist_index.get_submesh(tp_dim, is_expert_parallel=is_expert_parallel)
+    return tp_mesh.mesh.numel() > 1
