@@ -40,6 +40,11 @@ from fsdp_hooks.integrations.megatron_core._common import (
 )
 from fsdp_hooks.integrations.megatron_core.fsdp_checks import check_fsdp_config
 from fsdp_hooks.integrations.megatron_core.fsdp_sharded_state import dtensor_sharded_state_dict
+from fsdp_hooks.integrations.megatron_core.tp_detection import (
+    MODULE_TYPE_REGISTRY,
+    annotate_tensor_parallelism,
+    detect_parallelism_type,
+)
 from fsdp_hooks.module.inner_module import InnerModuleAttributes
 from fsdp_hooks.module.megatron_fsdp import MegatronFSDP
 from fsdp_mesh import FSDPDistributedIndex
@@ -94,7 +99,14 @@ class FullyShardedDataParallel(InnerModuleAttributes):
         dist_index: an ``FSDPDistributedIndex`` to use instead of building one (its
             outer dim, if any, must have ``num_distributed_optimizer_instances`` ranks).
         mixed_precision_policy: overrides the ``megatron_fsdp_*_dtype`` fields.
+
+    Before wrapping, parameters of module classes Megatron-Core knows get their
+    tensor-parallel mode (``_MODULE_TYPE_REGISTRY``, ``tp_detection``), as Megatron-Core's
+    adapter does.
     """
+
+    # Megatron-Core's names; a subclass may extend the registry.
+    _MODULE_TYPE_REGISTRY: dict[str, set[str]] = MODULE_TYPE_REGISTRY
 
     def __init__(
         self,
@@ -141,6 +153,7 @@ class FullyShardedDataParallel(InnerModuleAttributes):
             if fsdp_unit_modules is not None
             else _default_units(module, strategy)
         )
+        self._annotate_tensor_parallelism(module)
         self.config = config
         self.ddp_config = cfg
         self.megatron_fsdp_dist_index = dist_index
@@ -159,6 +172,15 @@ class FullyShardedDataParallel(InnerModuleAttributes):
         # Megatron-Core's DistributedOptimizer (use_megatron_fsdp) reads
         # parameter_groups and calls copy_main_weights_to_model_weights() on it.
         self.param_and_grad_buffer = self.module.param_and_grad_buffer
+
+    # ---- tensor-parallel detection (Megatron-Core's methods) -------------------------------
+    def _detect_parallelism_type(self, param_name: str, module: nn.Module) -> str | None:
+        """``"column"``, ``"row"``, ``"replicated"`` or None (``tp_detection``)."""
+        return detect_parallelism_type(param_name, module, self._MODULE_TYPE_REGISTRY)
+
+    def _annotate_tensor_parallelism(self, root_module: nn.Module) -> None:
+        """``_tensor_parallel_mode`` on every parameter whose module class tells it."""
+        annotate_tensor_parallelism(root_module, self._MODULE_TYPE_REGISTRY)
 
     # ---- forward ------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
