@@ -55,11 +55,15 @@ tp = _load("test_tensor_parallel.py")
 # ---- tensor parallelism with hybrid sharding -------------------------------------------
 
 
-def wrap_tp_hybrid(kind: str, outer: str, strategy: int = 3):
+def wrap_tp_hybrid(kind: str, outer: str, strategy: int = 3, given_group: bool = False):
     """The tp test's model on (dp_outer 2, dp_shard world/4, tp 2) under hybrid
-    sharding."""
+    sharding; ``given_group``: with the hybrid group flattened by the caller and passed
+    as ``hybrid_fsdp_group``, as Megatron-FSDP's own tests do."""
     mesh = build_device_mesh(dp_outer=2, dp_shard=dist.get_world_size() // 4, tp=2).device_mesh
     net = tp._net(kind, mesh)
+    group = {}
+    if given_group:
+        group["hybrid_fsdp_group"] = mesh["dp_outer", "dp_shard"]._flatten("hsdp").get_group()
     return fully_shard(
         net,
         tp._optimizer(net.parameters()),
@@ -70,6 +74,7 @@ def wrap_tp_hybrid(kind: str, outer: str, strategy: int = 3):
         fsdp_unit_modules=[tp.Block],
         zero_dp_strategy=strategy,
         outer_dp_sharding_strategy=outer,
+        **group,
     )
 
 
@@ -110,10 +115,10 @@ def _chunk_check(model) -> list[str]:
     return bad
 
 
-def _tp_hybrid_job(kind, outer, strategy, ckpt_dir):
+def _tp_hybrid_job(kind, outer, strategy, ckpt_dir, given_group=False):
     from fsdp_ckpt import load_checkpoint, save_checkpoint
 
-    model, opt = wrap_tp_hybrid(kind, outer, strategy)
+    model, opt = wrap_tp_hybrid(kind, outer, strategy, given_group)
     losses, norms = train_tp(model, opt, 0, tp.STEPS)
     out = {
         "losses": losses,
@@ -127,7 +132,7 @@ def _tp_hybrid_job(kind, outer, strategy, ckpt_dir):
     }
     # fsdp's checkpoint: saved here, loaded into a fresh wrap of another seed.
     save_checkpoint(ckpt_dir, model, opt, extra={"step": tp.STEPS})
-    model, opt = wrap_tp_hybrid(kind, outer, strategy)
+    model, opt = wrap_tp_hybrid(kind, outer, strategy, given_group)
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(7.0)
@@ -151,26 +156,32 @@ def _assert_parity(results):
 
 
 @pytest.mark.parametrize(
-    "kind, outer, strategy, world",
+    "kind, outer, strategy, world, given_group",
     [
-        ("dtensor", "no_shard", 3, WORLD),
-        ("megatron", "no_shard", 1, WORLD),
+        ("dtensor", "no_shard", 3, WORLD, False),
+        ("megatron", "no_shard", 1, WORLD, False),
         # Fully sharded: over the outer dim alone (2 x 1 x 2), and over both (2 x 2 x 2).
-        ("dtensor", "optim", 3, WORLD),
-        ("dtensor", "optim", 3, 8),
+        ("dtensor", "optim", 3, WORLD, False),
+        ("dtensor", "optim", 3, 8, False),
+        # The hybrid group flattened by the caller and passed in (Megatron-FSDP's tests).
+        ("megatron", "optim", 3, WORLD, True),
     ],
 )
-def test_tp_with_hybrid_sharding_matches_one_process(tmp_path, kind, outer, strategy, world):
+def test_tp_with_hybrid_sharding_matches_one_process(
+    tmp_path, kind, outer, strategy, world, given_group
+):
     """Parity with one process (see the module note); then a checkpoint of fsdp's own
     (``save_checkpoint``), loaded into a fresh wrap, resumes with its losses."""
     ckpt = str(tmp_path / "ckpt")
     results = run_distributed(
-        _tp_hybrid_job, world, args=(kind, outer, strategy, ckpt), timeout=240
+        _tp_hybrid_job, world, args=(kind, outer, strategy, ckpt, given_group), timeout=240
     )
     _assert_parity(results)
     meshes = results[0]["meshes"]
     # fsdp's dim x tp: the shard dim (outer replicate) or the flattened hybrid dim.
-    fsdp_dim = "dp_outer_dp_shard" if outer == "optim" else "dp_shard"
+    fsdp_dim = "dp_shard"
+    if outer == "optim":
+        fsdp_dim = "hsdp" if given_group else "dp_outer_dp_shard"
     assert meshes["blocks.0.up.weight"][0] == (fsdp_dim, "tp"), meshes
     assert meshes["inp.weight"][0] == (fsdp_dim, "tp"), meshes
 
@@ -179,13 +190,15 @@ def _tp_hybrid_bad_inputs():
     """What tensor parallelism with hybrid sharding cannot do: the same error on every
     rank, before anything is sharded."""
     mesh = build_device_mesh(dp_outer=2, dp_shard=1, tp=2).device_mesh
-    flat = mesh["dp_outer", "dp_shard"]._flatten("given_hybrid").get_group()
+    # The hybrid groups' ranks, as groups of their own: no dim of the mesh.
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    plain = pairs[dist.get_rank() % 2]
     out = {}
 
     def given_group_fully_sharded():
-        # A hybrid group given by hand has no mesh dim for the views' (hybrid, tp) mesh.
+        # A hybrid group that is no mesh dim leaves no mesh for the views' (hybrid, tp).
         index = FSDPDistributedIndex(
-            mesh, "dp_shard", "dp_outer", "tp", hybrid_fsdp_group=flat, hsdp_outer_dp_shard=True
+            mesh, "dp_shard", "dp_outer", "tp", hybrid_fsdp_group=plain, hsdp_outer_dp_shard=True
         )
         MegatronFSDP(
             tp._net("dtensor", mesh),
@@ -217,7 +230,7 @@ def _tp_hybrid_bad_inputs():
 def test_tp_with_hybrid_sharding_bad_input():
     for rank, out in enumerate(run_distributed(_tp_hybrid_bad_inputs, WORLD, timeout=120)):
         assert out["given_group"] is not None and out["given_group"][0] == "NotImplementedError"
-        assert "do not pass hybrid_fsdp_group" in out["given_group"][1], (rank, out)
+        assert "no flattened dim of its root mesh" in out["given_group"][1], (rank, out)
         assert out["order"] is not None and out["order"][0] == "ValueError", (rank, out)
         assert "comes before dp_outer_dim='dp_outer'" in out["order"][1], (rank, out)
 

@@ -186,9 +186,12 @@ def tensor_parallel_specs(module: nn.Module, dist_index) -> dict[nn.Parameter, T
             )
     if idx.hsdp_outer_dp_shard and idx.hybrid_fsdp_mesh is None:
         raise NotImplementedError(
-            "tensor parallelism with fully-sharded hybrid sharding needs the hybrid mesh "
-            "fsdp flattens from device_mesh[dp_outer_dim, dp_shard_dim] (its DTensors live "
-            "on that flattened dim x tp); do not pass hybrid_fsdp_group"
+            "tensor parallelism with fully-sharded hybrid sharding puts its DTensors on "
+            "the hybrid dim x tp, so the hybrid group must be a dim of device_mesh: the "
+            "given hybrid_fsdp_group is no flattened dim of its root mesh with the same "
+            "ranks in the same order. Pass no hybrid_fsdp_group (fsdp flattens "
+            "device_mesh[dp_outer_dim, dp_shard_dim]), or the group of the dim you "
+            "flattened from it (device_mesh[(outer, shard)]._flatten(name).get_group())"
         )
     specs = {
         p: _dtensor_spec(n, p, idx.tp_mesh, idx.tp_dim)

@@ -89,6 +89,19 @@ def _flatten(mesh: DeviceMesh, outer: str, shard: str, name: str) -> DeviceMesh:
     return sub._flatten(name)
 
 
+def _flattened_dim_of(mesh: DeviceMesh, group: ProcessGroup) -> DeviceMesh | None:
+    """The 1-D mesh of a dim flattened on ``mesh``'s root whose group holds exactly
+    ``group``'s ranks in ``group``'s order, or None. A local lookup (no collective):
+    a hybrid group the caller flattened from the mesh is then a mesh dim too, which
+    the DTensors of fully-sharded hybrid sharding with tensor parallelism need."""
+    wanted = dist.get_process_group_ranks(group)
+    flattened = getattr(mesh._get_root_mesh(), "_flatten_mapping", {})
+    for sub in flattened.values():
+        if sub.ndim == 1 and dist.get_process_group_ranks(sub.get_group()) == wanted:
+            return sub
+    return None
+
+
 def _check_same_ranks(
     given: ProcessGroup | None, shard: ProcessGroup | None, arg: str, which: str
 ) -> None:
@@ -186,6 +199,8 @@ class FSDPDistributedIndex:
                 device_mesh, dp_outer_dim, dp_shard_dim, f"{dp_outer_dim}_{dp_shard_dim}"
             )
             hybrid_fsdp_group = self.hybrid_fsdp_mesh.get_group()
+        elif self.use_hybrid_fsdp and hybrid_fsdp_group is not None:
+            self.hybrid_fsdp_mesh = _flattened_dim_of(device_mesh, hybrid_fsdp_group)
         self.hybrid_fsdp_group = hybrid_fsdp_group
 
         # Expert groups, from the expert mesh under the same dim names.
