@@ -54,6 +54,7 @@ TRANSFORMER_OPTIONS: dict[str, Any] = {
     "fp4": None,
     "use_kitchen": False,
     "quant_recipe": None,
+    "num_moe_experts": None,
 }
 
 
@@ -142,35 +143,57 @@ def _unknown_fields_set(ddp_config: object) -> dict[str, Any]:
 
 
 def dist_index_over(
-    group: dist.ProcessGroup | None, who: str, what: str = "data_parallel_group"
+    group: dist.ProcessGroup | None,
+    who: str,
+    what: str = "data_parallel_group",
+    *,
+    expert_group: dist.ProcessGroup | None = None,
+    experts: bool = False,
 ) -> FSDPDistributedIndex:
     """An ``FSDPDistributedIndex`` whose shard dim is ``group`` (the whole world when
     None), on CUDA when NCCL is the default backend, else on CPU. ``group`` may be a
     part of the world (Megatron-Core's data-parallel group beside tensor and pipeline
-    groups): each rank passes its own, and collectives stay inside it."""
+    groups): each rank passes its own, and collectives stay inside it.
+
+    ``experts`` (a MoE model: Megatron-Core's ``config.num_moe_experts``) gives the index
+    an expert mesh, as Megatron-Core's adapter builds one from its parallel state: over
+    ``expert_group`` (the expert data-parallel group) when given, else over the same
+    ranks as the dense one (expert parallelism of one rank)."""
     if not dist.is_initialized():
         raise RuntimeError(
             f"{who}: torch.distributed is not initialized; call "
             "dist.init_process_group() (or launch with torchrun) first"
         )
     world = dist.get_world_size()
+    device = default_device_type()
     if group is None or group is dist.group.WORLD:
-        mesh = init_device_mesh(default_device_type(), (world,), mesh_dim_names=(DP_DIM,))
-        return FSDPDistributedIndex(mesh, dp_shard_dim=DP_DIM)
-    if dist.get_rank(group) < 0:
-        raise ValueError(
-            f"{who}: this rank ({dist.get_rank()}) is not in the {what} it was given; "
-            "pass the group this rank belongs to (each rank passes its own)"
-        )
-    mesh = DeviceMesh.from_group(group, default_device_type(), mesh_dim_names=(DP_DIM,))
-    return FSDPDistributedIndex(mesh, dp_shard_dim=DP_DIM, part_of_world=True)
+        mesh = init_device_mesh(device, (world,), mesh_dim_names=(DP_DIM,))
+        # A root mesh of its own: the expert groups are the experts', as in Megatron-Core.
+        expt = init_device_mesh(device, (world,), mesh_dim_names=(DP_DIM,)) if experts else None
+        return FSDPDistributedIndex(mesh, dp_shard_dim=DP_DIM, expt_device_mesh=expt)
+    for given, name in ((group, what), (expert_group, "expert data-parallel group")):
+        if given is not None and dist.get_rank(given) < 0:
+            raise ValueError(
+                f"{who}: this rank ({dist.get_rank()}) is not in the {name} it was given; "
+                "pass the group this rank belongs to (each rank passes its own)"
+            )
+    mesh = DeviceMesh.from_group(group, device, mesh_dim_names=(DP_DIM,))
+    expt = None
+    if experts:
+        expt = DeviceMesh.from_group(expert_group or group, device, mesh_dim_names=(DP_DIM,))
+    return FSDPDistributedIndex(
+        mesh, dp_shard_dim=DP_DIM, part_of_world=True, expt_device_mesh=expt
+    )
 
 
-def hybrid_dist_index(instances: int, outer_optim: bool, who: str) -> FSDPDistributedIndex:
+def hybrid_dist_index(
+    instances: int, outer_optim: bool, who: str, *, experts: bool = False
+) -> FSDPDistributedIndex:
     """Megatron-Core's ``num_distributed_optimizer_instances > 1`` over the whole world:
     ``instances`` replicas of a shard group of consecutive ranks (Megatron-Core's
     intra-instance group), i.e. a ``(dp_outer, dp_shard)`` mesh; ``outer_optim`` shards
-    main weights and optimizer state across the replicas too (fully-sharded HSDP)."""
+    main weights and optimizer state across the replicas too (fully-sharded HSDP).
+    ``experts``: an expert mesh of the same layout (``dist_index_over``)."""
     if not dist.is_initialized():
         raise RuntimeError(
             f"{who}: torch.distributed is not initialized; call "
@@ -182,18 +205,25 @@ def hybrid_dist_index(instances: int, outer_optim: bool, who: str) -> FSDPDistri
             f"{who}: num_distributed_optimizer_instances={instances} does not divide the "
             f"{world} data-parallel ranks; use a divisor of {world}"
         )
-    mesh = init_device_mesh(
-        default_device_type(), (instances, world // instances), mesh_dim_names=(OUTER_DIM, DP_DIM)
-    )
+    shape, names = (instances, world // instances), (OUTER_DIM, DP_DIM)
+    mesh = init_device_mesh(default_device_type(), shape, mesh_dim_names=names)
+    expt = init_device_mesh(default_device_type(), shape, mesh_dim_names=names) if experts else None
     return FSDPDistributedIndex(
-        mesh, dp_shard_dim=DP_DIM, dp_outer_dim=OUTER_DIM, hsdp_outer_dp_shard=outer_optim
+        mesh,
+        dp_shard_dim=DP_DIM,
+        dp_outer_dim=OUTER_DIM,
+        hsdp_outer_dp_shard=outer_optim,
+        expt_device_mesh=expt,
     )
 
 
-def index_from_pg_collection(pg_collection: Any, who: str) -> FSDPDistributedIndex:
+def index_from_pg_collection(
+    pg_collection: Any, who: str, *, experts: bool = False
+) -> FSDPDistributedIndex:
     """The data-parallel index over Megatron-Core's ``pg_collection.dp_cp`` (or ``dp``)
     group. Tensor, expert, pipeline and context groups of more than one rank are
-    refused: only data parallelism is read from a pg_collection."""
+    refused: only data parallelism is read from a pg_collection. ``experts``: the
+    expert mesh over ``pg_collection.expt_dp`` (or the data-parallel group)."""
     for name in ("tp", "ep", "pp", "cp", "expt_tp"):
         group = getattr(pg_collection, name, None)
         if group is not None and dist.get_world_size(group) > 1:
@@ -205,7 +235,10 @@ def index_from_pg_collection(pg_collection: Any, who: str) -> FSDPDistributedInd
                 "tp_dim) to FullyShardedDataParallel instead"
             )
     group = getattr(pg_collection, "dp_cp", None) or getattr(pg_collection, "dp", None)
-    return dist_index_over(group, who, "pg_collection.dp_cp")
+    expert_group = getattr(pg_collection, "expt_dp", None)
+    return dist_index_over(
+        group, who, "pg_collection.dp_cp", expert_group=expert_group, experts=experts
+    )
 
 
 def set_is_first_microbatch(wrapper: nn.Module, config: object) -> None:

@@ -78,9 +78,11 @@ class FullyShardedDataParallel(InnerModuleAttributes):
 
     Args:
         config: a transformer config (any object, or None). Read:
-            ``calculate_per_token_loss`` (sum gradients instead of averaging them) and
+            ``calculate_per_token_loss`` (sum gradients instead of averaging them),
             ``init_model_with_meta_device`` (materialize a meta-device model shard by
-            shard); both default to False.
+            shard); both default to False; and ``num_moe_experts``: when set, the index
+            built here has an expert mesh (over ``pg_collection.expt_dp`` when given,
+            else the data-parallel ranks: expert parallelism of one rank).
         ddp_config: ``DistributedDataParallelConfig`` (fsdp's or Megatron-Core's), a
             dict of its fields, or None. ``data_parallel_sharding_strategy`` picks the
             strategy ('no_shard', 'optim', 'optim_grads', 'optim_grads_params').
@@ -127,6 +129,8 @@ class FullyShardedDataParallel(InnerModuleAttributes):
         if not isinstance(module, nn.Module):
             raise TypeError(f"{who}: module must be an nn.Module; got {type(module).__name__}")
         meta_init = bool(transformer_option(config, "init_model_with_meta_device"))
+        # A MoE config: the index gets an expert mesh, as Megatron-Core's adapter builds.
+        moe = transformer_option(config, "num_moe_experts") is not None
         strategy = check_fsdp_config(cfg, meta_init)
         cfg.data_parallel_sharding_strategy = strategy.megatron_name
         instances = cfg.num_distributed_optimizer_instances
@@ -143,11 +147,11 @@ class FullyShardedDataParallel(InnerModuleAttributes):
                 f"as {instances} replicas of consecutive-rank shard groups)"
             )
         elif instances > 1:
-            dist_index = hybrid_dist_index(instances, outer_optim, who)
+            dist_index = hybrid_dist_index(instances, outer_optim, who, experts=moe)
         elif pg_collection is not None:
-            dist_index = index_from_pg_collection(pg_collection, who)
+            dist_index = index_from_pg_collection(pg_collection, who, experts=moe)
         else:
-            dist_index = dist_index_over(None, who)
+            dist_index = dist_index_over(None, who, experts=moe)
         units = (
             list(fsdp_unit_modules)
             if fsdp_unit_modules is not None
