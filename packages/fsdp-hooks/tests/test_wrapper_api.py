@@ -483,6 +483,24 @@ def _options_body():
     (message,) = _naming(caught, IGNORED_KEYWORDS)
     assert all(f"fully_shard's {n}" in message for n in IGNORED_KEYWORDS), message
     assert "has no effect in fsdp" in message, message
+
+    # An option that would promise what fsdp does not do is refused, at every entry point
+    # (before: accepted and ignored, with a warning).
+    refused = []
+    config = DistributedDataParallelConfig(fsdp_db_use_persist_buf_on_alloc_fail=True)
+    for wrap in (
+        lambda: fully_shard_model(
+            _gpt(), fsdp_unit_modules=[Block], fsdp_db_use_persist_buf_on_alloc_fail=True
+        ),
+        lambda: MegatronFSDP(_gpt(), mesh, ddp_config=config, fsdp_unit_modules=[Block]),
+        lambda: DistributedDataParallel(None, config, _gpt()),
+    ):
+        try:
+            wrap()
+        except ValueError as err:
+            refused.append(str(err))
+    assert len(refused) == 3, refused
+    assert all("fsdp_db_use_persist_buf_on_alloc_fail=True is not supported" in m for m in refused)
     return True
 
 

@@ -11,6 +11,10 @@ set that no earlier warning named, so wrapping twice with the same options warns
 - Ignored (``IGNORED``): options fsdp does not implement on any device although they
   change what Megatron-FSDP does.
 
+Options that would change a result or a guarantee if ignored are refused instead
+(``REFUSED``: a ``ValueError`` naming what to do, raised before any collective, so on
+every rank).
+
 Options left at their default are not named. ``gradient_reduce_div_fusion`` is not
 named either: fsdp divides before the collective (or averages in it), which gives the
 same result as Megatron-FSDP's fused NCCL pre-multiply.
@@ -27,7 +31,7 @@ import torch
 from fsdp_hooks.module.config import DistributedDataParallelConfig
 from fsdp_mesh.device import warn_once_each
 
-__all__ = ["CUDA_ONLY", "IGNORED", "options_set", "warn_unused_options"]
+__all__ = ["CUDA_ONLY", "IGNORED", "REFUSED", "options_set", "warn_unused_options"]
 
 # ddp_config fields (and MegatronFSDP keywords of the same name) that need CUDA/NCCL.
 CUDA_ONLY = (
@@ -50,13 +54,27 @@ IGNORED = (
     "reduce_scatter_with_fp32_accumulation",
     "megatron_fsdp_cuda_graph_mode",
     "megatron_fsdp_enable_fine_grained_param_gather",
-    "fsdp_db_use_persist_buf_on_alloc_fail",
     "fsdp_all_gather_in_start_param_sync",
     # MegatronFSDP keywords with no ddp_config field
     "enable_fine_grained_param_gather_hook",
     "enable_fine_grained_param_gather_backward_hook",
     "fine_grained_recurse_module_types",
 )
+
+# Set to anything but their default, these are refused: option -> why, and what instead.
+REFUSED = {
+    # Megatron-FSDP's fixed double-buffer pool is sized for the most common unit shape,
+    # and a unit of another shape falls back to a persistent buffer when this is set.
+    # fsdp's two slots are sized for the largest unit of each parity, so no unit ever
+    # falls back and no buffer is persistent: the option would promise a memory layout
+    # that does not exist here.
+    "fsdp_db_use_persist_buf_on_alloc_fail": (
+        "fsdp's double buffer has no allocation fallback to make persistent: its two "
+        "slots are sized for the largest FSDP unit of each parity, so every unit fits "
+        "(at that memory cost). Leave it False (fsdp_double_buffer alone gives fsdp's "
+        "double buffering)"
+    ),
+}
 
 # fully_shard's names for ddp_config fields, shown next to the field's name.
 _FULLY_SHARD_NAMES = {
@@ -75,7 +93,12 @@ _DEFAULTS = {
 def options_set(ddp_config: DistributedDataParallelConfig, **keywords: Any) -> dict[str, Any]:
     """The ``CUDA_ONLY`` and ``IGNORED`` options that are set: ``ddp_config``'s fields
     away from their default, and the truthy ``keywords`` (a constructor's own copies of
-    the same options)."""
+    the same options). A ``REFUSED`` option that is set raises ``ValueError``."""
+    for name, why in REFUSED.items():
+        value = getattr(ddp_config, name, _DEFAULTS.get(name))
+        if value != _DEFAULTS.get(name) or keywords.get(name):
+            raise ValueError(f"{name}={keywords.get(name) or value!r} is not supported: {why}")
+    keywords = {k: v for k, v in keywords.items() if k not in REFUSED}
     out: dict[str, Any] = {}
     for name in dict.fromkeys((*CUDA_ONLY, *IGNORED)):
         if name in _DEFAULTS and getattr(ddp_config, name) != _DEFAULTS[name]:
