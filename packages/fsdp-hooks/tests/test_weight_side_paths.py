@@ -1,4 +1,5 @@
-"""Gradient paths into a unit's weights that bypass the unit's outputs (issue 19 item 3).
+"""Gradient paths into a unit's weights that bypass the unit's outputs (issue 19 item 3;
+issue 35: regathering opt-in).
 
 A MoE-style auxiliary loss kept on the module (``self.aux = f(self.fc.weight)``) and
 added to the loss after the forward reaches a unit's weights without going through its
@@ -13,7 +14,11 @@ its own before the main loss; each block's linear a plain ``nn.Linear`` or a
 Megatron-Core-style ``autograd.Function`` that adds its weight gradient into
 ``weight.main_grad`` and sets ``weight.grad_added_to_main_grad`` on the weight it saved
 (saved-tensor hooks hand a backward a copy of a saved parameter without its attributes:
-fsdp must keep them); the blocks plain or under activation recompute.
+fsdp must keep them); the blocks plain or under activation recompute. The auxiliary
+loss added to the loss trains on the default path (no saved-tensor hooks: each unit's
+pre-backward gathers its weights before its auxiliary branch reads them); backpropagated
+on its own it needs ``regather_saved_weights=True``, and by default raises on every rank
+instead of reading freed memory (or, with double buffering, another unit's weights).
 """
 
 from __future__ import annotations
@@ -135,6 +140,7 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(mode: str, variant: str, coalesce: int | None = None, configs=CONFIGS) -> dict:
+    """The summed auxiliary loss on the default path; the separate one with regathering."""
     rank = dist.get_rank()
     out = {}
     for strategy, double_buffer in configs:
@@ -147,6 +153,10 @@ def _train(mode: str, variant: str, coalesce: int | None = None, configs=CONFIGS
             zero_dp_strategy=strategy,
             fsdp_double_buffer=double_buffer,
             suggested_communication_unit_size=coalesce,
+            regather_saved_weights=mode == "separate",
+        )
+        assert model.hooks.saved_weights_hooks().__class__.__name__ == (
+            "saved_tensors_hooks" if mode == "separate" and strategy == 3 else "nullcontext"
         )
         if coalesce:
             shared = {g.coalesced_unit_ids for g in model.buffer.groups}
@@ -202,15 +212,17 @@ def trained(request) -> tuple[str, str, dict]:
     return mode, variant, runs[0]
 
 
-def _separate_with_override_off() -> str:
+def _separate_by_default(double_buffer: bool) -> str:
     module = build("plain")
-    model, _opt = fully_shard(
-        module,
-        torch.optim.AdamW(module.parameters()),
-        fsdp_unit_modules=[AuxBlock],
-        zero_dp_strategy=3,
-        fsdp_double_buffer=True,  # the read lands in a live slot: no crash before the check
-    )
+    # The old variable is set: warned at wrap, not read.
+    with pytest.warns(UserWarning, match="FSDP_REGATHER_SAVED_WEIGHTS is no longer read"):
+        model, _opt = fully_shard(
+            module,
+            torch.optim.AdamW(module.parameters()),
+            fsdp_unit_modules=[AuxBlock],
+            zero_dp_strategy=3,
+            fsdp_double_buffer=double_buffer,  # the read would land in a live slot
+        )
     x, y = batch(0, dist.get_rank())
     try:
         _loss(model(x), y, model.module.aux_loss(), "separate")
@@ -219,13 +231,16 @@ def _separate_with_override_off() -> str:
     return "no error"
 
 
-def test_separate_side_backward_raises_with_the_override_off():
-    """With FSDP_REGATHER_SAVED_WEIGHTS=0 a backward that reads a released unit's weights
-    (under double buffering: another unit's, silently, before) raises on every rank."""
-    env = {"FSDP_REGATHER_SAVED_WEIGHTS": "0"}
-    for message in run_distributed(_separate_with_override_off, WORLD, timeout=60, env=env):
-        assert "without going through the unit's outputs" in message, message
-        assert "FSDP_REGATHER_SAVED_WEIGHTS unset" in message, message
+@pytest.mark.parametrize("double_buffer", [False, True], ids=["single", "double"])
+def test_separate_side_backward_raises_by_default(double_buffer):
+    """Without regather_saved_weights a backward that reads a released unit's saved
+    weights raises on every rank (autograd refuses them: fsdp marks them modified),
+    before reading freed memory or, under double buffering, another unit's weights;
+    the old variable no longer turns regathering on."""
+    env = {"FSDP_REGATHER_SAVED_WEIGHTS": "1"}
+    results = run_distributed(_separate_by_default, WORLD, args=(double_buffer,), timeout=60, env=env)
+    for message in results:
+        assert "modified by an inplace operation" in message, message
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"zero{c[0]}-double{int(c[1])}")
