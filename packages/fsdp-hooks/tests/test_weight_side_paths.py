@@ -269,7 +269,8 @@ def test_a_custom_function_sees_the_saved_parameters_attributes():
     """Under saved-tensor hooks a custom Function's backward gets a copy of a saved
     parameter without its attributes (autograd's doing: reproduced here with identity
     hooks); what fsdp's unpack hands it shares them, reads and writes, and computes
-    like the parameter, returning plain tensors."""
+    like the parameter, returning plain tensors. Chosen by the node that unpacks, not by
+    reading frames: the engine's own nodes get the parameter itself."""
     import gc
 
     from fsdp_hooks import saved_weights
@@ -298,17 +299,30 @@ def test_a_custom_function_sees_the_saved_parameters_attributes():
     weight.main_grad = torch.zeros(3, 4)
     x = torch.randn(2, 4, requires_grad=True)
 
-    def run(unpack):
+    def run(unpack, engine_node_too=False):
         seen.clear()
         x.grad = None
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
-            y = Fused.apply(x, weight)
-        y.sum().backward()
+            y = Fused.apply(x, weight).sum()
+            if engine_node_too:  # MulBackward0 saves the weight; its gradient is x's
+                y = y + (torch.zeros(3, 4, requires_grad=True) * weight).sum()
+        y.backward()
+
+    handed = []
+
+    def fsdp_unpack(t):
+        out = saved_weights.unpacked_for_python(t) if t is weight else t
+        if t is weight:
+            node = torch._C._current_autograd_node()
+            handed.append((type(node).__name__, type(out).__name__))
+        return out
 
     run(lambda t: t)  # plain hooks: the attributes are gone
     assert seen == {"has_main_grad": False, "out_type": torch.Tensor}
-    run(lambda t: saved_weights.unpacked_for_python(t) if t is weight else t)
-    assert seen == {"has_main_grad": True, "out_type": torch.Tensor}
+    run(fsdp_unpack, engine_node_too=True)
+    assert sorted(handed) == [("FusedBackward", "SavedParameter"), ("MulBackward0", "Parameter")]
+    weight.main_grad.zero_()
+    run(fsdp_unpack)
     assert weight.__dict__.get("grad_added_to_main_grad") is True
     ref_x = x.detach().clone().requires_grad_()
     ref_w = weight.detach().clone().requires_grad_()
@@ -317,3 +331,22 @@ def test_a_custom_function_sees_the_saved_parameters_attributes():
     torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-6, atol=1e-6)
     gc.collect()
     assert not saved_weights._PLAIN  # the aliases' bookkeeping went with them
+
+
+def test_no_decision_reads_python_frames():
+    """Issue 35: nothing in the packages decides behaviour by walking Python frames or
+    classifying file names (what SavedParameter once did); fsdp_mesh.testing's runner,
+    which names a test function's file to re-import it in each rank, aside."""
+    import pathlib
+    import re
+
+    packages = pathlib.Path(__file__).resolve().parents[2]
+    pattern = re.compile(r"_getframe|currentframe|inspect\.stack|\bf_back\b|\bf_code\b|co_filename")
+    found = [
+        f"{path.relative_to(packages)}:{n}: {line.strip()}"
+        for path in packages.glob("*/src/**/*.py")
+        if "testing" not in path.parts
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not found, "\n".join(found)
