@@ -17,7 +17,6 @@ message names) equals one process.
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -207,7 +206,10 @@ def _reference_penalty() -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {
+        "losses": losses,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
 
 
 def _train_penalties(strategies) -> dict:

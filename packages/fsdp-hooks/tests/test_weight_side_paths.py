@@ -238,7 +238,9 @@ def test_separate_side_backward_raises_by_default(double_buffer):
     before reading freed memory or, under double buffering, another unit's weights;
     the old variable no longer turns regathering on."""
     env = {"FSDP_REGATHER_SAVED_WEIGHTS": "1"}
-    results = run_distributed(_separate_by_default, WORLD, args=(double_buffer,), timeout=60, env=env)
+    results = run_distributed(
+        _separate_by_default, WORLD, args=(double_buffer,), timeout=60, env=env
+    )
     for message in results:
         assert "modified by an inplace operation" in message, message
 
