@@ -5,9 +5,9 @@ gathered bucket) or its DTensor (this rank's shard of the main weights).
 holds its DTensor, so torch's tools see the sharded parameters; the root pre-forward
 puts the compute parameters in place, and while a unit's buckets are released its own
 locations hold the DTensors again (reading a compute parameter then would read freed
-memory; autograd refuses to read one it saved, Note [released weights read later] in
-``saved_weight_hooks``). Every place a parameter is reachable from is a location, so tied weights swap
-together. Under ZeRO-1/2 with ``overlap_param_gather``, a bucket whose install has not
+memory; autograd refuses one it saved: Note [released weights read later] in
+``saved_weight_hooks``). Every place a parameter is reachable from is a location, so
+tied weights swap together. Under ZeRO-1/2 with ``overlap_param_gather``, a bucket whose install has not
 landed keeps its DTensors in place inside the forward too, until the first unit that
 uses it lands it (Note [deferred install] in ``fsdp_buffers.deferred_install``).
 """
