@@ -224,6 +224,9 @@ def _separate_by_default(double_buffer: bool) -> str:
             fsdp_double_buffer=double_buffer,  # the read would land in a live slot
         )
     x, y = batch(0, dist.get_rank())
+    other = build("plain")
+    with pytest.raises(TypeError, match="regather_saved_weights must be True or False"):
+        fully_shard(other, torch.optim.AdamW(other.parameters()), regather_saved_weights="false")
     try:
         _loss(model(x), y, model.module.aux_loss(), "separate")
     except RuntimeError as err:
