@@ -60,7 +60,7 @@ _set_version = torch._C._autograd._unsafe_set_version_counter
 def _set_versions(tensors: tuple[torch.Tensor, ...], versions: tuple[int, ...]) -> None:
     try:
         _set_version(tensors, versions)
-    except TypeError:  # torch < 2.7 takes one tensor and one version
+    except TypeError:  # older torch (2.6) takes one tensor and one version
         for t, v in zip(tensors, versions, strict=True):
             _set_version(t, v)  # type: ignore[arg-type]
 
