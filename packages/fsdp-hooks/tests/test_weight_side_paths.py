@@ -1,4 +1,5 @@
-"""Gradient paths into a unit's weights that bypass the unit's outputs (issue 19 item 3).
+"""Gradient paths into a unit's weights that bypass the unit's outputs (issue 19 item 3;
+issue 35: regathering opt-in).
 
 A MoE-style auxiliary loss kept on the module (``self.aux = f(self.fc.weight)``) and
 added to the loss after the forward reaches a unit's weights without going through its
@@ -13,7 +14,11 @@ its own before the main loss; each block's linear a plain ``nn.Linear`` or a
 Megatron-Core-style ``autograd.Function`` that adds its weight gradient into
 ``weight.main_grad`` and sets ``weight.grad_added_to_main_grad`` on the weight it saved
 (saved-tensor hooks hand a backward a copy of a saved parameter without its attributes:
-fsdp must keep them); the blocks plain or under activation recompute.
+fsdp must keep them); the blocks plain or under activation recompute. The auxiliary
+loss added to the loss trains on the default path (no saved-tensor hooks: each unit's
+pre-backward gathers its weights before its auxiliary branch reads them); backpropagated
+on its own it needs ``regather_saved_weights=True``, and by default raises on every rank
+instead of reading freed memory (or, with double buffering, another unit's weights).
 """
 
 from __future__ import annotations
@@ -135,6 +140,7 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(mode: str, variant: str, coalesce: int | None = None, configs=CONFIGS) -> dict:
+    """The summed auxiliary loss on the default path; the separate one with regathering."""
     rank = dist.get_rank()
     out = {}
     for strategy, double_buffer in configs:
@@ -147,6 +153,10 @@ def _train(mode: str, variant: str, coalesce: int | None = None, configs=CONFIGS
             zero_dp_strategy=strategy,
             fsdp_double_buffer=double_buffer,
             suggested_communication_unit_size=coalesce,
+            regather_saved_weights=mode == "separate",
+        )
+        assert model.hooks.saved_weights_hooks().__class__.__name__ == (
+            "saved_tensors_hooks" if mode == "separate" and strategy == 3 else "nullcontext"
         )
         if coalesce:
             shared = {g.coalesced_unit_ids for g in model.buffer.groups}
@@ -202,16 +212,21 @@ def trained(request) -> tuple[str, str, dict]:
     return mode, variant, runs[0]
 
 
-def _separate_with_override_off() -> str:
+def _separate_by_default(double_buffer: bool) -> str:
     module = build("plain")
-    model, _opt = fully_shard(
-        module,
-        torch.optim.AdamW(module.parameters()),
-        fsdp_unit_modules=[AuxBlock],
-        zero_dp_strategy=3,
-        fsdp_double_buffer=True,  # the read lands in a live slot: no crash before the check
-    )
+    # The old variable is set: warned at wrap, not read.
+    with pytest.warns(UserWarning, match="FSDP_REGATHER_SAVED_WEIGHTS is no longer read"):
+        model, _opt = fully_shard(
+            module,
+            torch.optim.AdamW(module.parameters()),
+            fsdp_unit_modules=[AuxBlock],
+            zero_dp_strategy=3,
+            fsdp_double_buffer=double_buffer,  # the read would land in a live slot
+        )
     x, y = batch(0, dist.get_rank())
+    other = build("plain")
+    with pytest.raises(TypeError, match="regather_saved_weights must be True or False"):
+        fully_shard(other, torch.optim.AdamW(other.parameters()), regather_saved_weights="false")
     try:
         _loss(model(x), y, model.module.aux_loss(), "separate")
     except RuntimeError as err:
@@ -219,13 +234,18 @@ def _separate_with_override_off() -> str:
     return "no error"
 
 
-def test_separate_side_backward_raises_with_the_override_off():
-    """With FSDP_REGATHER_SAVED_WEIGHTS=0 a backward that reads a released unit's weights
-    (under double buffering: another unit's, silently, before) raises on every rank."""
-    env = {"FSDP_REGATHER_SAVED_WEIGHTS": "0"}
-    for message in run_distributed(_separate_with_override_off, WORLD, timeout=60, env=env):
-        assert "without going through the unit's outputs" in message, message
-        assert "FSDP_REGATHER_SAVED_WEIGHTS unset" in message, message
+@pytest.mark.parametrize("double_buffer", [False, True], ids=["single", "double"])
+def test_separate_side_backward_raises_by_default(double_buffer):
+    """Without regather_saved_weights a backward that reads a released unit's saved
+    weights raises on every rank (autograd refuses them: fsdp marks them modified),
+    before reading freed memory or, under double buffering, another unit's weights;
+    the old variable no longer turns regathering on."""
+    env = {"FSDP_REGATHER_SAVED_WEIGHTS": "1"}
+    results = run_distributed(
+        _separate_by_default, WORLD, args=(double_buffer,), timeout=60, env=env
+    )
+    for message in results:
+        assert "modified by an inplace operation" in message, message
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"zero{c[0]}-double{int(c[1])}")
@@ -254,7 +274,8 @@ def test_a_custom_function_sees_the_saved_parameters_attributes():
     """Under saved-tensor hooks a custom Function's backward gets a copy of a saved
     parameter without its attributes (autograd's doing: reproduced here with identity
     hooks); what fsdp's unpack hands it shares them, reads and writes, and computes
-    like the parameter, returning plain tensors."""
+    like the parameter, returning plain tensors. Chosen by the node that unpacks, not by
+    reading frames: the engine's own nodes get the parameter itself."""
     import gc
 
     from fsdp_hooks.runtime import saved_weights
@@ -283,17 +304,30 @@ def test_a_custom_function_sees_the_saved_parameters_attributes():
     weight.main_grad = torch.zeros(3, 4)
     x = torch.randn(2, 4, requires_grad=True)
 
-    def run(unpack):
+    def run(unpack, engine_node_too=False):
         seen.clear()
         x.grad = None
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
-            y = Fused.apply(x, weight)
-        y.sum().backward()
+            y = Fused.apply(x, weight).sum()
+            if engine_node_too:  # MulBackward0 saves the weight; its gradient is x's
+                y = y + (torch.zeros(3, 4, requires_grad=True) * weight).sum()
+        y.backward()
+
+    handed = []
+
+    def fsdp_unpack(t):
+        out = saved_weights.unpacked_for_python(t) if t is weight else t
+        if t is weight:
+            node = torch._C._current_autograd_node()
+            handed.append((type(node).__name__, type(out).__name__))
+        return out
 
     run(lambda t: t)  # plain hooks: the attributes are gone
     assert seen == {"has_main_grad": False, "out_type": torch.Tensor}
-    run(lambda t: saved_weights.unpacked_for_python(t) if t is weight else t)
-    assert seen == {"has_main_grad": True, "out_type": torch.Tensor}
+    run(fsdp_unpack, engine_node_too=True)
+    assert sorted(handed) == [("FusedBackward", "SavedParameter"), ("MulBackward0", "Parameter")]
+    weight.main_grad.zero_()
+    run(fsdp_unpack)
     assert weight.__dict__.get("grad_added_to_main_grad") is True
     ref_x = x.detach().clone().requires_grad_()
     ref_w = weight.detach().clone().requires_grad_()
@@ -302,3 +336,22 @@ def test_a_custom_function_sees_the_saved_parameters_attributes():
     torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-6, atol=1e-6)
     gc.collect()
     assert not saved_weights._PLAIN  # the aliases' bookkeeping went with them
+
+
+def test_no_decision_reads_python_frames():
+    """Issue 35: nothing in the packages decides behaviour by walking Python frames or
+    classifying file names (what SavedParameter once did); fsdp_mesh.testing's runner,
+    which names a test function's file to re-import it in each rank, aside."""
+    import pathlib
+    import re
+
+    packages = pathlib.Path(__file__).resolve().parents[2]
+    pattern = re.compile(r"_getframe|currentframe|inspect\.stack|\bf_back\b|\bf_code\b|co_filename")
+    found = [
+        f"{path.relative_to(packages)}:{n}: {line.strip()}"
+        for path in packages.glob("*/src/**/*.py")
+        if "testing" not in path.parts
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not found, "\n".join(found)

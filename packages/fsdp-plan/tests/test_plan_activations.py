@@ -150,18 +150,17 @@ def test_example_inputs_and_bad_inputs():
 
 
 def _losses(modes):
-    import os
-
     out = []
     for mode in modes:
-        os.environ.pop("FSDP_REGATHER_SAVED_WEIGHTS", None)  # on by default
-        if mode != "measured+regather":
-            os.environ["FSDP_REGATHER_SAVED_WEIGHTS"] = "0"
         torch.manual_seed(0)
         module = GPT(CFG)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
         model, optimizer = fully_shard(
-            module, optimizer, fsdp_unit_modules=[Block], zero_dp_strategy=3
+            module,
+            optimizer,
+            fsdp_unit_modules=[Block],
+            zero_dp_strategy=3,
+            regather_saved_weights=mode == "measured+regather",
         )
         losses = []
         for step in range(3):
@@ -177,15 +176,13 @@ def _losses(modes):
             optimizer.zero_grad()
             losses.append(loss.item())
         out.append((mode, losses, model.memory_stats().get("activations")))
-    os.environ.pop("FSDP_REGATHER_SAVED_WEIGHTS", None)
     return out
 
 
 def test_measuring_changes_nothing_and_composes_with_regathered_weights():
     """Measured steps train exactly as unmeasured ones (same losses over three steps,
     so the same gradients), and inside the wrapper's own saved-weight hooks
-    (on by default; FSDP_REGATHER_SAVED_WEIGHTS=0 turns them off) the count is the same:
-    both hooks run."""
+    (regather_saved_weights=True) the count is the same: both hooks run."""
     modes = ("plain", "measured", "measured+regather")
     for results in run_distributed(_losses, 2, args=(modes,), timeout=120):
         by_mode = {m: (losses, acts) for m, losses, acts in results}

@@ -143,6 +143,7 @@ def fully_shard_model(
     is_expert_param: Callable[[str, nn.Parameter], bool] | str | None = None,
     suggested_communication_unit_size: int | None = None,
     prefetch_depth: int = 1,
+    regather_saved_weights: bool = False,
 ) -> MegatronFSDP:
     """Shard ``module`` and return the ``MegatronFSDP`` wrapper (the original module is
     ``wrapper.module``). Its parameters are then DTensors: this rank's shard of the
@@ -154,7 +155,11 @@ def fully_shard_model(
     as one collective until each group holds at least that many parameter elements;
     ``prefetch_depth`` (default 1) is how many units (groups) are gathered ahead of the
     one in use, 0 for none. Peak gathered memory grows with both (README, "Unit
-    coalescing and prefetch depth")."""
+    coalescing and prefetch depth"). ``regather_saved_weights`` (default False; ZeRO-3)
+    gathers a unit's released weights again when a backward reads them outside the
+    unit's own backward (an auxiliary loss on the weights backpropagated on its own);
+    by default such a backward raises (README, "Gradient paths that bypass a unit's
+    outputs")."""
     check_argument_types(
         "fully_shard_model",
         module,
@@ -251,6 +256,7 @@ def fully_shard_model(
         mixed_precision_policy=policy,
         is_expert_param=is_expert_param,
         prefetch_depth=prefetch_depth,
+        regather_saved_weights=regather_saved_weights,
     )
     # Recorded only (see MegatronFSDP.__init__): the pieces are torch.chunk ones.
     model.preproc_state_dict_for_dcp_ckpt = (

@@ -71,6 +71,7 @@ _NO_BYTES = {
     "report_nan_in_param_grad",
     "average_in_collective",
     "calculate_per_token_loss",
+    "regather_saved_weights",
     "init_model_with_meta_device",
     "keep_fp8_transpose_cache",
     "disable_symmetric_registration",

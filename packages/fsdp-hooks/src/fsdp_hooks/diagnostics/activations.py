@@ -14,8 +14,9 @@ by, and ``max_memory_allocated`` since the forward began as the step's ``peak``.
 Why opt-in: with any saved-tensor hooks, autograd hands a backward a new tensor object
 for a saved parameter, without its Python attributes (``weight.main_grad`` of
 Megatron-Core's fused weight-gradient accumulation), so the wrapper installs no counter
-unless asked. (Its own saved-weight hooks, on by default, give a custom Function's
-backward an alias that keeps them: ``saved_weights``; counting composes with them.)
+unless asked. (Its own saved-weight hooks, under ``regather_saved_weights=True``, give
+a custom Function's backward an alias that keeps them: ``saved_weights``; counting
+composes with them.)
 """
 
 from __future__ import annotations

@@ -106,6 +106,7 @@ class MegatronFSDP(InnerModuleAttributes):
         *,
         is_expert_param: Callable[[str, nn.Parameter], bool] | str | None = None,
         prefetch_depth: int = 1,
+        regather_saved_weights: bool = False,
     ) -> None:
         super().__init__()
         check_argument_types(
@@ -119,6 +120,11 @@ class MegatronFSDP(InnerModuleAttributes):
             ),
         )
         check_not_wrapped(module)
+        if type(regather_saved_weights) is not bool:
+            raise TypeError(
+                "MegatronFSDP: regather_saved_weights must be True or False; got "
+                f"{type(regather_saved_weights).__name__} {regather_saved_weights!r}"
+            )
         if ddp_config is None:
             ddp_config = default_ddp_config(
                 keep_fp8_transpose_cache,
@@ -154,6 +160,9 @@ class MegatronFSDP(InnerModuleAttributes):
         )
         self.calculate_per_token_loss = calculate_per_token_loss
         self.init_model_with_meta_device = init_model_with_meta_device
+        # Under ZeRO-3: gather a released unit weight again when a backward reads it
+        # outside the unit's own backward (Note [released weights read later]).
+        self.regather_saved_weights = regather_saved_weights
         self.report_nan_in_param_grad = report_nan_in_param_grad or ddp_config.check_for_nan_in_grad
         # Megatron-FSDP's step bookkeeping: backwards since the last finish_grad_sync, and
         # whether the caller flagged this microbatch as the last (it reduces everything).
@@ -192,6 +201,7 @@ class MegatronFSDP(InnerModuleAttributes):
                 "mixed_precision_policy": self.mixed_precision_policy,
                 "is_expert_param": is_expert_param,
                 "prefetch_depth": prefetch_depth,
+                "regather_saved_weights": regather_saved_weights,
             },
             # Experts differ across ranks on an expert-parallel mesh.
             skip_values=resolve_is_expert_param(is_expert_param, True) if split_experts else None,

@@ -17,7 +17,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = [
     "RegisterFSDPBackwardFunction",
+    "flatten_tensors",
     "in_backward",
+    "map_tensors",
     "queue_end_of_backward_callback",
     "register_pre_backward",
     "wrap_inputs_for_post_backward",
@@ -60,14 +62,15 @@ def flatten_tensors(obj: Any) -> list[torch.Tensor]:
     return out
 
 
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with each tensor ``t`` (dataclass fields included) replaced by ``fn(t)``."""
     flat, spec = tree_flatten(obj)
     for i, leaf in enumerate(flat):
         if isinstance(leaf, torch.Tensor):
             flat[i] = fn(leaf)
         elif _is_dataclass_instance(leaf):
             changes = {
-                f.name: _map_tensors(getattr(leaf, f.name), fn)
+                f.name: map_tensors(getattr(leaf, f.name), fn)
                 for f in dataclasses.fields(leaf)
                 if f.init
             }
@@ -103,7 +106,7 @@ def wrap_inputs_for_post_backward(
     routed = {id(t): out for t, out in zip(tensors, outs, strict=True)}
     if plain:
         return tuple(routed.get(id(t), t) for t in args), {}
-    return _map_tensors((args, kwargs), lambda t: routed.get(id(t), t))
+    return map_tensors((args, kwargs), lambda t: routed.get(id(t), t))
 
 
 class _FirstGradHook:

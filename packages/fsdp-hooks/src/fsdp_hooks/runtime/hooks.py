@@ -97,7 +97,7 @@ from fsdp_hooks.runtime.backward import (
 )
 from fsdp_hooks.runtime.param_state import ParamState
 from fsdp_hooks.runtime.param_swap import ParamSwapping
-from fsdp_hooks.runtime.saved_weight_hooks import REGATHER_ENV, SavedWeightHooks
+from fsdp_hooks.runtime.saved_weight_hooks import SavedWeightHooks
 from fsdp_hooks.runtime.schedule_check import Phase, ScheduleCheck, schedule_check_requested
 from fsdp_hooks.runtime.shared_buckets import SharedBuckets, backward_done
 from fsdp_hooks.runtime.training_state import TrainingState
@@ -106,7 +106,7 @@ from fsdp_mesh.device import control_device
 if TYPE_CHECKING:
     from fsdp_hooks.module.megatron_fsdp import MegatronFSDP
 
-__all__ = ["REGATHER_ENV", "FSDPHooks", "FSDPUnit"]
+__all__ = ["FSDPHooks", "FSDPUnit"]
 
 
 def _eager(hook: Any) -> Any:
@@ -245,8 +245,8 @@ class FSDPHooks(ParamSwapping):
             self.schedule = ScheduleCheck(
                 wrapper.dist_index.get_dp_group(), [u.name for u in self.units], device
             )
-        # Saved-tensor hooks that gather released unit weights again (their module).
-        self._saved_weights = SavedWeightHooks(self)
+        # Reads of released unit weights: refused, copied or gathered again (their module).
+        self._saved_weights = SavedWeightHooks(self, wrapper.regather_saved_weights)
         # The wrapper's forward calls these: a compiled wrapper then breaks its graph at
         # these calls only, not at each Python step inside them.
         self.root_pre_forward = _eager(self.root_pre_forward)  # type: ignore[method-assign]
@@ -260,7 +260,8 @@ class FSDPHooks(ParamSwapping):
 
     # ---- weights saved for backward -------------------------------------------------
     def saved_weights_hooks(self) -> contextlib.AbstractContextManager:
-        """Around the whole forward: ``SavedWeightHooks.saved_weights_hooks``."""
+        """Around the whole forward: ``SavedWeightHooks.saved_weights_hooks`` (nothing
+        unless ``regather_saved_weights=True``)."""
         return self._saved_weights.saved_weights_hooks()
 
     # ---- root -----------------------------------------------------------------------
@@ -312,6 +313,7 @@ class FSDPHooks(ParamSwapping):
     def _root_pre_backward(self, calls: tuple[int, ...]) -> None:
         """The first gradient of a backward reached the output of a forward that made
         ``calls`` (per unit): they are the unit calls whose backward is to come."""
+        self._saved_weights.check_double_backward(None)
         self._begin_backward()
         self.root_state = TrainingState.PRE_BACKWARD
         # Another graph's end of backward, or a forward without backward, may have reset
@@ -421,6 +423,9 @@ class FSDPHooks(ParamSwapping):
         self._unit_use(unit, compute=True)
 
     def _unit_post_forward(self, unit: FSDPUnit, module: nn.Module, args: tuple, output: Any):
+        # Outputs that view the unit's buckets are copied before any release (recompute
+        # too: the same ops as the first forward).
+        output = self._saved_weights.copy_out_views(unit, output)
         if unit.state is TrainingState.PRE_BACKWARD:
             return output  # recompute: the backward that follows needs the buckets
         with self._range_post_forward:
@@ -441,6 +446,7 @@ class FSDPHooks(ParamSwapping):
         with self._range_pre_backward:
             if self.schedule is not None:
                 self.schedule.check(Phase.UNIT_BACKWARD, unit.index)
+            self._saved_weights.check_double_backward(unit)
             self._begin_backward()
             self.root_state = TrainingState.PRE_BACKWARD
             unit.state = TrainingState.PRE_BACKWARD

@@ -5,8 +5,9 @@ gathered bucket) or its DTensor (this rank's shard of the main weights).
 holds its DTensor, so torch's tools see the sharded parameters; the root pre-forward
 puts the compute parameters in place, and while a unit's buckets are released its own
 locations hold the DTensors again (reading a compute parameter then would read freed
-memory). Every place a parameter is reachable from is a location, so tied weights swap
-together. Under ZeRO-1/2 with ``overlap_param_gather``, a bucket whose install has not
+memory; autograd refuses one it saved: Note [released weights read later] in
+``saved_weight_hooks``). Every place a parameter is reachable from is a location, so
+tied weights swap together. Under ZeRO-1/2 with ``overlap_param_gather``, a bucket whose install has not
 landed keeps its DTensors in place inside the forward too, until the first unit that
 uses it lands it (Note [deferred install] in ``fsdp_buffers.deferred_install``).
 """
@@ -20,6 +21,7 @@ from torch import nn
 if TYPE_CHECKING:
     from fsdp_buffers import ParamAndGradBuffer
     from fsdp_hooks.runtime.hooks import FSDPUnit
+    from fsdp_hooks.runtime.saved_weight_hooks import SavedWeightHooks
 
 __all__ = ["ParamSwapping"]
 
@@ -34,6 +36,7 @@ class ParamSwapping:
     distributed_by_compute: dict[nn.Parameter, nn.Parameter]
     deferred_installs: frozenset[int]
     _install_swaps: dict[int, list[tuple[nn.Module, dict, dict]]]
+    _saved_weights: SavedWeightHooks
 
     def _init_locations(
         self, module: nn.Module, by_param: dict[nn.Parameter, nn.Parameter]
@@ -56,6 +59,7 @@ class ParamSwapping:
             self._using_compute = True
 
     def use_distributed_params(self) -> None:
+        self._saved_weights.hide_all()  # every bucket is released with it
         if self._using_compute:
             for module, attr, _compute, dparam in self._locations:
                 module._parameters[attr] = dparam
@@ -133,6 +137,10 @@ class ParamSwapping:
                     module._parameters.update(to_compute)
 
     def _unit_use(self, unit: FSDPUnit, compute: bool) -> None:
+        if compute:
+            self._saved_weights.show(unit)
+        else:
+            self._saved_weights.hide(unit)
         # Outside the compute phase every location already holds its DTensor.
         if self._using_compute:
             if compute:

@@ -1,14 +1,33 @@
-"""The saved-tensor hooks that gather a released unit weight again when backward reads it.
+"""Reads of a unit's weights after ZeRO-3 released them: refused, copied or gathered.
 
-ZeRO-3 releases a unit's weights after its forward. A gradient path into them that
-bypasses the unit's outputs and runs before the unit's backward (an auxiliary loss kept
-on the module, ``self.aux = f(self.fc.weight)``, backpropagated on its own) would read
-freed memory. ``SavedWeightHooks`` owns what fsdp does about it: around the whole
-forward (unless ``FSDP_REGATHER_SAVED_WEIGHTS=0`` at wrap) a unit weight that autograd
-saves for backward is packed as a reference and unpacking it gathers its bucket if it
-is released; with the override off, a gradient arriving by such a path raises on every
-rank (``check_side_path``). What Python code unpacking a saved parameter gets
-(``SavedParameter``) is ``saved_weights``'s.
+Note [released weights read later]
+
+ZeRO-3 releases a unit's buckets after its forward and after its backward; its compute
+parameters are then views of freed storage (or, with ``fsdp_double_buffer``, of a slot
+another unit's weights fill next). Anything that reads them there would crash or be
+silently wrong. Three ways to get there, and what ``SavedWeightHooks`` does about each:
+
+1. A tensor autograd saved for backward, read by a backward that reaches the weights
+   without going through the unit's outputs first (an auxiliary loss kept on the module,
+   ``self.aux = f(self.fc.weight)``, backpropagated on its own). By default the
+   released compute parameters carry a version one past the one autograd saved them at
+   (``hide``/``show``, at each swap of ``ParamSwapping._unit_use``), so autograd refuses
+   the read with its own error ("modified by an inplace operation ... is at version")
+   before any kernel touches the memory; a gradient that still arrives by another route
+   raises naming the unit (``check_side_path``). With ``regather_saved_weights=True`` at
+   wrap, saved-tensor hooks around the forward pack a unit weight as a reference and
+   unpacking it gathers its bucket again (``saved_weights_hooks``); a custom Function's
+   backward then gets a ``SavedParameter`` (``saved_weights``). Off by default: hooks
+   cost a Python call per saved tensor, and any hooks make autograd hand backward a
+   copy of a saved parameter without its attributes.
+2. A unit output that is a view of its own parameter (``self.q.expand(B, -1, -1)``,
+   ``self.pe[:T]``): copied out at the unit's post-forward, before the release
+   (``copy_out_views``). Cost: one copy of each such output, at its full size.
+3. A second backward through a graph built by a backward (``create_graph=True``: a
+   gradient penalty, a Hessian-vector product): the nodes that backward creates save the
+   weights without any hook of ours and read them after the unit's post-backward
+   released them. Refused when that backward starts (``check_double_backward``), naming
+   fsdp, the unit and double backward.
 """
 
 from __future__ import annotations
@@ -22,15 +41,28 @@ import torch
 from torch import nn
 
 from fsdp_buffers import BucketStatus
+from fsdp_hooks.diagnostics.activations import storage_key
+from fsdp_hooks.runtime.backward import flatten_tensors, map_tensors
 from fsdp_hooks.runtime.saved_weights import unpacked_for_python
 from fsdp_hooks.runtime.training_state import TrainingState
+from fsdp_mesh.device import warn_once
 
 if TYPE_CHECKING:
     from fsdp_hooks.runtime.hooks import FSDPHooks, FSDPUnit
 
-__all__ = ["REGATHER_ENV", "SavedWeightHooks"]
+__all__ = ["SavedWeightHooks"]
 
-REGATHER_ENV = "FSDP_REGATHER_SAVED_WEIGHTS"
+# Read until 2026-11: on by default, "0" turned regathering off. Now only warned about.
+_REGATHER_ENV = "FSDP_REGATHER_SAVED_WEIGHTS"
+_set_version = torch._C._autograd._unsafe_set_version_counter
+
+
+def _set_versions(tensors: tuple[torch.Tensor, ...], versions: tuple[int, ...]) -> None:
+    try:
+        _set_version(tensors, versions)
+    except TypeError:  # older torch (2.6) takes one tensor and one version
+        for t, v in zip(tensors, versions, strict=True):
+            _set_version(t, v)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,10 +74,12 @@ class _SavedWeight:
 
 
 class SavedWeightHooks:
-    """The released unit weights of one ``FSDPHooks`` and the hooks around them."""
+    """The released unit weights of one ``FSDPHooks`` and what guards reads of them
+    (see Note [released weights read later])."""
 
-    def __init__(self, hooks: FSDPHooks) -> None:
+    def __init__(self, hooks: FSDPHooks, regather: bool) -> None:
         self._hooks = hooks
+        self.regather_saved_weights = regather
         # id of each compute parameter a unit frees after its forward -> (bucket, unit).
         # Keyed by id for the pack hook, called for every saved tensor (a tensor's
         # __hash__ is a Python call); the parameters live as long as the wrapper.
@@ -54,21 +88,67 @@ class SavedWeightHooks:
             for unit in hooks.units
             for _m, _a, compute, _d in unit.locations
         }
-        # On unless FSDP_REGATHER_SAVED_WEIGHTS=0 (then such a path raises, see
-        # check_side_path, or crashes reading freed memory first).
-        self.regather_saved_weights = os.environ.get(REGATHER_ENV, "1") != "0"
+        # Per unit: its released compute parameters (each once) and, per bucket, one of
+        # them (whose storage is the bucket's).
+        self._weights: list[tuple[nn.Parameter, ...]] = []
+        self._bucket_reps: list[tuple[nn.Parameter, ...]] = []
+        for unit in hooks.units:
+            params = tuple(dict.fromkeys(c for _m, _a, c, _d in unit.locations))
+            by_gid = {hooks.buffer.group_of(p)[0]: p for p in params}
+            self._weights.append(params)
+            self._bucket_reps.append(tuple(by_gid.values()))
+        # Units whose weights are readable now, and the version each hidden parameter
+        # was saved at (restored when it is readable again). Wrapped: all released.
+        self._shown: set[int] = {unit.index for unit in hooks.units}
+        self._hidden: dict[int, int] = {}
+        for unit in hooks.units:
+            self.hide(unit)
+        self._units_released = [unit.name for unit in hooks.units if self._weights[unit.index]]
+        self._root_released = any(
+            hooks.buffer.buckets[gid].is_distributed for gid in hooks.root_groups
+        )
+        if _REGATHER_ENV in os.environ:
+            warn_once(
+                "fsdp.regather_env",
+                f"{_REGATHER_ENV} is no longer read: gathering released weights again "
+                "for a backward that reads them outside their unit is off by default; "
+                "pass regather_saved_weights=True when wrapping to turn it on",
+            )
+
+    # ---- 1. saved weights: refused by default, gathered again under the opt-in -------
+    def hide(self, unit: FSDPUnit) -> None:
+        """The unit's weights are released: a version past the saved one on each."""
+        if unit.index not in self._shown:
+            return
+        self._shown.discard(unit.index)
+        hidden = self._hidden
+        params = tuple(p for p in self._weights[unit.index] if id(p) not in hidden)
+        if params:
+            versions = tuple(p._version for p in params)
+            hidden.update(zip(map(id, params), versions, strict=True))
+            _set_versions(params, tuple(v + 1 for v in versions))
+
+    def show(self, unit: FSDPUnit) -> None:
+        """The unit's weights are gathered: back to the versions autograd saved."""
+        if unit.index in self._shown:
+            return
+        self._shown.add(unit.index)
+        hidden = self._hidden
+        params = tuple(p for p in self._weights[unit.index] if id(p) in hidden)
+        if params:
+            _set_versions(params, tuple(hidden.pop(id(p)) for p in params))
+
+    def hide_all(self) -> None:
+        for unit in [self._hooks.units[i] for i in self._shown]:
+            self.hide(unit)
 
     def saved_weights_hooks(self) -> contextlib.AbstractContextManager:
-        """Around the whole forward (unless ``FSDP_REGATHER_SAVED_WEIGHTS=0`` at wrap): a
-        unit's weight that autograd saves for backward is packed as a reference, and
-        unpacking it gathers its bucket if it is released. A gradient path into the
-        weights that bypasses the unit's outputs and runs before the unit's backward
-        (an auxiliary loss kept on the module, ``self.aux = f(self.fc.weight)``,
-        backpropagated on its own) then reads the right weights. A custom Function's
+        """Around the whole forward under ``regather_saved_weights=True``: a unit's
+        weight that autograd saves for backward is packed as a reference, and
+        unpacking it gathers its bucket if it is released; a custom Function's
         backward gets a ``SavedParameter`` sharing the parameter's attributes
-        (``saved_weights``: autograd would hand it a copy without them). With the
-        override off such a path raises when its gradient arrives
-        (``check_side_path``), or crashes reading freed memory first."""
+        (``saved_weights``: autograd would hand it a copy without them). Otherwise
+        nothing (Note [released weights read later])."""
         if not (self.regather_saved_weights and self._released_by_id):
             return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
@@ -94,10 +174,9 @@ class SavedWeightHooks:
     def check_side_path(self, param: nn.Parameter) -> None:
         """A gradient for a unit's weight while the unit is not in backward (its forward
         ran, no gradient reached its outputs yet): it came through a path that bypasses
-        the unit's outputs and read the weight while it was released (freed, or another
-        unit's in a double-buffer slot). Every rank runs the same graph: all raise."""
-        if self.regather_saved_weights:  # the default: checked first, no lookup per gradient
-            return
+        the unit's outputs and read the weight while it was released, not through a
+        saved tensor (autograd refuses those, ``hide``). Every rank runs the same
+        graph: all raise, before the gradient is accumulated."""
         entry = self._released_by_id.get(id(param))
         if entry is None:
             return
@@ -105,10 +184,59 @@ class SavedWeightHooks:
         if unit.state is TrainingState.IDLE and unit.pending_backward > 0:
             name = self._hooks._param_names[param]
             raise RuntimeError(
-                f"the gradient of {name!r} (FSDP unit {unit.name!r}) was computed by a backward "
-                "that reached the weight without going through the unit's outputs (e.g. an "
-                "auxiliary loss kept on the module, backpropagated on its own), while ZeRO-3 "
-                "had released the unit's weights: it read freed memory. Add that loss to the "
-                "main loss before one backward, or leave FSDP_REGATHER_SAVED_WEIGHTS unset "
-                "(not 0) when wrapping, to gather such weights when backward reads them"
+                f"fsdp: the gradient of {name!r} (FSDP unit {unit.name!r}) was computed by a "
+                "backward that reached the weight without going through the unit's outputs "
+                "(e.g. an auxiliary loss kept on the module, backpropagated on its own), "
+                "while ZeRO-3 had released the unit's weights: it read freed memory. Add that "
+                "loss to the main loss before one backward, or pass "
+                "regather_saved_weights=True when wrapping, to gather such weights when "
+                "backward reads them"
             )
+
+    # ---- 2. outputs that view a unit's weights ---------------------------------------
+    def copy_out_views(self, unit: FSDPUnit, output: Any) -> Any:
+        """``output`` with every tensor that views one of the unit's buckets (a slice or
+        expand of its parameter) replaced by a copy: the buckets are released next, and
+        the view would read freed memory, or another unit's weights in a double-buffer
+        slot. The copy is differentiable (the gradient reaches the parameter)."""
+        reps = self._bucket_reps[unit.index]
+        if not reps:
+            return output
+        keys = {storage_key(p) for p in reps}
+        if isinstance(output, torch.Tensor):  # the usual unit output: no pytree walk
+            return output.clone() if storage_key(output) in keys else output
+        if not any(storage_key(t) in keys for t in flatten_tensors(output)):
+            return output
+        return map_tensors(output, lambda t: t.clone() if storage_key(t) in keys else t)
+
+    # ---- 3. graphs built by a backward -----------------------------------------------
+    def check_double_backward(self, unit: FSDPUnit | None) -> None:
+        """At a pre-backward (``unit``, or the root's when None): a backward with
+        ``create_graph=True`` (grad mode on inside it) builds a graph that saves the
+        weights it reads, without any hook of ours, and ZeRO-3 releases them before a
+        second backward through that graph could read them. Every rank runs the same
+        graph: all raise, before anything is gathered."""
+        if not torch.is_grad_enabled():
+            return
+        if unit is not None:
+            if not self._weights[unit.index]:
+                return
+            where = f"FSDP unit {unit.name!r}"
+        else:
+            if not (self._units_released or self._root_released):
+                return
+            names = self._units_released
+            where = (
+                f"FSDP units {', '.join(map(repr, names[:4]))}{', ...' if len(names) > 4 else ''}"
+                if names
+                else "the model's parameters"
+            )
+        raise RuntimeError(
+            f"fsdp: a backward with create_graph=True (a double backward: a gradient "
+            f"penalty, a Hessian-vector product) reached {where}, whose weights ZeRO-3 "
+            "(optim_grads_params) releases after their backward; the graph it builds "
+            "would read them after their release, and fsdp does not gather them again "
+            "for it (regather_saved_weights covers only tensors saved in forward). Use "
+            "zero_dp_strategy=2 (optim_grads: the weights stay gathered) for a model "
+            "trained with a double backward"
+        )

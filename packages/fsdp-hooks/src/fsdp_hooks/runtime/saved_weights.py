@@ -1,10 +1,10 @@
 """What a backward gets for a unit weight saved under fsdp's saved-tensor hooks.
 
-ZeRO-3 releases a unit's weights after its forward, so a weight that autograd saved for
-backward is packed as a reference and gathered again when unpacked
-(``FSDPHooks.saved_weights_hooks``): a gradient path that reaches the weights without
-going through the unit's outputs (an auxiliary loss kept on the module, backpropagated
-on its own) then reads the right weights instead of freed memory.
+Under ``regather_saved_weights=True`` (``saved_weight_hooks``) a unit weight that
+autograd saves in forward is packed as a reference and gathered again when unpacked
+after ZeRO-3 released it: a gradient path that reaches the weights without going
+through the unit's outputs (an auxiliary loss kept on the module, backpropagated on its
+own) then reads the right weights instead of freed memory.
 
 The catch, measured on torch 2.15: with any saved-tensor hooks, autograd hands a
 backward a new tensor object for a saved parameter, even when the unpack hook returns the
@@ -19,27 +19,28 @@ So a weight unpacked for Python code (a custom Function's ``ctx.saved_tensors``)
 parameter's own, so reads and writes of attributes reach the parameter. Autograd
 re-creates the unpacked tensor through ``detach``, which this class answers with
 another alias sharing the same ``__dict__``; every other operation runs on the plain
-alias (a ``__torch_dispatch__`` that unwraps), and returns plain tensors. The engine's
-own nodes (C++, no Python caller) get the parameter itself: no dispatch cost there.
+alias (a ``__torch_dispatch__`` that unwraps), and returns plain tensors. Who gets
+which is decided by the autograd node unpacking it (``torch._C._current_autograd_node``),
+never by the caller's frames: a node implemented in Python (a custom Function's
+``BackwardCFunction``), or Python code reading a saved tensor outside the engine, gets the
+alias; the engine's own C++ nodes get the parameter itself (no dispatch cost there).
+
+Only under ``regather_saved_weights=True`` (``saved_weight_hooks``): without saved-tensor
+hooks autograd hands every backward the parameter itself, attributes included.
 """
 
 from __future__ import annotations
 
-import enum
-import os
-import sys
-import types
 import weakref
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.function import BackwardCFunction
 from torch.utils._pytree import tree_map_only
 
 __all__ = ["SavedParameter", "unpacked_for_python"]
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_OWN_DIR = os.path.dirname(__file__) + os.sep  # fsdp's hooks (composed unpack hooks)
 # id(SavedParameter) -> its plain alias (not kept in __dict__: that is the parameter's).
 _PLAIN: dict[int, torch.Tensor] = {}
 
@@ -74,40 +75,13 @@ def _plain(t: SavedParameter) -> torch.Tensor:
 
 def unpacked_for_python(param: torch.Tensor) -> torch.Tensor:
     """``param`` as an unpack hook should return it: a ``SavedParameter`` when it is a
-    plain ``nn.Parameter`` and the code unpacking it is Python outside torch (a custom Function's backward reading
-    ``ctx.saved_tensors``), else the parameter (the engine's nodes; torch's own Python,
-    such as activation checkpointing)."""
-    if type(param) is not nn.Parameter:  # a DTensor (tensor parallelism): as it is
+    plain ``nn.Parameter`` and the node unpacking it is implemented in Python (a custom
+    Function's backward reading ``ctx.saved_tensors``) or there is none (Python code
+    reading a saved tensor outside backward); else (the engine's C++ nodes) the
+    parameter. A DTensor (tensor parallelism) is returned as it is."""
+    if type(param) is not nn.Parameter:
         return param
-    caller = sys._getframe(1)  # the unpack hook; who unpacks lies past fsdp's own frames
-    while caller is not None and _kind(caller.f_code) is _Caller.OWN:
-        caller = caller.f_back
-    # No Python caller: the engine's device thread; torch's own Python: the engine's
-    # run_backward frame (a C++ node) or checkpointing.
-    if caller is None or _kind(caller.f_code) is _Caller.TORCH:
+    node = torch._C._current_autograd_node()
+    if node is not None and not isinstance(node, BackwardCFunction):
         return param
     return SavedParameter.alias(param.detach(), param.__dict__)
-
-
-class _Caller(enum.Enum):
-    OWN = "fsdp's hooks"
-    TORCH = "torch"
-    OTHER = "other Python: a custom Function's backward"
-
-
-_KINDS: dict[types.CodeType, _Caller] = {}
-
-
-def _kind(code: types.CodeType) -> _Caller:
-    kind = _KINDS.get(code)
-    if kind is None:
-        name = code.co_filename
-        kind = (
-            _Caller.OWN
-            if name.startswith(_OWN_DIR)
-            else _Caller.TORCH
-            if name.startswith(_TORCH_DIR)
-            else _Caller.OTHER
-        )
-        _KINDS[code] = kind
-    return kind
