@@ -44,7 +44,9 @@ class Net(nn.Module):
 
 def _split(module: nn.Module) -> list[torch.optim.Optimizer]:
     hidden = [p for n, p in module.named_parameters() if n.startswith("layers.") and p.ndim == 2]
-    rest = [p for n, p in module.named_parameters() if not (n.startswith("layers.") and p.ndim == 2)]
+    rest = [
+        p for n, p in module.named_parameters() if not (n.startswith("layers.") and p.ndim == 2)
+    ]
     return [torch.optim.Muon(hidden, lr=5e-3), torch.optim.AdamW(rest, lr=5e-3, eps=1e-3)]
 
 

@@ -42,6 +42,7 @@ from fsdp_hooks.adapters.fsdp_checks import check_fsdp_config
 from fsdp_hooks.adapters.fsdp_sharded_state import dtensor_sharded_state_dict
 from fsdp_hooks.inner_module import InnerModuleAttributes
 from fsdp_hooks.megatron_fsdp import MegatronFSDP
+from fsdp_hooks.validation import check_option_types
 from fsdp_mesh import FSDPDistributedIndex
 
 __all__ = ["FullyShardedDataParallel"]
@@ -111,6 +112,11 @@ class FullyShardedDataParallel(InnerModuleAttributes):
     ) -> None:
         super().__init__()
         who = "FullyShardedDataParallel"
+        check_option_types(  # Note [option types]
+            who,
+            FullyShardedDataParallel.__init__,
+            {"disable_bucketing": disable_bucketing, "device": device},
+        )
         cfg = coerce_ddp_config(ddp_config, who)
         if not isinstance(module, nn.Module):
             raise TypeError(f"{who}: module must be an nn.Module; got {type(module).__name__}")
