@@ -47,6 +47,7 @@ from fsdp_hooks.megatron_compat import (
     default_ddp_config,
     reset_policy,
 )
+from fsdp_hooks.module_copies import DEEPCOPY_REFUSED, check_unchanged
 from fsdp_hooks.rollback import rollback_on_failure
 from fsdp_hooks.shared_buckets import warn_if_units_joined_widely
 from fsdp_hooks.summary import log_unit_summary
@@ -628,6 +629,14 @@ class MegatronFSDP(InnerModuleAttributes):
     def _check_checkpointable(self) -> None:
         if self._state_names.error is not None:
             raise type(self._state_names.error)(*self._state_names.error.args)
+
+    # ---- copies and casts (see module_copies) --------------------------------------------
+    def __deepcopy__(self, memo: dict[int, Any]) -> MegatronFSDP:
+        raise TypeError(DEEPCOPY_REFUSED)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        check_unchanged(self, fn)  # a cast or a move is refused before anything changes
+        return self  # nothing would change: a no-op (super() would replace the DTensors)
 
     # ---- accounting -------------------------------------------------------------------
     def comm_stats(self, reset: bool = False) -> dict[str, dict[str, float]]:
