@@ -47,7 +47,7 @@ from fsdp_ckpt.errors import (
     ForeignCheckpointWarning,
     dcp_failure,
 )
-from fsdp_ckpt.extra import dtensor_entries, read_extra, restore_rng_state, write_extra
+from fsdp_ckpt.extra import read_extra, refuse_dtensors, restore_rng_state, write_extra
 from fsdp_ckpt.foreign import is_foreign_dcp, verify_extents
 from fsdp_ckpt.layout import OURS, Layout, detect_layout
 from fsdp_ckpt.load_plan import OptimizerPlan, nest, plan_model, plan_optimizer
@@ -124,18 +124,8 @@ def save_checkpoint(
         optimizers = as_optimizer_list(optimizer, "save_checkpoint")
     except (TypeError, ValueError) as exc:
         local, optimizers = exc, []
-    dtensors = dtensor_entries(extra or {})
-    if dtensors and local is None:
-        local = CheckpointError(
-            f"save_checkpoint: {dtensors[0]} is a DTensor"
-            + (f" (and {len(dtensors) - 1} more)" if len(dtensors) > 1 else "")
-            + ": extra is pickled per rank, so at another world size every rank would get "
-            "rank 0's shard, still claiming this job's mesh. Save sharded state with "
-            "torch.distributed.checkpoint instead (dcp.save({'ema': ema}, checkpoint_id="
-            "another_directory), loaded with dcp.load into DTensors of the loading job, e.g. "
-            "a copy of model.state_dict()), or put the whole tensor in extra "
-            "(value.full_tensor(), the full size on every rank)"
-        )
+    if local is None:
+        local = refuse_dtensors(extra)
     _agree_first(path, "save", local)
     staging = incomplete_dir(path)
     rank = _dist.rank()
@@ -177,7 +167,11 @@ def save_checkpoint(
         if rank == 0:  # every rank is past its writes; the previous checkpoint stays
             shutil.rmtree(staging, ignore_errors=True)
         raise dcp_failure(exc, f"cannot save {path}") from exc
-    _raise_agreed(error)  # every rank has finished writing
+    error = _dist.agree(error)  # every rank has finished writing
+    if error is not None:
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise error
     checksums = _checksum_staging(staging, rank)
 
     if rank == 0:
@@ -326,6 +320,17 @@ def _check_saved_param_groups(directory: Path, model: nn.Module, plan: Optimizer
     _raise_agreed(error)
 
 
+def _resolve_agreed(path: Path) -> Path:
+    """``resolve_for_load`` on every rank (the ranks may see a save's renames at
+    different moments), any rank's failure raised on every rank."""
+    try:
+        directory, error = resolve_for_load(path), None
+    except CheckpointError as exc:
+        directory, error = path, exc
+    _raise_agreed(error)
+    return directory
+
+
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,
@@ -343,12 +348,13 @@ def load_checkpoint(
     output, e.g. from FSDP2), its layout read from its keys (see ``layout``), with a
     ``ForeignCheckpointWarning``; it returns ``{}`` and restores no RNG state.
 
-    Refuses, on every rank, paths that name different directories on different ranks,
-    a directory without a manifest that is not a complete DCP
-    checkpoint (an interrupted save), a file whose size or CRC-32 differs from the
-    manifest (truncated or overwritten: ``CorruptCheckpointError`` naming it; one read
-    of every byte, spread over the ranks, see ``checksums``), and keys or shapes that do not match (naming them; ``strict=False``
-    ignores model entries of the checkpoint that the model does not have)."""
+    Refuses, on every rank, paths that name different directories on different ranks, a
+    directory without a manifest that is not a complete DCP checkpoint (an interrupted
+    save), a file whose size or CRC-32 differs from the manifest (truncated or
+    overwritten: ``CorruptCheckpointError`` naming it; one read of every byte, spread
+    over the ranks, see ``checksums``), and keys or shapes that do not match (naming
+    them; ``strict=False`` ignores model entries of the checkpoint that the model does
+    not have)."""
     given = Path(os.path.normpath(Path(path).absolute()))
     local: BaseException | None = None
     try:
@@ -356,13 +362,7 @@ def load_checkpoint(
     except (TypeError, ValueError) as exc:
         local, optimizers = exc, []
     _agree_first(given, "load", local)
-    directory: Path | None = None
-    try:  # may differ across ranks only in a race with a save: agreed all the same
-        directory = resolve_for_load(given)
-    except CheckpointError as exc:
-        local = exc
-    _raise_agreed(local)
-    assert directory is not None
+    directory = _resolve_agreed(given)
     manifest = _inspect(directory)
 
     try:

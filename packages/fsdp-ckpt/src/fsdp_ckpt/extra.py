@@ -24,13 +24,14 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdp_ckpt.errors import CorruptCheckpointError
+from fsdp_ckpt.errors import CheckpointError, CorruptCheckpointError
 
 __all__ = [
     "EXTRA_DIR",
     "capture_rng_state",
     "dtensor_entries",
     "read_extra",
+    "refuse_dtensors",
     "restore_rng_state",
     "write_extra",
 ]
@@ -74,6 +75,23 @@ def dtensor_entries(value: Any, where: str = "extra") -> list[str]:
     else:
         return []
     return [found for name, v in items for found in dtensor_entries(v, name)]
+
+
+def refuse_dtensors(extra: dict[str, Any] | None) -> CheckpointError | None:
+    """The error naming the first DTensor in ``extra`` and what to do instead; None
+    when it holds none."""
+    found = dtensor_entries(extra or {})
+    if not found:
+        return None
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    return CheckpointError(
+        f"save_checkpoint: {found[0]} is a DTensor{more}: extra is pickled per rank, so "
+        "at another world size every rank would get rank 0's shard, still claiming this "
+        "job's mesh. Save sharded state with torch.distributed.checkpoint instead "
+        "(dcp.save({'ema': ema}, checkpoint_id=another_directory), loaded with dcp.load "
+        "into DTensors of the loading job, e.g. a copy of model.state_dict()), or put the "
+        "whole tensor in extra (value.full_tensor(), the full size on every rank)"
+    )
 
 
 def _rank_file(directory: Path, rank: int) -> Path:
