@@ -68,9 +68,10 @@ def as_optimizer_list(optimizer: object, where: str) -> list[torch.optim.Optimiz
     )
     if not isinstance(optimizer, list | tuple):
         raise TypeError(f"{allowed}; got {_show(optimizer)}")
-    bad = [f"[{i}]: {_show(o)}" for i, o in enumerate(optimizer)]
     bad = [
-        b for b, o in zip(bad, optimizer, strict=True) if not isinstance(o, torch.optim.Optimizer)
+        f"[{i}]: {_show(o)}"
+        for i, o in enumerate(optimizer)
+        if not isinstance(o, torch.optim.Optimizer)
     ]
     if bad:
         raise TypeError(f"{allowed}; got a {type(optimizer).__name__} holding {', '.join(bad)}")

@@ -106,6 +106,8 @@ def _checkable(hint: Any) -> tuple[type, ...] | None:
     classes (then it is not checked here)."""
     if hint is None or hint is type(None):
         return (type(None),)
+    if hint is Any:  # a class since Python 3.11, but not one for isinstance
+        return None
     if isinstance(hint, type) and not isinstance(hint, types.GenericAlias):
         return (hint,)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
