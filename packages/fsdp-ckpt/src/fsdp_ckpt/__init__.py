@@ -21,6 +21,7 @@ from fsdp_ckpt.consolidate import (
 from fsdp_ckpt.errors import (
     CheckpointError,
     CheckpointMismatchError,
+    CheckpointNotFoundError,
     CorruptCheckpointError,
     ForeignCheckpointWarning,
     IncompleteCheckpointError,
@@ -36,6 +37,7 @@ __version__ = _version("fsdp-ckpt")
 __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
+    "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "ForeignCheckpointWarning",
     "IncompleteCheckpointError",

@@ -15,6 +15,7 @@ __all__ = [
     "all_gather_object",
     "barrier",
     "broadcast_object",
+    "first_error",
     "is_distributed",
     "quiet_single_process",
     "rank",
@@ -66,9 +67,15 @@ def agree(error: BaseException | None) -> BaseException | None:
         return error
     verdicts: list[BaseException | None] = [None] * dist.get_world_size()
     dist.all_gather_object(verdicts, error)
+    return first_error(verdicts)
+
+
+def first_error(verdicts: list[BaseException | None]) -> BaseException | None:
+    """The error of the lowest rank among every rank's ``verdicts`` (gathered), its
+    message prefixed with that rank when there are several ranks; else None."""
     for r, verdict in enumerate(verdicts):
         if verdict is not None:
-            if dist.get_world_size() > 1 and verdict.args and isinstance(verdict.args[0], str):
+            if len(verdicts) > 1 and verdict.args and isinstance(verdict.args[0], str):
                 verdict.args = (f"[rank {r}] {verdict.args[0]}", *verdict.args[1:])
             return verdict
     return None

@@ -22,7 +22,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from fsdp_ckpt.errors import CheckpointError
+from fsdp_ckpt.errors import CheckpointError, CheckpointNotFoundError
 from fsdp_ckpt.manifest import MANIFEST_NAME, Manifest, fsync_dir
 
 __all__ = ["check_replaceable", "incomplete_dir", "old_dir", "publish", "resolve_for_load"]
@@ -114,4 +114,4 @@ def resolve_for_load(path: Path) -> Path:
     hint = ""
     if incomplete_dir(path).exists():
         hint = f" ({incomplete_dir(path)} is an interrupted first save and cannot be loaded)"
-    raise FileNotFoundError(f"no checkpoint at {path}{hint}")
+    raise CheckpointNotFoundError(f"no checkpoint at {path}{hint}")

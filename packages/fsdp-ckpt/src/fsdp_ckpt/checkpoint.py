@@ -14,8 +14,12 @@ This is the layout of ``dcp.save({"model": msd, "optim": osd})`` with torch's
 ``set_state_dict``; ``load_checkpoint`` in turn also loads such plain DCP checkpoints
 (see ``foreign`` and ``layout``).
 
-All ranks call both functions (they are collectives); the directory must be on a file
-system every rank sees. They also work in one process without a process group.
+All ranks call both functions (they are collectives) with the same directory, on a file
+system every rank sees; the ranks compare the paths they were given (resolved: a
+relative path under different working directories, a per-rank timestamp) before
+anything is read or written. They also work in one process without a process group.
+Every failure is a ``CheckpointError`` raised on every rank (DCP's own
+``CheckpointException``, a ``BaseException``, becomes its ``__cause__``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from fsdp_ckpt import _dist
@@ -40,16 +45,18 @@ from fsdp_ckpt.errors import (
     CheckpointMismatchError,
     CorruptCheckpointError,
     ForeignCheckpointWarning,
+    dcp_failure,
 )
-from fsdp_ckpt.extra import read_extra, restore_rng_state, write_extra
+from fsdp_ckpt.extra import read_extra, refuse_dtensors, restore_rng_state, write_extra
 from fsdp_ckpt.foreign import is_foreign_dcp, verify_extents
 from fsdp_ckpt.layout import OURS, Layout, detect_layout
 from fsdp_ckpt.load_plan import OptimizerPlan, nest, plan_model, plan_optimizer
 from fsdp_ckpt.manifest import MANIFEST_NAME, Manifest
 from fsdp_ckpt.model_state import get_model_state_dict, set_model_state_dict
 from fsdp_ckpt.optim_state import (
+    as_optimizer_list,
     check_param_groups,
-    get_optimizer_state_dict,
+    optimizers_state_dict,
     set_optimizer_state_dict,
 )
 from fsdp_ckpt.validate import Mismatch
@@ -66,21 +73,60 @@ def _raise_agreed(error: BaseException | None) -> None:
         raise agreed
 
 
+def _canonical(path: Path) -> Path:
+    """``path`` with its parent's symlinks resolved: the same for every spelling of one
+    directory (the last component is kept: a symlink there is refused by a save)."""
+    return Path(os.path.realpath(path.parent)) / path.name
+
+
+def _agree_first(path: Path, action: str, local: BaseException | None = None) -> None:
+    """Before anything is read or written: every rank's path must name the same
+    directory (compared, resolved), and every rank's local check (``local``) must have
+    passed; otherwise raise ``CheckpointError`` (or the check's error) on every rank.
+    One ``all_gather_object``."""
+    everyone = _dist.all_gather_object((str(_canonical(path)), local))
+    paths = [p for p, _e in everyone]
+    if len(set(paths)) > 1:
+        shown = "; ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
+        raise CheckpointError(
+            f"cannot {action} a checkpoint: the ranks were given paths that differ across "
+            f"ranks ({shown}); every rank must pass the same directory (compute it once, "
+            "e.g. on rank 0, and broadcast it; use an absolute path when the ranks' "
+            "working directories differ)"
+        )
+    error = _dist.first_error([e for _p, e in everyone])
+    if error is not None:
+        raise error
+
+
 def save_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> Path:
     """Save ``model`` (and ``optimizer``, and ``extra`` with every rank's RNG states)
     to the directory ``path``, atomically: an existing checkpoint there is replaced
     only once the new one is complete. Returns the path.
 
-    ``path`` must not exist, or be an empty directory, or an fsdp checkpoint holding
-    only its own files; anything else is refused with ``CheckpointError`` on every
-    rank before anything is written (a save never deletes other files)."""
+    ``optimizer`` may be a list of optimizers over disjoint parameters (``[muon,
+    adamw]`` as ``fsdp.fully_shard`` returns them): the model is written once, their
+    states under ``optim`` (see ``optim_state``); load with the same list.
+
+    ``path`` must be the same directory on every rank, and must not exist, or be an
+    empty directory, or an fsdp checkpoint holding only its own files; anything else
+    is refused with ``CheckpointError`` on every rank before anything is written (a
+    save never deletes other files). So are DTensors in ``extra`` (see ``extra``)."""
     # normpath: "." and ".." name the directory itself, whose parent holds the staging
     path = Path(os.path.normpath(Path(path).absolute()))
+    local: BaseException | None = None
+    try:  # local and deterministic checks, agreed with the path below
+        optimizers = as_optimizer_list(optimizer, "save_checkpoint")
+    except (TypeError, ValueError) as exc:
+        local, optimizers = exc, []
+    if local is None:
+        local = refuse_dtensors(extra)
+    _agree_first(path, "save", local)
     staging = incomplete_dir(path)
     rank = _dist.rank()
     error: BaseException | None = None
@@ -100,23 +146,32 @@ def save_checkpoint(
         raise error
 
     state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
-    if optimizer is not None:
-        state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer)
+    if optimizers:
+        state[OPTIM_KEY] = optimizers_state_dict(model, optimizers)
     try:
         write_extra(staging, rank, extra)
     except Exception as exc:  # reported together with the other ranks' verdicts below
         error = CheckpointError(f"cannot write the extra state to {staging}: {exc!r}")
-    with _dist.quiet_single_process():
-        dcp.save(
-            state,
-            storage_writer=FileSystemWriter(staging),
-            # A replicated entry (a buffer, e.g. BatchNorm statistics, which ranks may
-            # hold differently) is written by the lowest rank, as full state dicts and
-            # consolidation take rank 0's: not spread over ranks to balance the writes.
-            planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
-            no_dist=not _dist.is_distributed(),
-        )
-    _raise_agreed(error)  # every rank has finished writing
+    try:
+        with _dist.quiet_single_process():
+            dcp.save(
+                state,
+                storage_writer=FileSystemWriter(staging),
+                # A replicated entry (a buffer, e.g. BatchNorm statistics, which ranks may
+                # hold differently) is written by the lowest rank, as full state dicts and
+                # consolidation take rank 0's: not spread over ranks to balance the writes.
+                planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
+                no_dist=not _dist.is_distributed(),
+            )
+    except CheckpointException as exc:  # raised by DCP on every rank
+        if rank == 0:  # every rank is past its writes; the previous checkpoint stays
+            shutil.rmtree(staging, ignore_errors=True)
+        raise dcp_failure(exc, f"cannot save {path}") from exc
+    error = _dist.agree(error)  # every rank has finished writing
+    if error is not None:
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise error
     checksums = _checksum_staging(staging, rank)
 
     if rank == 0:
@@ -124,7 +179,7 @@ def save_checkpoint(
             manifest = Manifest.of_directory(
                 staging,
                 world_size=_dist.world_size(),
-                has_optimizer=optimizer is not None,
+                has_optimizer=bool(optimizers),
                 checksums=checksums,
             )
             manifest.write(staging)
@@ -237,17 +292,20 @@ def _raise_mismatches(directory: Path, model: Mismatch, plan: OptimizerPlan | No
 
 
 def _dcp_load(state: dict[str, Any], directory: Path) -> None:
-    with _dist.quiet_single_process():
-        dcp.load(
-            state, storage_reader=FileSystemReader(directory), no_dist=not _dist.is_distributed()
-        )
+    try:
+        with _dist.quiet_single_process():
+            dcp.load(
+                state,
+                storage_reader=FileSystemReader(directory),
+                no_dist=not _dist.is_distributed(),
+            )
+    except CheckpointException as exc:  # raised by DCP on every rank
+        raise dcp_failure(exc, f"cannot load {directory}") from exc
 
 
-def _check_saved_param_groups(
-    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, plan: OptimizerPlan
-) -> None:
+def _check_saved_param_groups(directory: Path, model: nn.Module, plan: OptimizerPlan) -> None:
     """Read only the saved param groups (names and hyperparameters: small) and check
-    them against the optimizer's, on every rank alike, before anything is loaded."""
+    them against the optimizers', on every rank alike, before anything is loaded."""
     groups_only: dict[str, Any] = {}
     node = nest(
         groups_only, plan.prefix, {"state": {}, "param_groups": plan.to_load["param_groups"]}
@@ -255,34 +313,56 @@ def _check_saved_param_groups(
     _dcp_load(groups_only, directory)
     error: BaseException | None = None
     try:  # they may differ on some ranks only (keys that differ across ranks)
-        check_param_groups(model, optimizer, plan.loaded(node))
+        for optimizer, part in plan.parts(node):
+            check_param_groups(model, optimizer, part)
     except CheckpointMismatchError as exc:
         error = exc
     _raise_agreed(error)
 
 
+def _resolve_agreed(path: Path) -> Path:
+    """``resolve_for_load`` on every rank (the ranks may see a save's renames at
+    different moments), any rank's failure raised on every rank."""
+    try:
+        directory, error = resolve_for_load(path), None
+    except CheckpointError as exc:
+        directory, error = path, exc
+    _raise_agreed(error)
+    return directory
+
+
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
     *,
     strict: bool = True,
     restore_rng: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint written by ``save_checkpoint`` (at any world size, strategy or
-    wrapper) into ``model`` and ``optimizer``, in place; restore this rank's RNG
-    states; return the ``extra`` dict that was saved.
+    wrapper) into ``model`` and ``optimizer`` (or the list of optimizers it was saved
+    with), in place; restore this rank's RNG states; return the ``extra`` dict that was
+    saved.
 
     Also loads a plain DCP checkpoint (``dcp.save`` of torch's ``get_state_dict``
     output, e.g. from FSDP2), its layout read from its keys (see ``layout``), with a
     ``ForeignCheckpointWarning``; it returns ``{}`` and restores no RNG state.
 
-    Refuses, on every rank, a directory without a manifest that is not a complete DCP
-    checkpoint (an interrupted save), a file whose size or CRC-32 differs from the
-    manifest (truncated or overwritten: ``CorruptCheckpointError`` naming it; one read
-    of every byte, spread over the ranks, see ``checksums``), and keys or shapes that do not match (naming them; ``strict=False``
-    ignores model entries of the checkpoint that the model does not have)."""
-    directory = resolve_for_load(Path(path).absolute())
+    Refuses, on every rank, paths that name different directories on different ranks, a
+    directory without a manifest that is not a complete DCP checkpoint (an interrupted
+    save), a file whose size or CRC-32 differs from the manifest (truncated or
+    overwritten: ``CorruptCheckpointError`` naming it; one read of every byte, spread
+    over the ranks, see ``checksums``), and keys or shapes that do not match (naming
+    them; ``strict=False`` ignores model entries of the checkpoint that the model does
+    not have)."""
+    given = Path(os.path.normpath(Path(path).absolute()))
+    local: BaseException | None = None
+    try:
+        optimizers = as_optimizer_list(optimizer, "load_checkpoint")
+    except (TypeError, ValueError) as exc:
+        local, optimizers = exc, []
+    _agree_first(given, "load", local)
+    directory = _resolve_agreed(given)
     manifest = _inspect(directory)
 
     try:
@@ -290,23 +370,22 @@ def load_checkpoint(
     except Exception as exc:  # a damaged pickle raises anything
         raise CorruptCheckpointError(f"cannot read {directory}/.metadata: {exc!r}") from exc
     model_sd = get_model_state_dict(model)
-    layout = _layout(
-        directory, manifest, metadata, list(model_sd), want_optimizer=optimizer is not None
-    )
+    layout = _layout(directory, manifest, metadata, list(model_sd), want_optimizer=bool(optimizers))
     state: dict[str, Any] = {}
     model_node = nest(state, layout.model_prefix, model_sd)
     model_mismatch = plan_model(model_sd, metadata, layout, strict=strict)
-    plan = None if optimizer is None else plan_optimizer(model, optimizer, metadata, layout)
+    plan = plan_optimizer(model, optimizers, metadata, layout) if optimizers else None
     if plan is not None:
         optim_node = nest(state, plan.prefix, plan.to_load)
     _raise_mismatches(directory, model_mismatch, plan)
-    if optimizer is not None and plan is not None:
-        _check_saved_param_groups(directory, model, optimizer, plan)
+    if plan is not None:
+        _check_saved_param_groups(directory, model, plan)
 
     _dcp_load(state, directory)
     set_model_state_dict(model, {k: model_node[k] for k in model_sd}, strict=strict)
-    if optimizer is not None and plan is not None:  # its groups were checked above
-        set_optimizer_state_dict(model, optimizer, plan.loaded(optim_node))
+    if plan is not None:  # their groups were checked above
+        for opt, part in plan.parts(optim_node):
+            set_optimizer_state_dict(model, opt, part)
     if manifest is None:
         return {}
     saved = read_extra(directory, _dist.rank(), manifest.world_size == _dist.world_size())

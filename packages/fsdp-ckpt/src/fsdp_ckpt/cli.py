@@ -1,4 +1,8 @@
-"""``fsdp-consolidate``: a sharded checkpoint directory to one full model file."""
+"""``fsdp-consolidate``: a sharded checkpoint directory to one full model file.
+
+Every failure a user can act on (a damaged or missing checkpoint, an output that
+exists as a directory, a missing ``--hf`` config) exits 1 with one line,
+``fsdp-consolidate: error: ...``, and leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -49,6 +53,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# CheckpointError: the checkpoint; OSError: files (also transformers' missing config);
+# ValueError: arguments and models; ImportError: transformers missing.
+_USER_ERRORS = (CheckpointError, OSError, ValueError, ImportError)
+
+
+def _fail(exc: BaseException) -> int:
+    message = " ".join(str(exc).split())  # one line
+    print(f"fsdp-consolidate: error: {message}", file=sys.stderr)
+    return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.hf is not None:
@@ -58,16 +73,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             summary = export_hf_checkpoint(
                 args.checkpoint, args.hf, args.output, max_shard_size=args.max_shard_size
             )
-        except (CheckpointError, FileNotFoundError, ValueError, ImportError) as exc:
-            print(f"fsdp-consolidate: error: {exc}", file=sys.stderr)
-            return 1
+        except _USER_ERRORS as exc:
+            return _fail(exc)
         print(f"wrote {summary['tensors']} tensors to {args.output} (save_pretrained format)")
         return 0
     try:
         summary = consolidate_checkpoint(args.checkpoint, args.output, args.format)
-    except (CheckpointError, FileNotFoundError) as exc:
-        print(f"fsdp-consolidate: error: {exc}", file=sys.stderr)
-        return 1
+    except _USER_ERRORS as exc:
+        return _fail(exc)
     print(
         f"wrote {summary['tensors']} tensors ({summary['bytes'] / 2**20:.1f} MiB) to {args.output}"
     )

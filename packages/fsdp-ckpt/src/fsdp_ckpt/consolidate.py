@@ -13,13 +13,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from fsdp_buffers.collectives import all_gather_uneven
 from fsdp_ckpt import _dist
 from fsdp_ckpt.atomic import resolve_for_load
-from fsdp_ckpt.errors import CheckpointError
+from fsdp_ckpt.errors import CheckpointError, CorruptCheckpointError, dcp_failure
 from fsdp_ckpt.manifest import Manifest
 from fsdp_ckpt.names import entry_of, param_by_state_key
 from fsdp_ckpt.row_shards import RowLayout, resolve_row_layouts
@@ -126,11 +127,31 @@ def write_state_dict_file(
 ) -> Path:
     """Write a full state dict to one file: safetensors when ``format`` says so or the
     name ends in ``.safetensors``, else ``torch.save``. Written to a temporary name and
-    renamed, so the file is either complete or absent."""
+    renamed, so the file is either complete or absent (the temporary name removed on
+    failure)."""
     path = Path(path)
     fmt = _infer_format(path, format)
+    _check_output(path)
     tmp = path.with_name(f".{path.name}.tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _write(state_dict, tmp, fmt)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _check_output(path: Path) -> None:
+    if path.is_dir():
+        raise CheckpointError(
+            f"the output {path} is a directory; give the name of the file to write (a "
+            "directory only with --hf)"
+        )
+
+
+def _write(state_dict: dict[str, Any], tmp: Path, fmt: Format) -> None:
     if fmt == "safetensors":
         from safetensors.torch import save_file
 
@@ -149,8 +170,6 @@ def write_state_dict_file(
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     else:
         torch.save(state_dict, tmp)
-    os.replace(tmp, path)
-    return path
 
 
 def load_full_state_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -211,6 +230,7 @@ def consolidate_checkpoint(
     """Turn a checkpoint directory of ``save_checkpoint`` into one full model state
     dict file, in this process alone (no process group, no ranks). Verifies the
     manifest first (sizes and checksums). Returns ``{"tensors": n, "bytes": b}``."""
+    _check_output(Path(output))  # before the checkpoint is read
     full = read_full_model_state(checkpoint, prefix=prefix)
     write_state_dict_file(full, output, format)
     tensors = [v for v in full.values() if isinstance(v, torch.Tensor)]
@@ -224,7 +244,10 @@ def read_full_model_state(
     process alone (the manifest verified first)."""
     directory = resolve_for_load(Path(checkpoint).absolute())
     Manifest.read(directory).verify(directory, checksums=True)
-    metadata = FileSystemReader(directory).read_metadata()
+    try:
+        metadata = FileSystemReader(directory).read_metadata()
+    except Exception as exc:  # a damaged pickle raises anything (version 1: no checksum)
+        raise CorruptCheckpointError(f"cannot read {directory}/.metadata: {exc!r}") from exc
     sd: dict[str, Any] = {}
     for key, md in metadata.state_dict_metadata.items():
         if key.startswith(prefix):
@@ -235,6 +258,9 @@ def read_full_model_state(
             )
     if not sd:
         raise CheckpointError(f"{directory} has no entries under {prefix!r}")
-    with _dist.quiet_single_process():
-        dcp.load(sd, storage_reader=FileSystemReader(directory), no_dist=True)
+    try:
+        with _dist.quiet_single_process():
+            dcp.load(sd, storage_reader=FileSystemReader(directory), no_dist=True)
+    except CheckpointException as exc:  # a BaseException: see errors
+        raise dcp_failure(exc, f"cannot read {directory}") from exc
     return _unflatten(sd, prefix, metadata.planner_data)

@@ -1,19 +1,28 @@
-"""The exceptions this package raises. All are ``RuntimeError``s, so code that caught
-DCP's own errors keeps working; the subclasses say which way a checkpoint is wrong."""
+"""The exceptions this package raises. All are ``RuntimeError``s (so ``Exception``s:
+torch's own ``CheckpointException`` from DCP is a ``BaseException`` that ``except
+Exception:`` misses, and is raised here as the ``__cause__`` of a ``CheckpointError``);
+the subclasses say which way a checkpoint is wrong."""
 
 from __future__ import annotations
 
 __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
+    "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "ForeignCheckpointWarning",
     "IncompleteCheckpointError",
+    "dcp_failure",
 ]
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint at the path (also a ``FileNotFoundError``, which code written
+    before this class existed catches)."""
 
 
 class IncompleteCheckpointError(CheckpointError):
@@ -33,3 +42,16 @@ class CheckpointMismatchError(CheckpointError):
 class ForeignCheckpointWarning(UserWarning):
     """A plain DCP checkpoint (no fsdp manifest) is being loaded: its file sizes cannot
     be verified against a manifest, and it holds no extra state or RNG states."""
+
+
+def dcp_failure(exc: BaseException, what: str) -> CheckpointError:
+    """DCP's ``CheckpointException`` (a ``BaseException``, which ``except Exception``
+    misses) as a ``CheckpointError``: ``what`` then each failed rank's exception (DCP
+    raises it on every rank, so this is the same on every rank). Raise it ``from exc``."""
+    failures = getattr(exc, "failures", None) or {}
+    shown = "; ".join(
+        f"rank {r}: {type(e).__name__}: {e}"
+        for r, pair in sorted(failures.items())
+        for e in [pair[0] if isinstance(pair, tuple) else pair]
+    )
+    return CheckpointError(f"{what}: {shown or exc}")

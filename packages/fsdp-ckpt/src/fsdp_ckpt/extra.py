@@ -6,6 +6,11 @@ Each rank writes ``extra/rank_<r>.pt`` (``torch.save``): the ``extra`` dict it w
 ``random``, and NumPy's global one when NumPy is imported). Loading at the same world
 size gives each rank its own file back; at another world size every rank gets rank 0's
 (RNG streams are per rank and cannot be resharded).
+
+DTensors are refused in ``extra`` (``dtensor_entries``): pickled per rank, a shard
+would come back at another world size as rank 0's, still claiming the saving job's
+mesh. Sharded state belongs in DCP (``dcp.save`` of its own, loaded into DTensors of
+the loading job), or whole in ``extra`` as ``full_tensor()``.
 """
 
 from __future__ import annotations
@@ -17,10 +22,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from fsdp_ckpt.errors import CorruptCheckpointError
+from fsdp_ckpt.errors import CheckpointError, CorruptCheckpointError
 
-__all__ = ["EXTRA_DIR", "capture_rng_state", "read_extra", "restore_rng_state", "write_extra"]
+__all__ = [
+    "EXTRA_DIR",
+    "capture_rng_state",
+    "dtensor_entries",
+    "read_extra",
+    "refuse_dtensors",
+    "restore_rng_state",
+    "write_extra",
+]
 
 EXTRA_DIR = "extra"
 
@@ -47,6 +61,37 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     numpy = sys.modules.get("numpy")
     if "numpy" in state and numpy is not None:
         numpy.random.set_state(state["numpy"])
+
+
+def dtensor_entries(value: Any, where: str = "extra") -> list[str]:
+    """Where ``value`` (walked through dicts, lists and tuples) holds DTensors, as
+    ``extra['ema']['fc.weight']``."""
+    if isinstance(value, DTensor):
+        return [where]
+    if isinstance(value, dict):
+        items: Any = ((f"{where}[{k!r}]", v) for k, v in value.items())
+    elif isinstance(value, list | tuple):
+        items = ((f"{where}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return []
+    return [found for name, v in items for found in dtensor_entries(v, name)]
+
+
+def refuse_dtensors(extra: dict[str, Any] | None) -> CheckpointError | None:
+    """The error naming the first DTensor in ``extra`` and what to do instead; None
+    when it holds none."""
+    found = dtensor_entries(extra or {})
+    if not found:
+        return None
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    return CheckpointError(
+        f"save_checkpoint: {found[0]} is a DTensor{more}: extra is pickled per rank, so "
+        "at another world size every rank would get rank 0's shard, still claiming this "
+        "job's mesh. Save sharded state with torch.distributed.checkpoint instead "
+        "(dcp.save({'ema': ema}, checkpoint_id=another_directory), loaded with dcp.load "
+        "into DTensors of the loading job, e.g. a copy of model.state_dict()), or put the "
+        "whole tensor in extra (value.full_tensor(), the full size on every rank)"
+    )
 
 
 def _rank_file(directory: Path, rank: int) -> Path:

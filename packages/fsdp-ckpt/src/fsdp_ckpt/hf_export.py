@@ -33,6 +33,11 @@ def export_hf_checkpoint(
     ``output`` as ``save_pretrained`` would, with the config found in ``config_dir``
     (the model's original ``save_pretrained`` directory, or any holding its
     ``config.json``). Runs in this process alone. Returns ``{"tensors": n}``."""
+    if not (Path(config_dir) / "config.json").is_file():  # before anything is read or written
+        raise FileNotFoundError(
+            f"{config_dir} holds no config.json: give the model's save_pretrained "
+            "directory (or any directory holding its config.json)"
+        )
     try:
         import transformers
     except ImportError as e:

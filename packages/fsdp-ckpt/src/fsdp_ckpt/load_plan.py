@@ -5,6 +5,7 @@ so that every mismatch is reported by name before anything is read."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,9 +15,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from fsdp_ckpt.layout import Layout
 from fsdp_ckpt.optim_state import (
-    get_optimizer_state_dict,
     init_optimizer_state,
     optimizer_param_fqns,
+    optimizers_state_dict,
+    split_optimizers_state_dict,
 )
 from fsdp_ckpt.validate import Mismatch, find_mismatches, flatten
 
@@ -83,9 +85,11 @@ def _entries_under(metadata: Metadata, prefix: str, *, by_name: bool) -> dict[st
 
 @dataclass
 class OptimizerPlan:
-    """The optimizer part of the state given to ``dcp.load``, and how to read the
-    loaded result back as a name-keyed optimizer state dict."""
+    """The optimizers' part of the state given to ``dcp.load`` (one optimizer, or
+    several over disjoint parameters, joined as ``optimizers_state_dict`` joins them),
+    and how to read the loaded result back as each one's name-keyed state dict."""
 
+    optimizers: list[torch.optim.Optimizer]
     prefix: str  # where the checkpoint keeps the optimizer, e.g. "optim."
     to_load: dict[str, Any]  # {"state": ..., "param_groups": ...}
     group_fqns: list[list[str]]  # this optimizer's groups, by parameter name
@@ -100,24 +104,34 @@ class OptimizerPlan:
             groups = [{**groups.get(g[0], {}), "params": g} if g else {} for g in self.group_fqns]
         return {"state": node["state"], "param_groups": groups}
 
+    def parts(self, node: dict[str, Any]) -> list[tuple[torch.optim.Optimizer, dict[str, Any]]]:
+        """Each optimizer with its part of ``loaded(node)``."""
+        split = split_optimizers_state_dict(self.loaded(node), self.optimizers)
+        return list(zip(self.optimizers, split, strict=True))
+
 
 def plan_optimizer(
-    model: nn.Module, optimizer: torch.optim.Optimizer, metadata: Metadata, layout: Layout
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    metadata: Metadata,
+    layout: Layout,
 ) -> OptimizerPlan:
-    """The optimizer's live state (created where the checkpoint has some and the
+    """The optimizers' live state (created where the checkpoint has some and the
     optimizer has none yet) for the parameters the checkpoint has state for, and
     placeholders for the saved param groups."""
     prefix = layout.optim_prefix
     if prefix is None:
         raise ValueError(f"plan_optimizer needs a layout with optimizer state; got {layout}")
-    fqns = optimizer_param_fqns(model, optimizer)
+    fqns = {id(o): optimizer_param_fqns(model, o) for o in optimizers}
     state_prefix, groups_prefix = prefix + "state.", prefix + "param_groups."
-    saved = _saved_state_fqns(metadata, fqns, state_prefix)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    init_optimizer_state(
-        optimizer, [p for p, fqn in zip(params, fqns, strict=True) if fqn in saved]
-    )
-    osd = get_optimizer_state_dict(model, optimizer)
+    saved = _saved_state_fqns(metadata, [f for o in fqns.values() for f in o], state_prefix)
+    for optimizer in optimizers:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        init_optimizer_state(
+            optimizer,
+            [p for p, fqn in zip(params, fqns[id(optimizer)], strict=True) if fqn in saved],
+        )
+    osd = optimizers_state_dict(model, optimizers)
     state = {fqn: v for fqn, v in osd["state"].items() if fqn in saved}
     state_saved = {
         k: md for k, md in metadata.state_dict_metadata.items() if k.startswith(state_prefix)
@@ -141,11 +155,13 @@ def plan_optimizer(
             problems.append(f"param group entries not numbered: {groups_prefix}{heads[-1]}.*")
         groups = [entries[h] for h in heads if h.isdigit()]
         if len(groups) != len(group_fqns):
+            these = "this optimizer" if len(optimizers) == 1 else "these optimizers together"
             problems.append(
-                f"the checkpoint has {len(groups)} optimizer param group(s), this "
-                f"optimizer {len(group_fqns)}"
+                f"the checkpoint has {len(groups)} optimizer param group(s), {these} "
+                f"{len(group_fqns)}"
             )
     return OptimizerPlan(
+        optimizers=list(optimizers),
         prefix=prefix,
         to_load={"state": state, "param_groups": groups},
         group_fqns=group_fqns,

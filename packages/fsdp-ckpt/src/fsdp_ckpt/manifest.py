@@ -6,12 +6,18 @@ an interrupted save (or not an fsdp checkpoint) and is refused; a listed file th
 missing, has another size or another checksum is refused too, so a truncated or
 overwritten shard is never loaded. Version 1 manifests (sizes only) still load, their
 files checked by size.
+
+The names it lists are confined to the directory: one that is absolute or leaves it
+(``..``, or a symlink resolving outside) makes the manifest damaged, refused when it is
+read, before any listed file is opened; and only regular files are read (``/dev/zero``
+or a FIFO would make the reader wait forever).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +45,19 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _inside(directory: Path, rel: str) -> bool:
+    """Whether ``rel`` names a path inside ``directory`` once symlinks are resolved
+    (absolute names and ``..`` leave it). Resolves without opening anything."""
+    if not rel or os.path.isabs(rel) or "\x00" in rel:
+        return False
+    root = directory.resolve()
+    try:
+        (root / rel).resolve().relative_to(root)
+    except (ValueError, OSError, RuntimeError):  # outside; a symlink loop
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -140,7 +159,7 @@ class Manifest:
                 f"up to {FORMAT_VERSION}: upgrade fsdp-ckpt"
             )
         try:
-            return cls(
+            manifest = cls(
                 world_size=int(payload["world_size"]),
                 files={str(k): int(v) for k, v in payload["files"].items()},
                 checksums={str(k): int(v) for k, v in payload.get("crc32", {}).items()},
@@ -151,6 +170,21 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptCheckpointError(f"{path} is damaged: {exc!r}") from exc
+        outside = [
+            rel for rel in {**manifest.files, **manifest.checksums} if not _inside(directory, rel)
+        ]
+        if outside:
+            raise CorruptCheckpointError(
+                f"{path} is damaged: it lists files outside the checkpoint directory "
+                f"{directory} ({sorted(outside)[:5]}); a checkpoint's files are relative "
+                "names inside it, so none of them was opened"
+            )
+        unsized = sorted(set(manifest.checksums) - set(manifest.files))
+        if unsized:  # each file is checked by size (and kind) before it is read
+            raise CorruptCheckpointError(
+                f"{path} is damaged: it has checksums of files it does not list: {unsized[:5]}"
+            )
+        return manifest
 
     def problems(self, directory: Path) -> list[str]:
         """Every listed file that is missing or has a size other than the listed one."""
@@ -158,10 +192,14 @@ class Manifest:
         for rel, size in self.files.items():
             path = directory / rel
             try:
-                actual = path.stat().st_size
+                found = path.stat()
             except OSError:
                 out.append(f"{rel}: missing (expected {size} bytes)")
                 continue
+            if not stat.S_ISREG(found.st_mode):
+                out.append(f"{rel}: not a regular file (a device, FIFO or directory); not read")
+                continue
+            actual = found.st_size
             if actual != size:
                 out.append(
                     f"{rel}: {actual} bytes, the manifest says {size} (truncated or changed)"

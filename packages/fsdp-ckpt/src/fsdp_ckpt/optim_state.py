@@ -14,12 +14,17 @@ always are, so a fresh optimizer would silently load nothing. ``init_optimizer_s
 does that step on the optimizer class's own ``step`` (not an instance-level wrapper
 that would also sync gradients and install weights), only for parameters that lack
 state, with the learning rate at zero.
+
+Several optimizers over disjoint parameters (fsdp's ``[Muon(hidden), AdamW(rest)]``)
+make one such state dict (``optimizers_state_dict``): their states by parameter name,
+their param groups one after the other, as torch's ``get_optimizer_state_dict(model,
+[opt1, opt2])`` lays them out; ``split_optimizers_state_dict`` gives each its part back.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,11 +38,57 @@ from fsdp_ckpt.names import entry_of, keys_may_differ_across_ranks, param_fqns
 from fsdp_ckpt.row_shards import Entry, add_row_offsets, strip_row_offsets
 
 __all__ = [
+    "as_optimizer_list",
     "get_optimizer_state_dict",
     "init_optimizer_state",
     "optimizer_param_fqns",
+    "optimizers_state_dict",
     "set_optimizer_state_dict",
+    "split_optimizers_state_dict",
 ]
+
+
+def _show(value: object) -> str:
+    return f"{type(value).__name__} {value!r:.60}"
+
+
+def as_optimizer_list(optimizer: object, where: str) -> list[torch.optim.Optimizer]:
+    """``optimizer`` (None, an optimizer, or a list or tuple of optimizers over disjoint
+    parameters) as a list; anything else raises ``TypeError`` saying what to pass, an
+    empty list or one optimizer (or parameter) twice ``ValueError``. Local checks only:
+    alike on every rank."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    allowed = (
+        f"{where}: optimizer must be a torch.optim.Optimizer or a list of them (the list "
+        "fsdp.fully_shard returns for several, e.g. [muon, adamw]), or None for the model "
+        "alone"
+    )
+    if not isinstance(optimizer, list | tuple):
+        raise TypeError(f"{allowed}; got {_show(optimizer)}")
+    bad = [
+        f"[{i}]: {_show(o)}"
+        for i, o in enumerate(optimizer)
+        if not isinstance(o, torch.optim.Optimizer)
+    ]
+    if bad:
+        raise TypeError(f"{allowed}; got a {type(optimizer).__name__} holding {', '.join(bad)}")
+    if not optimizer:
+        raise ValueError(f"{where}: the list of optimizers is empty; pass None for the model alone")
+    owner: dict[int, int] = {}
+    for j, opt in enumerate(optimizer):
+        if any(opt is other for other in optimizer[:j]):
+            raise ValueError(f"{where}: optimizer {j} is in the list more than once")
+        for p in _ordered_params(opt):
+            if owner.setdefault(id(p), j) != j:
+                raise ValueError(
+                    f"{where}: a parameter of shape {tuple(p.shape)} is in optimizers "
+                    f"{owner[id(p)]} and {j}; their states would collide under its name: "
+                    "each parameter may be stepped by one optimizer only"
+                )
+    return list(optimizer)
 
 
 def _ordered_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
@@ -99,6 +150,40 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
     if keys_may_differ_across_ranks(params):
         groups = _names_of_every_rank(groups)
     return {"state": state_out, "param_groups": groups}
+
+
+def optimizers_state_dict(
+    model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+) -> dict[str, Any]:
+    """``get_optimizer_state_dict`` of several optimizers over disjoint parameters, as
+    one: states by parameter name, param groups one after the other."""
+    state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    for optimizer in optimizers:
+        osd = get_optimizer_state_dict(model, optimizer)
+        state.update(osd["state"])
+        groups.extend(osd["param_groups"])
+    return {"state": state, "param_groups": groups}
+
+
+def split_optimizers_state_dict(
+    state_dict: Mapping[str, Any], optimizers: Sequence[torch.optim.Optimizer]
+) -> list[dict[str, Any]]:
+    """Each optimizer's part of ``state_dict`` (as ``optimizers_state_dict`` joins
+    them): its groups by position, the state of the parameters they name."""
+    groups = list(state_dict.get("param_groups", []))
+    state = state_dict.get("state", {})
+    if len(optimizers) == 1:
+        return [{"state": dict(state), "param_groups": groups}]
+    parts, start = [], 0
+    for optimizer in optimizers:
+        mine = groups[start : start + len(optimizer.param_groups)]
+        start += len(optimizer.param_groups)
+        names = {n for g in mine for n in g.get("params", [])}
+        parts.append(
+            {"state": {k: v for k, v in state.items() if k in names}, "param_groups": mine}
+        )
+    return parts
 
 
 def _names_of_every_rank(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

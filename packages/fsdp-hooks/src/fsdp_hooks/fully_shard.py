@@ -73,7 +73,11 @@ from fsdp_hooks.optim.optimizers import (
     refuse_positional_expert_state_in_dcp,
     show_whole_parameters,
 )
-from fsdp_hooks.setup.validation import check_argument_types, check_outer_strategy
+from fsdp_hooks.setup.validation import (
+    check_argument_types,
+    check_option_types,
+    check_outer_strategy,
+)
 from fsdp_mesh import FSDPDistributedIndex, default_device_type
 from fsdp_mesh.device import warn_once
 
@@ -120,7 +124,7 @@ def fully_shard_model(
     fsdp_unit_modules: Sequence[type[nn.Module]] | Sequence[str] | None = None,
     zero_dp_strategy: str | int = 3,
     outer_dp_sharding_strategy: str | int = 0,
-    device: torch.device | None = None,
+    device: torch.device | str | int | None = None,
     init_model_with_meta_device: bool = False,
     mixed_precision_policy: MixedPrecisionPolicy | None = None,
     overlap_grad_reduce: bool = True,
@@ -160,6 +164,8 @@ def fully_shard_model(
     unit's own backward (an auxiliary loss on the weights backpropagated on its own);
     by default such a backward raises (README, "Gradient paths that bypass a unit's
     outputs")."""
+    # Every argument by name (nothing else is bound yet): Note [option types].
+    typed = dict(locals())
     check_argument_types(
         "fully_shard_model",
         module,
@@ -172,6 +178,7 @@ def fully_shard_model(
             "MixedPrecisionPolicy(main_params_dtype=torch.float32, grad_comm_dtype=torch.bfloat16)",
         ),
     )
+    check_option_types("fully_shard_model", fully_shard_model, typed)
     strategy = ShardingStrategy.parse(zero_dp_strategy)
     outer = ShardingStrategy.parse(outer_dp_sharding_strategy)
     if device_mesh is None:
@@ -513,6 +520,7 @@ def fully_shard(
         raise ValueError("fully_shard: the list of optimizers is empty")
     # Before anything is sharded: a refused optimizer leaves the module untouched.
     check_argument_types("fully_shard", module, kwargs.get("fsdp_unit_modules"))
+    check_option_types("fully_shard", fully_shard_model, kwargs)  # read below before the wrap
     strategy = ShardingStrategy.parse(kwargs.get("zero_dp_strategy", 3))
     sharded = strategy is not ShardingStrategy.NO_SHARD
     seen: dict[int, int] = {}

@@ -8,13 +8,21 @@ Megatron-Core. Fields that only mean something with CUDA/NCCL (``nccl_ub``,
 and ignored on CPU with one warning per process naming them; fields fsdp accepts but
 does not implement say "Ignored" below, and are named in one warning when set (see
 ``fsdp_hooks.module.unused_options``).
+
+Every field is checked against its annotation at construction (a ``TypeError`` naming
+the field: ``"false"`` from a YAML file is not a bool; see Note [option types] in
+``fsdp_hooks.setup.validation``), and again at wrap (``check_fields``), which also covers
+Megatron-Core's own config and fields changed after construction.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+
+from fsdp_hooks.setup.validation import check_option_types
 
 __all__ = ["DistributedDataParallelConfig"]
 
@@ -33,7 +41,7 @@ class DistributedDataParallelConfig:
     """Average inside the collective (ReduceOp.AVG) instead of pre-dividing by dp size."""
     fp8_param_gather: bool = False
     """CUDA-only. Ignored: fsdp gathers compute weights in their own dtype (warns when set)."""
-    data_parallel_sharding_strategy: str = "no_shard"
+    data_parallel_sharding_strategy: str | int = "no_shard"
     """'no_shard', 'optim', 'optim_grads' or 'optim_grads_params' (or 0..3)."""
     gradient_reduce_div_fusion: bool = True
     """Ignored: fsdp divides before the collective (or averages in it, see
@@ -57,7 +65,7 @@ class DistributedDataParallelConfig:
     """Ignored: ``start_param_sync`` gathers every sharded bucket (warns when False)."""
     fsdp_db_use_persist_buf_on_alloc_fail: bool = False
     """Ignored: double buffers are allocated once, at wrap (warns when set)."""
-    outer_dp_sharding_strategy: str = "no_shard"
+    outer_dp_sharding_strategy: str | int = "no_shard"
     """Strategy across the outer (replica) dim of hybrid sharding: 'no_shard' or 'optim'."""
     disable_symmetric_registration: bool = False
     """CUDA-only; fsdp registers no NCCL buffers, so there is nothing to disable."""
@@ -89,8 +97,21 @@ class DistributedDataParallelConfig:
     buffers read it."""
 
     def __post_init__(self) -> None:
+        self.check_fields(self, "DistributedDataParallelConfig")
         if self.megatron_fsdp_max_pool_double_buffer:
             self.fsdp_double_buffer = True
         # nccl_ub implies fsdp_double_buffer (NCCL user buffers need persistent
         # communication buffers) only on CUDA, where it has an effect: MegatronFSDP
         # decides, once it knows the device.
+
+    @classmethod
+    def check_fields(cls, config: object, where: str) -> None:
+        """Raise ``TypeError`` for the first field of ``config`` (this class, or any
+        object with its field names, e.g. Megatron-Core's config) whose value its
+        annotation here does not allow (see Note [option types])."""
+        values = {
+            f.name: getattr(config, f.name)
+            for f in dataclasses.fields(cls)
+            if hasattr(config, f.name)
+        }
+        check_option_types(where, cls, values)

@@ -48,6 +48,7 @@ from fsdp_hooks.module.megatron_compat import (
     default_ddp_config,
     reset_policy,
 )
+from fsdp_hooks.module.module_copies import DEEPCOPY_REFUSED, check_unchanged
 from fsdp_hooks.module.unused_options import options_set, warn_unused_options
 from fsdp_hooks.optim.grad_norm import clip_grad_norm_
 from fsdp_hooks.runtime.hooks import FSDPHooks
@@ -60,6 +61,7 @@ from fsdp_hooks.setup.validation import (
     check_hybrid_index,
     check_no_meta_params,
     check_not_wrapped,
+    check_option_types,
     check_param_dtype,
     check_same_model,
     check_tensor_parallel_replicas,
@@ -90,7 +92,7 @@ class MegatronFSDP(InnerModuleAttributes):
         mixed_precision_policy: MixedPrecisionPolicy | None = None,
         fsdp_unit_modules: Iterable[type[nn.Module] | str] | None = None,
         disable_bucketing: bool = False,
-        device: torch.device | None = None,
+        device: torch.device | str | int | None = None,
         calculate_per_token_loss: bool = False,
         init_model_with_meta_device: bool = False,
         sync_model_each_microbatch: bool = False,
@@ -119,6 +121,30 @@ class MegatronFSDP(InnerModuleAttributes):
                 "MixedPrecisionPolicy(main_params_dtype=torch.float32)",
             ),
         )
+        check_option_types(  # Note [option types]: before any collective, alike on every rank
+            "MegatronFSDP",
+            MegatronFSDP.__init__,
+            {
+                "disable_bucketing": disable_bucketing,
+                "device": device,
+                "calculate_per_token_loss": calculate_per_token_loss,
+                "init_model_with_meta_device": init_model_with_meta_device,
+                "sync_model_each_microbatch": sync_model_each_microbatch,
+                "keep_fp8_transpose_cache": keep_fp8_transpose_cache,
+                "nccl_ub": nccl_ub,
+                "fsdp_double_buffer": fsdp_double_buffer,
+                "fsdp_db_use_persist_buf_on_alloc_fail": fsdp_db_use_persist_buf_on_alloc_fail,
+                "disable_symmetric_registration": disable_symmetric_registration,
+                "enable_fine_grained_param_gather_hook": enable_fine_grained_param_gather_hook,
+                "enable_fine_grained_param_gather_backward_hook": (
+                    enable_fine_grained_param_gather_backward_hook
+                ),
+                "report_nan_in_param_grad": report_nan_in_param_grad,
+                "prefetch_depth": prefetch_depth,
+            },
+        )
+        if ddp_config is not None:  # Megatron-Core's too, or one changed since it was built
+            DistributedDataParallelConfig.check_fields(ddp_config, "MegatronFSDP: ddp_config")
         check_not_wrapped(module)
         if type(regather_saved_weights) is not bool:
             raise TypeError(
@@ -610,6 +636,14 @@ class MegatronFSDP(InnerModuleAttributes):
     def _check_checkpointable(self) -> None:
         if self._state_names.error is not None:
             raise type(self._state_names.error)(*self._state_names.error.args)
+
+    # ---- copies and casts (see module_copies) --------------------------------------------
+    def __deepcopy__(self, memo: dict[int, Any]) -> MegatronFSDP:
+        raise TypeError(DEEPCOPY_REFUSED)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        check_unchanged(self, fn)  # a cast or a move is refused before anything changes
+        return self  # nothing would change: a no-op (super() would replace the DTensors)
 
     # ---- accounting -------------------------------------------------------------------
     def comm_stats(self, reset: bool = False) -> dict[str, dict[str, float]]:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
+import numbers
+import types
+import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +29,7 @@ __all__ = [
     "check_hybrid_index",
     "check_no_meta_params",
     "check_not_wrapped",
+    "check_option_types",
     "check_outer_strategy",
     "check_param_dtype",
     "check_same_model",
@@ -78,6 +83,97 @@ def check_argument_types(
                 f"{where}: {name} must be a {kind.__module__}.{kind.__qualname__} (e.g. "
                 f"{example}) or None; got {_show(value)}"
             )
+
+
+# Note [option types]
+# Options arrive from YAML files and command lines as strings: ``"false"`` is truthy,
+# so a boolean option given as one would silently mean True (a per-token loss summed
+# instead of averaged). Every typed option is checked against its annotation, in one
+# place (``check_option_types``), wherever options arrive: ``fully_shard`` and
+# ``fully_shard_model``'s keywords, ``MegatronFSDP``'s, every field of a
+# ``DistributedDataParallelConfig`` (fsdp's at construction; any ddp_config again at
+# wrap, Megatron-Core's or one changed after construction), the adapters' keywords and
+# the transformer-config options they read. ``bool`` accepts only ``bool``; ``int``
+# any integer but ``bool``; ``float`` any real number but ``bool``; classes (``str``,
+# ``torch.dtype``, ``DeviceMesh``, ...) their instances. Annotations this cannot check
+# (callables, containers of classes) are left to the specific checks. The check is
+# local and deterministic (the same arguments give the same verdict on every rank), so
+# raising before any collective raises on every rank.
+
+
+def _checkable(hint: Any) -> tuple[type, ...] | None:
+    """The classes an annotation allows, or None when it is not a union of plain
+    classes (then it is not checked here)."""
+    if hint is None or hint is type(None):
+        return (type(None),)
+    if hint is Any:  # a class since Python 3.11, but not one for isinstance
+        return None
+    if isinstance(hint, type) and not isinstance(hint, types.GenericAlias):
+        return (hint,)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        out: list[type] = []
+        for arg in typing.get_args(hint):
+            allowed = _checkable(arg)
+            if allowed is None:
+                return None
+            out.extend(allowed)
+        return tuple(out)
+    return None
+
+
+def _allows(value: object, allowed: tuple[type, ...]) -> bool:
+    for kind in allowed:
+        if kind is bool:
+            if isinstance(value, bool):
+                return True
+        elif kind is int:
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                return True
+        elif kind is float:
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                return True
+        elif isinstance(value, kind):
+            return True
+    return False
+
+
+def _kind_name(kind: type) -> str:
+    if kind is type(None):
+        return "None"
+    module = "" if kind.__module__ == "builtins" else f"{kind.__module__}."
+    return f"{module}{kind.__qualname__}"
+
+
+@functools.cache
+def _option_types(owner: Callable[..., Any] | type) -> dict[str, tuple[type, ...]]:
+    """The checkable annotations of a function's parameters or a dataclass's fields."""
+    hints = typing.get_type_hints(owner)
+    hints.pop("return", None)
+    checkable = {name: _checkable(hint) for name, hint in hints.items()}
+    return {name: allowed for name, allowed in checkable.items() if allowed is not None}
+
+
+def check_option_types(
+    where: str,
+    owner: Callable[..., Any] | type | Mapping[str, tuple[type, ...]],
+    values: Mapping[str, Any],
+) -> None:
+    """Raise ``TypeError`` naming the option, what it got and what is allowed, for the
+    first of ``values`` whose type its annotation in ``owner`` (a function, a dataclass,
+    or a mapping of names to allowed classes) does not allow (see Note [option types]).
+    Names without a checkable annotation are skipped."""
+    allowed_by_name = owner if isinstance(owner, Mapping) else _option_types(owner)
+    for name, value in values.items():
+        allowed = allowed_by_name.get(name)
+        if allowed is None or _allows(value, allowed):
+            continue
+        kinds = " or ".join(_kind_name(k) for k in allowed)
+        hint = ""
+        if bool in allowed and isinstance(value, str):
+            hint = (
+                " (a string such as 'false' from a config file or command line is true: convert it)"
+            )
+        raise TypeError(f"{where}: {name} must be {kinds}; got {_show(value)}{hint}")
 
 
 def check_outer_strategy(

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_hooks.module.config import DistributedDataParallelConfig
+from fsdp_hooks.setup.validation import check_option_types
 from fsdp_mesh import FSDPDistributedIndex, default_device_type
 
 __all__ = [
@@ -58,11 +59,20 @@ TRANSFORMER_OPTIONS: dict[str, Any] = {
 }
 
 
+# Their types where checkable (the booleans): Note [option types] in fsdp_hooks.setup.validation.
+_TRANSFORMER_OPTION_TYPES = {
+    name: (bool,) for name, default in TRANSFORMER_OPTIONS.items() if isinstance(default, bool)
+}
+
+
 def transformer_option(config: object, name: str) -> Any:
-    """``config.<name>``, or Megatron-Core's default when ``config`` is None or lacks it."""
+    """``config.<name>``, or Megatron-Core's default when ``config`` is None or lacks it;
+    a boolean option that is not a ``bool`` raises ``TypeError`` naming it."""
     if name not in TRANSFORMER_OPTIONS:
         raise KeyError(f"{name!r} is not a transformer option the adapters read")
-    return getattr(config, name, TRANSFORMER_OPTIONS[name])
+    value = getattr(config, name, TRANSFORMER_OPTIONS[name])
+    check_option_types("the transformer config", _TRANSFORMER_OPTION_TYPES, {name: value})
+    return value
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(DistributedDataParallelConfig))

@@ -65,7 +65,12 @@ from fsdp_hooks.integrations.megatron_core.ddp_megatron_view import (
 )
 from fsdp_hooks.module.inner_module import InnerModuleAttributes
 from fsdp_hooks.module.unused_options import options_set, warn_unused_options
-from fsdp_hooks.setup.validation import check_no_meta_params, check_not_wrapped, check_same_model
+from fsdp_hooks.setup.validation import (
+    check_no_meta_params,
+    check_not_wrapped,
+    check_option_types,
+    check_same_model,
+)
 from fsdp_mesh.device import warn_once
 
 __all__ = ["DistributedDataParallel"]
@@ -160,6 +165,9 @@ class DistributedDataParallel(InnerModuleAttributes):
         check_for_nan_in_grad: bool | None = None,
     ) -> None:
         super().__init__()
+        check_option_types(
+            WHO, DistributedDataParallel.__init__, {"disable_bucketing": disable_bucketing}
+        )
         cfg = effective_ddp_config(
             ddp_config,
             accumulate_allreduce_grads_in_fp32=accumulate_allreduce_grads_in_fp32,

@@ -13,6 +13,7 @@ import dataclasses
 from fsdp_buffers import ShardingStrategy
 from fsdp_hooks.integrations.megatron_core._common import coerce_ddp_config
 from fsdp_hooks.module.config import DistributedDataParallelConfig
+from fsdp_hooks.setup.validation import check_option_types
 
 __all__ = ["effective_ddp_config"]
 
@@ -28,13 +29,20 @@ def effective_ddp_config(
     check_for_nan_in_grad: bool | None,
 ) -> DistributedDataParallelConfig:
     cfg = coerce_ddp_config(ddp_config, WHO)
+    keywords = {
+        "accumulate_allreduce_grads_in_fp32": accumulate_allreduce_grads_in_fp32,
+        "overlap_grad_reduce": overlap_grad_reduce,
+        "use_distributed_optimizer": use_distributed_optimizer,
+        "check_for_nan_in_grad": check_for_nan_in_grad,
+    }
+    check_option_types(WHO, effective_ddp_config, keywords)  # Note [option types]
     overrides = {
         "grad_reduce_in_fp32": accumulate_allreduce_grads_in_fp32,
         "overlap_grad_reduce": overlap_grad_reduce,
         "use_distributed_optimizer": use_distributed_optimizer,
         "check_for_nan_in_grad": check_for_nan_in_grad,
     }
-    cfg = dataclasses.replace(cfg, **{k: bool(v) for k, v in overrides.items() if v is not None})
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if cfg.use_megatron_fsdp:
         raise ValueError(
             f"{WHO}: ddp_config.use_megatron_fsdp=True asks for Megatron-FSDP; build the "

@@ -47,6 +47,7 @@ from fsdp_hooks.integrations.megatron_core.tp_detection import (
 )
 from fsdp_hooks.module.inner_module import InnerModuleAttributes
 from fsdp_hooks.module.megatron_fsdp import MegatronFSDP
+from fsdp_hooks.setup.validation import check_option_types
 from fsdp_mesh import FSDPDistributedIndex
 
 __all__ = ["FullyShardedDataParallel"]
@@ -125,6 +126,11 @@ class FullyShardedDataParallel(InnerModuleAttributes):
     ) -> None:
         super().__init__()
         who = "FullyShardedDataParallel"
+        check_option_types(  # Note [option types]
+            who,
+            FullyShardedDataParallel.__init__,
+            {"disable_bucketing": disable_bucketing, "device": device},
+        )
         cfg = coerce_ddp_config(ddp_config, who)
         if not isinstance(module, nn.Module):
             raise TypeError(f"{who}: module must be an nn.Module; got {type(module).__name__}")
