@@ -4,9 +4,10 @@ Each pair runs the same workload twice in fresh rank processes (``benchmarks.ran
 steps, as ``benchmarks.compare`` runs them): ``local``, fsdp as it is, and ``dtensor``,
 with the local step bypassed (``LocalStep._kind = None``: torch's own step on the
 DTensor parameters, ``foreach=None`` as given). The order within a pair alternates.
-Per run: the slowest rank's step time (median over the timed steps), and rank 0's
-``LocalStep.step`` (torch's step, plus the local step's plan in the ``local`` arm) in
-wall time and main-thread CPU.
+Per run, medians over the timed steps: the slowest rank's step time, rank 0's
+main-thread CPU a step, and rank 0's ``LocalStep.step`` (torch's step, plus the local
+step's plan in the ``local`` arm) in wall time and main-thread CPU. On a loaded machine
+the CPU figures are the steadier ones (time descheduled does not count).
 
     uv run python -m benchmarks.local_step_ab --workload compute --strategies 3,2 --pairs 3
 """
@@ -96,25 +97,27 @@ def main() -> None:
                 )
                 assert all(all(x == local for x in r["local"]) for r in ranks), "arm not as asked"
                 slowest = [max(s) for s in zip(*(r["step_s"] for r in ranks), strict=True)]
-                got[local] = (ms(slowest), ms(ranks[0]["wall"]), ms(ranks[0]["cpu"]))
+                got[local] = (
+                    ms(slowest),
+                    ms(ranks[0]["cpu_s"]),
+                    ms(ranks[0]["wall"]),
+                    ms(ranks[0]["cpu"]),
+                )
                 print(
                     f"ZeRO-{strategy} pair {pair} {'local' if local else 'dtensor'}: step "
-                    f"{got[local][0]:.1f} ms, optimizer step {got[local][1]:.1f} ms wall, "
-                    f"{got[local][2]:.1f} ms CPU (rank 0)",
+                    f"{got[local][0]:.1f} ms wall, {got[local][1]:.1f} ms CPU; optimizer "
+                    f"step {got[local][2]:.1f} ms wall, {got[local][3]:.1f} ms CPU",
                     flush=True,
                 )
             rows.append(got)
         print(f"\n{args.workload} ZeRO-{strategy}, world 2 (gloo), {args.steps} timed steps a run")
-        print(
-            "| pair | step local / dtensor (ratio) | opt step wall local / dtensor | opt CPU local / dtensor |"
-        )
-        print("|---|---|---|---|")
+        print("| pair | step wall | step CPU | opt step wall | opt step CPU |")
+        print("|---|---|---|---|---|")
         for i, got in enumerate(rows):
             a, b = got[True], got[False]
-            print(
-                f"| {i} | {a[0]:.0f} / {b[0]:.0f} ms ({a[0] / b[0]:.3f}) | "
-                f"{a[1]:.1f} / {b[1]:.1f} ms | {a[2]:.1f} / {b[2]:.1f} ms |"
-            )
+            cells = [f"{x:.1f} / {y:.1f} ({x / y:.3f})" for x, y in zip(a, b, strict=True)]
+            print(f"| {i} | {' | '.join(cells)} |")
+        print("(each cell: local / dtensor ms (ratio))")
         print(flush=True)
 
 
