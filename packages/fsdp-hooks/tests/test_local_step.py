@@ -164,7 +164,7 @@ def _check_parity(cases: list[tuple[str, str]], world: int) -> None:
     got = run_distributed(_train, world, args=(cases, world), timeout=240)
     for opt_name, config in cases:
         ref = _reference(opt_name)
-        # The same on every rank, though their local shards (and so their flat runs) differ.
+        # The same on every rank, though their local shards differ.
         orders = [rank_got[(opt_name, config)][2] for rank_got in got]
         assert all(order == orders[0] for order in orders), (opt_name, config, orders)
         for rank_got in got:

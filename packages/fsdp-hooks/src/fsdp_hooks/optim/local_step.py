@@ -31,8 +31,6 @@ every state dict with its keys and values are the same objects as when it was bu
 (C-level maps, no Python call per parameter); anything else (a group added, a state
 entry replaced, a new gradient) plans anew with the per-parameter checks below. A step
 that replaced or added a state value is written back and the next one plans anew.
-Consecutive parameters whose shards, gradients and state lie back to back step as one
-flat tensor (Note [flat runs] in ``flat_runs.py``).
 
 - the optimizer's class is not one of ``_KINDS`` exactly (a subclass may override the
   update), or a group is ``differentiable``;
@@ -58,15 +56,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import optimizer as torch_optimizer
-
-from fsdp_hooks.optim.flat_runs import (
-    FlatRun,
-    Member,
-    RunLayout,
-    ScalarStore,
-    find_runs,
-    split_flat,
-)
 
 __all__ = ["LocalStep", "state_keys"]
 
@@ -176,35 +165,17 @@ def _seen(entries: dict[str, Any]) -> tuple:
 
 class _Plan:
     """One step's shadows: per group the shadow list, the shadow state, and the
-    parameters that have a gradient (to write back what the step replaced); the flat
-    runs among them (Note [flat runs]), where they lie, and their scalar stores."""
+    parameters that have a gradient (to write back what the step replaced)."""
 
     def __init__(self) -> None:
         self.groups: list[list[nn.Parameter]] = []
         self.state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         self.stepped: list[_Shadow] = []
-        self.runs: list[FlatRun] = []
-        self.layout: RunLayout | None = None
-        self.stores: list[ScalarStore] = []
-
-    def flat_runs_hold(self) -> bool:
-        """The runs' members still lie as the flat tensors need and agree on their
-        scalar state (Note [flat runs]); cheap, checked before every step."""
-        layout = self.layout
-        return (layout is None or layout.current()) and all(s.agree() for s in self.stores)
 
 
 _params_of = itemgetter("params")
 _grad_of = attrgetter("grad")
 _local_of = attrgetter("_local_tensor")
-
-
-def _member(item: tuple[_Shadow, dict[str, Any] | None] | None) -> Member | None:
-    """A planned parameter as ``find_runs`` sees it (None: no gradient)."""
-    if item is None:
-        return None
-    entry, handed = item
-    return Member(entry.param, entry.local, entry.grad_local, handed or {})
 
 
 def _same(a: list, b: list) -> bool:
@@ -301,8 +272,6 @@ class LocalStep:
         self._snapshot: _Snapshot | None = None
         self.last_step_was_local = False  # for tests and profiles
         self.last_plan_was_reused = False  # for tests
-        self.last_flat_runs = 0  # for tests and profiles: runs the last local step merged
-        self.flatten = True  # step flat runs (Note [flat runs]); False: one tensor each
 
     def _shadow(self, p: DTensor) -> _Shadow:
         entry = self._shadows.get(id(p))
@@ -346,40 +315,33 @@ class LocalStep:
         """The last plan when nothing it was built from changed (cheap identity checks),
         else a new one (``_plan``: every check)."""
         snapshot = self._snapshot
-        if (
-            snapshot is not None
-            and snapshot.still_valid(self, optimizer)
-            and snapshot.plan.flat_runs_hold()
-        ):
+        if snapshot is not None and snapshot.still_valid(self, optimizer):
             self.last_plan_was_reused = True
             return snapshot.plan
         self.last_plan_was_reused = False
         self._snapshot = None
-        plan = self._plan(optimizer, flatten=self.flatten)
+        plan = self._plan(optimizer)
         if plan is not None:
             self._snapshot = _Snapshot(self, optimizer, plan)
         return plan
 
-    def _plan(self, optimizer: torch.optim.Optimizer, flatten: bool = True) -> _Plan | None:
+    def _plan(self, optimizer: torch.optim.Optimizer) -> _Plan | None:
         kind = self._kind
         assert kind is not None
         plan = _Plan()
         state = optimizer.state
-        # Per group, its parameters' entries in order: a stepped one with its shadow
-        # state (None when stateless), or None (no gradient: skipped by the step).
-        groups: list[list[tuple[_Shadow, dict[str, Any] | None] | None]] = []
         for group in optimizer.param_groups:
             if group.get("differentiable", False):
                 return None
             stateless = kind.stateless is not None and kind.stateless(group)
-            items: list[tuple[_Shadow, dict[str, Any] | None] | None] = []
+            shadows: list[nn.Parameter] = []
             for p in group["params"]:
                 if not isinstance(p, DTensor):
                     return None
                 entry = self._shadow(p)
+                shadows.append(entry.shadow)
                 grad = p.grad
                 if grad is None:
-                    items.append(None)
                     continue  # skipped by the step, as before; its state is not touched
                 if grad is not entry.grad:
                     if not (
@@ -389,19 +351,16 @@ class LocalStep:
                     ):
                         return None
                     entry.grad, entry.grad_local = grad, grad._local_tensor
+                plan.stepped.append(entry)
                 entries = state.get(p)
                 if not entries:
-                    # No state (yet): the step creates it on the shadow (a flat run's
-                    # is born flat), and it is written back as DTensors placed as the
-                    # parameters.
+                    # No state (yet): the step creates it on the shadow, and it is
+                    # written back (in parameter order, as the DTensor step adds it) as
+                    # DTensors placed as the parameters.
                     entry.entries, entry.seen, entry.values = None, (), ()
                     entry.handed, entry.handed_seen = {}, ()
                     if not stateless:
-                        # Its (empty) dict now, in parameter order, as the DTensor step
-                        # would add it: the write-back fills runs first, and ranks whose
-                        # runs differ must list the state (state_dict, DCP) alike.
-                        state[p]
-                    items.append((entry, None if stateless else {}))
+                        plan.state[entry.shadow] = {}
                     continue
                 if entries is not entry.entries or _seen(entries) != entry.seen:
                     handed = self._check_state(entry, entries)
@@ -411,60 +370,9 @@ class LocalStep:
                     entry.entries, entry.seen = entries, _seen(entries)
                     entry.values = tuple(entries.values())
                     entry.handed, entry.handed_seen = handed, _seen(handed)
-                items.append((entry, entry.handed))
-            groups.append(items)
-        for group, items in zip(optimizer.param_groups, groups, strict=True):
-            members = list(map(_member, items))
-            runs = find_runs(members, kind.per_element) if flatten else []
-            starts = {run.start: run for run in runs}
-            shadows: list[nn.Parameter] = []
-            i = 0
-            params = group["params"]
-            while i < len(params):
-                run = starts.get(i)
-                if run is not None:
-                    first = items[i]
-                    assert first is not None  # find_runs starts no run at a None
-                    flat = FlatRun(
-                        members[run.start : run.stop],
-                        kind.per_element,
-                        first[0].shadow.requires_grad,
-                    )
-                    plan.runs.append(flat)
-                    shadows.append(flat.shadow)
-                    if first[1] is not None:
-                        plan.state[flat.shadow] = flat.handed.copy()
-                    i = run.stop
-                    continue
-                item = items[i]
-                entry = self._shadows[id(params[i])]
-                shadows.append(entry.shadow)
-                if item is not None:
-                    if item[1] is not None:
-                        plan.state[entry.shadow] = entry.handed.copy()
-                    plan.stepped.append(entry)
-                i += 1
+                plan.state[entry.shadow] = entry.handed.copy()
             plan.groups.append(shadows)
-        if plan.runs:
-            try:
-                plan.stores = self._scalar_stores(plan.runs)
-            except ValueError:
-                return self._plan(optimizer, flatten=False)
-            plan.layout = RunLayout(plan.runs)
         return plan
-
-    def _scalar_stores(self, runs: list[FlatRun]) -> list[ScalarStore]:
-        """One store per scalar key (and dtype, device) over every run (Note [flat
-        runs]); raises ValueError when a scalar tensor is shared between members."""
-        kind = self._kind
-        assert kind is not None
-        by_key: dict[tuple, list[list[torch.Tensor]]] = {}
-        for run in runs:
-            for key, value in run.handed.items():
-                if key in kind.scalars:
-                    chain = run.scalar_chains[key]
-                    by_key.setdefault((key, value.dtype, value.device), []).append(chain)
-        return [ScalarStore(chains) for chains in by_key.values()]
 
     def step(
         self,
@@ -478,18 +386,14 @@ class LocalStep:
         if self._kind is not None and not args and not kwargs and not _has_step_hooks(optimizer):
             plan = self._reused_or_new_plan(optimizer)
         self.last_step_was_local = plan is not None
-        self.last_flat_runs = 0
         if plan is None:
             return base_step(*args, **kwargs)
         groups = optimizer.param_groups
         saved_params = [group["params"] for group in groups]
         saved_state = optimizer.state
-        self.last_flat_runs = len(plan.runs)
         try:
             for entry in plan.stepped:
                 entry.shadow.grad = entry.grad_local
-            for run in plan.runs:
-                run.shadow.grad = run.grad()
             for group, shadows in zip(groups, plan.groups, strict=True):
                 group["params"] = shadows
             optimizer.state = plan.state
@@ -503,94 +407,14 @@ class LocalStep:
                 group["params"] = params
             for entry in plan.stepped:
                 entry.shadow.grad = None
-            for run in plan.runs:
-                run.shadow.grad = None
-            # Whether the step replaced or added anything (or raised): then it is written
-            # back, and the next step plans anew.
-            snapshot = self._snapshot
-            changed = snapshot is None or not snapshot.handed.unchanged(list(plan.state.values()))
-            if plan.layout is not None:
-                # What the step did to each run's first member, done to the others (even
-                # a step that raised half-way: each run's weights and scalars agree).
-                if changed:
-                    self._write_back_runs(plan, saved_state)
-                for store in plan.stores:
-                    store.broadcast()
-                plan.layout.bump_versions()
+        # Whether the step replaced or added anything: then it is written back, and the
+        # next step plans anew.
+        snapshot = self._snapshot
+        changed = snapshot is None or not snapshot.handed.unchanged(list(plan.state.values()))
         if changed:
             self._snapshot = None
             self._write_back(saved_state, plan)
         return result
-
-    def _write_back_runs(self, plan: _Plan, state: defaultdict[torch.Tensor, Any]) -> None:
-        """A run's state the step created (its first: born flat), written back as the
-        members' state, DTensors over views of it; into a run's flat state (its members'
-        storage), what the step replaced instead of updating in place."""
-        kind = self._kind
-        assert kind is not None
-        for run in plan.runs:
-            after = plan.state.get(run.shadow) or {}
-            handed = run.handed
-            if _seen(after) == _seen(handed):
-                continue
-            if not handed:
-                self._distribute(run, after, state, kind)
-                continue
-            for key, value in after.items():
-                before = handed.get(key, _MISSING)
-                if before is value:
-                    continue
-                if not (
-                    isinstance(before, torch.Tensor)
-                    and isinstance(value, torch.Tensor)
-                    and value.shape == before.shape
-                ):
-                    raise RuntimeError(
-                        f"the optimizer state key {key!r} came out of a local step over a "
-                        f"flat run of parameters as {type(value).__name__} "
-                        f"{tuple(getattr(value, 'shape', ()))}, not as a tensor shaped like "
-                        "what went in; its update may not be element-wise (report it; "
-                        "fsdp_hooks.optim.local_step lists the optimizers stepped locally)"
-                    )
-                with torch.no_grad():
-                    before.copy_(value)
-                after[key] = before
-            missing = handed.keys() - after.keys()
-            if missing:
-                raise RuntimeError(
-                    f"the optimizer state keys {sorted(missing)} were removed by a local "
-                    "step over a flat run of parameters; its update may not be "
-                    "element-wise (report it; fsdp_hooks.optim.local_step lists the optimizers "
-                    "stepped locally)"
-                )
-
-    def _distribute(
-        self,
-        run: FlatRun,
-        created: dict[str, Any],
-        state: defaultdict[torch.Tensor, Any],
-        kind: _Kind,
-    ) -> None:
-        """The state a step created for a run's flat shadow, as each member's: a
-        per-element tensor split into the members' pieces (views of it, so the state
-        stays flat), a scalar copied to each."""
-        params = run.params
-        pieces: dict[str, list[Any]] = {}
-        for key, value in created.items():
-            if key in kind.per_element:
-                pieces[key] = [
-                    self._wrap(key, local, p, local, kind)
-                    for p, local in zip(params, split_flat(value, run.weights), strict=True)
-                ]
-            else:  # a scalar (``_wrap`` raises for anything else, naming it)
-                value = self._wrap(key, value, params[0], run.shadow, kind)
-                pieces[key] = [
-                    value.clone() if isinstance(value, torch.Tensor) else value for _p in params
-                ]
-        for i, p in enumerate(params):
-            real = state[p]
-            for key, values in pieces.items():
-                real[key] = values[i]
 
     def _write_back(self, state: defaultdict[torch.Tensor, Any], plan: _Plan) -> None:
         """Put into the real state what the step replaced or created (most steps update
