@@ -24,7 +24,7 @@ from torch import nn
 
 from fsdp_buffers import collectives
 from fsdp_hooks import fully_shard
-from fsdp_hooks.diagnostics.activations import storage_key
+from fsdp_hooks.runtime.backward import storage_key
 from fsdp_mesh.testing import run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
 from fsdp_plan import plan

@@ -30,7 +30,7 @@ from fsdp_buffers import (
     PrefetchOrder,
     module_is_fully_no_shard,
 )
-from fsdp_hooks.diagnostics.activations import storage_key
+from fsdp_hooks.runtime.backward import storage_key
 
 __all__ = ["gathered_peak"]
 

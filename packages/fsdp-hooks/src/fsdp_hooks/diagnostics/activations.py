@@ -28,16 +28,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["ActivationMeter", "SavedTensorCounter", "measured_forward", "storage_key"]
+from fsdp_hooks.runtime.backward import storage_key
 
-
-def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    """The identity of ``t``'s storage: stable across ``resize_`` (a released and
-    re-gathered bucket keeps its storage object), distinct for distinct storages (meta
-    tensors included, whose data pointers are all 0)."""
-    if isinstance(t, DTensor):
-        t = t.to_local()
-    return t.device.type, t.untyped_storage()._cdata
+__all__ = ["ActivationMeter", "SavedTensorCounter", "measured_forward"]
 
 
 class SavedTensorCounter:

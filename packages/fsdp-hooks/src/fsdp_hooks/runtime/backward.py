@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "map_tensors",
     "queue_end_of_backward_callback",
     "register_pre_backward",
+    "storage_key",
     "wrap_inputs_for_post_backward",
 ]
 
@@ -38,6 +40,15 @@ class RegisterFSDPBackwardFunction(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
         ctx.post_backward()
         return (None, *grads)
+
+
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """The identity of ``t``'s storage: stable across ``resize_`` (a released and
+    re-gathered bucket keeps its storage object), distinct for distinct storages (meta
+    tensors included, whose data pointers are all 0)."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.device.type, t.untyped_storage()._cdata
 
 
 def in_backward() -> bool:

@@ -41,8 +41,7 @@ import torch
 from torch import nn
 
 from fsdp_buffers import BucketStatus
-from fsdp_hooks.diagnostics.activations import storage_key
-from fsdp_hooks.runtime.backward import flatten_tensors, map_tensors
+from fsdp_hooks.runtime.backward import flatten_tensors, map_tensors, storage_key
 from fsdp_hooks.runtime.saved_weights import unpacked_for_python
 from fsdp_hooks.runtime.training_state import TrainingState
 from fsdp_mesh.device import warn_once
