@@ -6,6 +6,7 @@ whole training step leaves nothing behind. Strategy 0 holds everything whole."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -13,7 +14,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_mesh
 from fsdp_buffers import AllGatherPipeline, GradReducePipeline, ParamAndGradBuffer
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import harness_device, run_distributed
+
+# Runs on CUDA + NCCL under --fsdp-device cuda (root conftest.py).
+pytestmark = pytest.mark.cuda
 
 WORLD = 4
 
@@ -73,7 +77,7 @@ def _bytes_per_element(buf, gid):
 
 def _memory(dtype):
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    mesh = init_device_mesh(harness_device().type, (WORLD,), mesh_dim_names=("dp",))
     index = fsdp_mesh.FSDPDistributedIndex(mesh, dp_shard_dim="dp")
     held = {}
     for strategy in (0, 1, 2, 3):
@@ -117,7 +121,7 @@ def _memory(dtype):
         # gradient staging buckets and gathered weights are all given back.
         opt = torch.optim.SGD([p for _, p in buf.views.optimizer_named_parameters()], lr=0.1)
         ag.all_gather_params(range(buf.num_buckets))
-        x = torch.randn(3, 20, generator=torch.Generator().manual_seed(rank))
+        x = torch.randn(3, 20, generator=torch.Generator().manual_seed(rank)).to(harness_device())
         model(x.to(dtype)).float().square().mean().backward()
         gr.finish()
         ag.reset()

@@ -6,6 +6,9 @@ import torch
 
 from fsdp_buffers.mixed_precision import MixedPrecisionPolicy
 
+# Runs on CUDA + NCCL under --fsdp-device cuda (root conftest.py).
+pytestmark = pytest.mark.cuda
+
 bf16, fp16, fp32, fp64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 
 

@@ -36,8 +36,11 @@ from fsdp_ckpt import (
     save_checkpoint,
 )
 from fsdp_hooks import fully_shard
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import harness_device, run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
+
+# Runs on CUDA + NCCL under --fsdp-device cuda (root conftest.py).
+pytestmark = pytest.mark.cuda
 
 CFG = GPTConfig()
 GLOBAL_BATCH = 4
@@ -50,7 +53,7 @@ def _module(seed: int) -> GPT:
 
 def _fsdp2(seed: int) -> tuple[GPT, torch.optim.Optimizer]:
     module = _module(seed)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(harness_device().type, (dist.get_world_size(),))
     for block in module.blocks:
         fsdp2_fully_shard(block, mesh=mesh)
     fsdp2_fully_shard(module, mesh=mesh)

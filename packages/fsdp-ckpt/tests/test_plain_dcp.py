@@ -30,7 +30,10 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.nn import functional as F
 
 from fsdp_hooks import fully_shard
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import harness_device, run_distributed
+
+# Runs on CUDA + NCCL under --fsdp-device cuda (root conftest.py).
+pytestmark = pytest.mark.cuda
 
 GLOBAL_BATCH = 4
 STRATEGIES = [0, 1, 2, 3]
@@ -78,7 +81,8 @@ def _fresh(seed: int) -> tuple[Odd, torch.optim.Optimizer]:
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randint(0, 13, (GLOBAL_BATCH, 5), generator=g)
-    return x, torch.randint(0, 13, (GLOBAL_BATCH, 5), generator=g)
+    y = torch.randint(0, 13, (GLOBAL_BATCH, 5), generator=g)
+    return x.to(harness_device()), y.to(harness_device())
 
 
 def _rank_world() -> tuple[int, int]:

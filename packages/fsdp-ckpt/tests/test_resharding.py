@@ -5,6 +5,7 @@ plain AdamW). Model, optimizer state and the step travel through the checkpoints
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
@@ -13,6 +14,9 @@ from fsdp_ckpt import load_checkpoint, save_checkpoint
 from fsdp_hooks import fully_shard
 from fsdp_mesh.testing import run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
+
+# Runs on CUDA + NCCL under --fsdp-device cuda (root conftest.py).
+pytestmark = pytest.mark.cuda
 
 CFG = GPTConfig()
 GLOBAL_BATCH = 4

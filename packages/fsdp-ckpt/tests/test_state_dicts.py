@@ -28,8 +28,11 @@ from fsdp_ckpt import (
 )
 from fsdp_ckpt.row_shards import RowShards, strip_row_offsets
 from fsdp_hooks import fully_shard
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import harness_device, run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
+
+# Runs on CUDA + NCCL under --fsdp-device cuda (root conftest.py).
+pytestmark = pytest.mark.cuda
 
 CFG = GPTConfig()
 BATCH = 2  # per rank
@@ -48,7 +51,7 @@ def _ours(seed: int, strategy: int, dtype: torch.dtype = torch.float32):
 
 def _fsdp2(seed: int):
     module = _module(seed)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(harness_device().type, (dist.get_world_size(),))
     for block in module.blocks:
         fsdp2_fully_shard(block, mesh=mesh)
     fsdp2_fully_shard(module, mesh=mesh)
@@ -209,7 +212,7 @@ def _foreign_module(seed: int) -> torch.nn.Sequential:
 
 def _foreign_uneven(seed: int) -> torch.nn.Sequential:
     module = _foreign_module(seed)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(harness_device().type, (dist.get_world_size(),))
     rank = dist.get_rank()
     for name, rows in _SPLITS.items():
         sub, attr = name.split(".")
@@ -238,7 +241,9 @@ def _uneven_foreign_shards(root: Path) -> None:
 
 
 def _rank_value(seed: int, rank: int) -> torch.Tensor:
-    return torch.randn(3, 2, generator=torch.Generator().manual_seed(seed * 10 + rank))
+    return torch.randn(3, 2, generator=torch.Generator().manual_seed(seed * 10 + rank)).to(
+        harness_device()
+    )
 
 
 def _with_rank_keys(seed: int) -> torch.nn.Sequential:
@@ -247,7 +252,9 @@ def _with_rank_keys(seed: int) -> torch.nn.Sequential:
     without a row partition."""
     module = _foreign_uneven(seed)
     rank = dist.get_rank()
-    own = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("own", "all"))
+    own = init_device_mesh(
+        harness_device().type, (1, dist.get_world_size()), mesh_dim_names=("own", "all")
+    )
     holder = torch.nn.Module()
     dt = DTensor.from_local(_rank_value(seed, rank), own["own"], [Shard(0)], run_check=False)
     holder.register_parameter(f"w{rank}", torch.nn.Parameter(dt))

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from fsdp_hooks.runtime.backward import register_pre_backward, wrap_inputs_for_post_backward
+
+# Runs on CUDA + NCCL under --fsdp-device cuda (root conftest.py).
+pytestmark = pytest.mark.cuda
 
 
 def test_pre_backward_once_per_backward_single_output():

@@ -12,13 +12,17 @@ and the fp32 main weights are in ``test_mixed_precision_policies``.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from fsdp_buffers import MixedPrecisionPolicy
 from fsdp_hooks import fully_shard_model
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import harness_device, run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
+
+# Runs on CUDA + NCCL under --fsdp-device cuda (root conftest.py).
+pytestmark = pytest.mark.cuda
 
 CFG = GPTConfig(vocab_size=64, max_seq_len=8, dim=32, n_heads=4, n_layers=2)
 
@@ -65,14 +69,14 @@ def _body() -> dict[str, object]:
 
     mod = _FloatIn()
     wrapped = fully_shard_model(mod, mixed_precision_policy=policy)
-    y = wrapped(torch.ones(2, 4))
+    y = wrapped(torch.ones(2, 4, device=harness_device()))
     out["input_cast"] = str(wrapped.module.seen)
     out["output"] = str(y.dtype)
     # Megatron-FSDP's reset takes the new communication dtype; the compute dtype stays
     # (the compute buffers are in it), so inputs are still cast to it.
     wrapped.reset_mixed_precision_policy(MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16))
     wrapped.module.seen = None
-    wrapped(torch.ones(2, 4)).sum().backward()
+    wrapped(torch.ones(2, 4, device=harness_device())).sum().backward()
     out["after_reset"] = (str(wrapped.mp_policy.param_dtype), str(wrapped.module.seen))
     no_cast = fully_shard_model(
         _FloatIn().to(torch.bfloat16),
@@ -81,7 +85,7 @@ def _body() -> dict[str, object]:
         ),
     )
     try:
-        no_cast(torch.ones(2, 4))
+        no_cast(torch.ones(2, 4, device=harness_device()))
     except RuntimeError:
         out["no_cast"] = "dtype error"  # bf16 weights, fp32 input: torch refuses
     return out

@@ -9,6 +9,7 @@ of every storage the model's weights live in (compute parameters' buckets and th
 DTensor parameters' shards), deduplicated by data pointer.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -17,6 +18,9 @@ from torch.nn import functional as F
 from fsdp_hooks import fully_shard
 from fsdp_mesh.testing import run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
+
+# Runs on CUDA + NCCL under --fsdp-device cuda (root conftest.py).
+pytestmark = pytest.mark.cuda
 
 WORLD = 4
 ROWS = 2

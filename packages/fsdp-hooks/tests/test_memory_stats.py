@@ -8,11 +8,15 @@ attached) there is no ``optimizer_state`` key; the optimizer given or attached i
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fsdp_hooks import fully_shard, fully_shard_model
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import harness_device, run_distributed
 from fsdp_mesh.testing.models import GPT, Block
+
+# Runs on CUDA + NCCL under --fsdp-device cuda (root conftest.py).
+pytestmark = pytest.mark.cuda
 
 
 def _measure():
@@ -24,7 +28,7 @@ def _measure():
     no_optimizer = bare.memory_stats()
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
     model, opt = fully_shard(module, opt, fsdp_unit_modules=[Block], zero_dp_strategy=0)
-    model(torch.zeros(2, 4, dtype=torch.long)).sum().backward()
+    model(torch.zeros(2, 4, dtype=torch.long, device=harness_device())).sum().backward()
     opt.step()
     return numel, n_params, no_optimizer, model.memory_stats(), model.memory_stats(opt)
 

@@ -38,7 +38,10 @@ from torch import nn
 from fsdp_buffers import MixedPrecisionPolicy
 from fsdp_hooks import fully_shard
 from fsdp_mesh import build_device_mesh
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import harness_device, run_distributed
+
+# Runs on CUDA + NCCL under --fsdp-device cuda (root conftest.py).
+pytestmark = pytest.mark.cuda
 
 bf16, fp16, fp32, fp64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 STEPS = 4
@@ -93,7 +96,8 @@ def build(dtype: torch.dtype) -> nn.Module:
 
 def batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(world * ROWS, DIM, generator=g), torch.randn(world * ROWS, 3, generator=g)
+    x, y = torch.randn(world * ROWS, DIM, generator=g), torch.randn(world * ROWS, 3, generator=g)
+    return x.to(harness_device()), y.to(harness_device())
 
 
 def loss_of(model: nn.Module, dtype: torch.dtype, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -36,8 +36,11 @@ from torch.nn import functional as F
 
 from fsdp_buffers import MixedPrecisionPolicy
 from fsdp_hooks import fully_shard
-from fsdp_mesh.testing import gather_rows, run_distributed
+from fsdp_mesh.testing import gather_rows, harness_device_type, run_distributed, world_sizes
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
+
+# Runs on CUDA + NCCL under --fsdp-device cuda (root conftest.py).
+pytestmark = pytest.mark.cuda
 
 STRATEGIES = (0, 1, 2, 3)
 DTYPES = ("fp32", "bf16")
@@ -224,7 +227,10 @@ def reference(model_name: str, dtype: str, slices: int = 1) -> dict[str, Any]:
 
 
 def _reference(model_name: str, dtype: str, slices: int) -> dict[str, Any]:
+    # On the device the ranks train on, so that both use the same kernels.
+    device = torch.device(harness_device_type())
     model, _unit = build_model(model_name)
+    model = model.to(device)
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
     params = list(model.parameters())  # tied weights once
@@ -234,7 +240,7 @@ def _reference(model_name: str, dtype: str, slices: int) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(master, lr=LR, eps=ADAM_EPS[model_name])
     losses, norms = [], []
     for step in range(STEPS):
-        x, y = global_batch(step)
+        x, y = (t.to(device) for t in global_batch(step))
         if dtype == "fp32":
             loss = loss_fn(model, x, y)
             loss.backward()
@@ -263,7 +269,7 @@ def _reference(model_name: str, dtype: str, slices: int) -> dict[str, Any]:
     return {
         "losses": losses,
         "norms": norms,
-        "params": {n: m.detach().float() for n, m in zip(names, master, strict=True)},
+        "params": {n: m.detach().float().cpu() for n, m in zip(names, master, strict=True)},
         "tied": _is_tied(model),
     }
 
@@ -330,7 +336,7 @@ def test_models_are_tied_and_clipping_mixes(model_name):
     assert any(clipped) and not all(clipped), (model_name, ref["norms"])
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", world_sizes(2, 4))
 @pytest.mark.parametrize("model_name", MODELS)
 def test_parity_every_strategy_and_dtype(model_name, world):
     results = run_distributed(_train_every_config, world, args=(model_name,), timeout=300)[0]

@@ -8,7 +8,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_mesh.testing import DistributedTestError, DistributedTestTimeout, run_distributed
+from fsdp_mesh.testing import (
+    TEST_DEVICE_ENV,
+    DistributedTestError,
+    DistributedTestTimeout,
+    _runner,
+    harness_device_type,
+    run_distributed,
+    world_sizes,
+)
 
 
 def _is_running(pid: int) -> bool:
@@ -166,7 +174,7 @@ def test_asking_for_missing_gpus_is_an_error():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_nccl_is_used_with_enough_gpus():
-    out = run_distributed(_sum_ranks, 2, args=(0.0,))
+    out = run_distributed(_sum_ranks, 2, args=(0.0,), device_type="cuda")
     assert {o["backend"] for o in out} == {"nccl"}
 
 
@@ -193,3 +201,30 @@ def test_what_a_rank_forks_does_not_outlive_the_run(start_method):
     while any(_is_running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_is_running(pid) for pid in pids), pids
+
+
+def test_the_test_device_is_cpu_unless_cuda_is_asked_for(monkeypatch):
+    monkeypatch.delenv(TEST_DEVICE_ENV, raising=False)
+    assert harness_device_type() == "cpu"
+    assert world_sizes(2, 4) == [2, 4]
+    monkeypatch.setenv(TEST_DEVICE_ENV, "tpu")
+    with pytest.raises(ValueError, match=r"FSDP_TEST_DEVICE must be one of \['cpu', 'cuda'\]"):
+        harness_device_type()
+
+
+def test_on_cuda_worlds_follow_the_gpu_count(monkeypatch):
+    monkeypatch.setenv(TEST_DEVICE_ENV, "cuda")
+    for gpus, want in ((0, [1]), (1, [1]), (3, [2]), (8, [2, 4])):
+        monkeypatch.setattr(_runner, "_gpu_count", lambda g=gpus: g)
+        assert world_sizes(2, 4) == want, gpus
+    assert world_sizes(1, 2, 4) == [1, 2, 4]
+
+
+def test_on_cuda_a_world_larger_than_the_gpus_skips(monkeypatch):
+    monkeypatch.setenv(TEST_DEVICE_ENV, "cuda")
+    monkeypatch.setattr(_runner, "_gpu_count", lambda: 1)
+    with pytest.raises(pytest.skip.Exception, match="needs 2 GPUs \\(one per rank\\), found 1"):
+        run_distributed(_port, 2)
+    # An explicit device is still an error, not a skip.
+    with pytest.raises(RuntimeError, match="needs 2 CUDA devices"):
+        run_distributed(_port, 2, device_type="cuda")

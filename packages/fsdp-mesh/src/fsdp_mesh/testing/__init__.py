@@ -1,17 +1,24 @@
 """The multi-process test harness every fsdp package's tests use.
 
-``run_distributed(fn, world_size)`` runs a module-level function on N ranks (gloo on
-CPU, nccl when there are N GPUs) and returns their results, or fails with every
-failing rank's traceback, or with the names and stacks of the ranks that hung.
+``run_distributed(fn, world_size)`` runs a module-level function on N ranks and returns
+their results, or fails with every failing rank's traceback, or with the names and
+stacks of the ranks that hung. Ranks run on CPU (gloo) unless ``FSDP_TEST_DEVICE=cuda``
+(or pytest's ``--fsdp-device cuda``) asks for CUDA + NCCL, one GPU per rank: then a test
+needing more ranks than GPUs skips, ``world_sizes(2, 4)`` parametrizes at the world
+sizes the GPUs allow, and ``harness_device()`` is where a test's tensors belong.
 ``mean_over_ranks``, ``gather_rows``, ``assert_losses_close``, ``assert_tensors_close``
 and ``assert_same_training`` (losses and parameters) are the checks parity tests share.
 """
 
 from fsdp_mesh.testing._runner import (
+    TEST_DEVICE_ENV,
     DistributedTestError,
     DistributedTestTimeout,
     RankFailure,
+    harness_device,
+    harness_device_type,
     run_distributed,
+    world_sizes,
 )
 from fsdp_mesh.testing.checks import (
     assert_losses_close,
@@ -22,6 +29,7 @@ from fsdp_mesh.testing.checks import (
 )
 
 __all__ = [
+    "TEST_DEVICE_ENV",
     "DistributedTestError",
     "DistributedTestTimeout",
     "RankFailure",
@@ -29,6 +37,9 @@ __all__ = [
     "assert_same_training",
     "assert_tensors_close",
     "gather_rows",
+    "harness_device",
+    "harness_device_type",
     "mean_over_ranks",
     "run_distributed",
+    "world_sizes",
 ]

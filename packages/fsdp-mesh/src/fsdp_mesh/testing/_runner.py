@@ -23,6 +23,7 @@ import contextlib
 import faulthandler
 import importlib
 import importlib.util
+import io
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -36,14 +37,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
+    "TEST_DEVICE_ENV",
     "DistributedTestError",
     "DistributedTestTimeout",
     "RankFailure",
+    "harness_device",
+    "harness_device_type",
     "run_distributed",
+    "world_sizes",
 ]
+
+# Selects the device the tests run on: "cpu" (gloo; the default) or "cuda" (NCCL, one
+# GPU per rank). The root conftest's ``--fsdp-device`` option sets it.
+TEST_DEVICE_ENV = "FSDP_TEST_DEVICE"
+_TEST_DEVICE_TYPES = ("cpu", "cuda")
 
 # Modules the fork server imports once, so that ranks start in milliseconds.
 _PRELOAD = (
@@ -151,18 +164,72 @@ def _same_file(a: str | None, b: str) -> bool:
     return a is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
-def _pick_device_type(world_size: int, device_type: str | None) -> str:
+def harness_device_type() -> str:
+    """The device type the tests were asked to run on: ``$FSDP_TEST_DEVICE``, "cpu"
+    when unset. ``run_distributed`` uses it when its ``device_type`` is None."""
+    value = os.environ.get(TEST_DEVICE_ENV, "").strip().lower() or "cpu"
+    if value not in _TEST_DEVICE_TYPES:
+        raise ValueError(
+            f"{TEST_DEVICE_ENV} must be one of {list(_TEST_DEVICE_TYPES)} (or unset for "
+            f"'cpu'); got {os.environ[TEST_DEVICE_ENV]!r}"
+        )
+    return value
+
+
+def _gpu_count() -> int:
     import torch
 
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def world_sizes(*sizes: int) -> list[int]:
+    """The world sizes a test parametrized over ``sizes`` runs at: all of them on CPU;
+    on CUDA (one GPU per rank) those the GPUs allow, or world 1 when none fits, so a
+    one-GPU machine still runs the test once."""
+    if harness_device_type() != "cuda":
+        return list(sizes)
+    return [w for w in sizes if w <= _gpu_count()] or [1]
+
+
+def harness_device() -> torch.device:
+    """Where a rank's tensors belong: its GPU under NCCL, the CPU under gloo or outside
+    a process group (the test process computing a reference keeps to the CPU unless
+    the test moves it, e.g. to ``harness_device_type()``)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _skip(reason: str) -> BaseException:
+    """pytest's skip outcome when pytest is there (the harness runs under it), else an
+    error that says the same."""
+    try:
+        import pytest
+    except ImportError:
+        return RuntimeError(reason)
+    return pytest.skip.Exception(reason)
+
+
+def _pick_device_type(world_size: int, device_type: str | None) -> str:
     if device_type is None:
-        has_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
-        return "cuda" if has_gpus else "cpu"
-    if device_type not in ("cpu", "cuda"):
+        # As the tests were asked to run; a world the GPUs cannot hold is a skip, not a
+        # silent fall back to CPU.
+        device_type = harness_device_type()
+        if device_type == "cuda" and _gpu_count() < world_size:
+            raise _skip(
+                f"{TEST_DEVICE_ENV}=cuda: this test needs {world_size} GPUs (one per rank), "
+                f"found {_gpu_count()}"
+            )
+        return device_type
+    if device_type not in _TEST_DEVICE_TYPES:
         raise ValueError(f"device_type must be 'cpu', 'cuda' or None (auto); got {device_type!r}")
-    if device_type == "cuda" and torch.cuda.device_count() < world_size:
+    if device_type == "cuda" and _gpu_count() < world_size:
         raise RuntimeError(
             f"device_type='cuda' needs {world_size} CUDA devices, found "
-            f"{torch.cuda.device_count()}; skip the test or ask for device_type='cpu'"
+            f"{_gpu_count()}; skip the test or ask for device_type='cpu'"
         )
     return device_type
 
@@ -235,7 +302,7 @@ def _rank_main(
             device_id=device_id,
         )
         result = fn(*args, **kwargs)
-        payload = pickle.dumps(result)
+        payload = _dumps_on_cpu(result)
         status = "ok"
     except BaseException:
         payload = traceback.format_exc()
@@ -252,6 +319,24 @@ def _rank_main(
         sys.stderr.flush()
         # Skip interpreter teardown: atexit handlers of a half-dead job can hang.
         os._exit(0)
+
+
+class _CPUPickler(pickle.Pickler):
+    """Pickles a rank's result with its tensors moved to the CPU: the test process
+    compares them without needing the rank's GPU (and without touching CUDA)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        import torch
+
+        if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+            return obj.cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return NotImplemented
+
+
+def _dumps_on_cpu(result: Any) -> bytes:
+    buffer = io.BytesIO()
+    _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(result)
+    return buffer.getvalue()
 
 
 def _read_tail(path: Path) -> str:
@@ -295,9 +380,11 @@ def run_distributed(
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their results.
 
     Each rank is a separate process with ``torch.distributed`` initialised: gloo on
-    CPU, nccl when ``device_type`` is "cuda" (the default when there are at least
-    ``world_size`` GPUs; rank r then uses GPU r). ``fn`` must be a module-level
-    function, and its arguments and result must pickle.
+    CPU, nccl when ``device_type`` is "cuda" (rank r then uses GPU r). ``device_type``
+    None means as the tests were asked to run (``$FSDP_TEST_DEVICE``, CPU when unset);
+    on CUDA, a world larger than the GPU count then skips the test with the reason.
+    ``fn`` must be a module-level function, and its arguments and result must pickle
+    (tensors in the result come back on the CPU).
 
     Raises ``DistributedTestError`` (an AssertionError, so pytest shows it as a test
     failure) with every failing rank's traceback when a rank raises or exits without a

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdp_mesh.testing._runner import harness_device
+
 __all__ = [
     "assert_losses_close",
     "assert_same_training",
@@ -22,7 +24,7 @@ __all__ = [
 def mean_over_ranks(value: torch.Tensor | float) -> float:
     """The mean of ``value`` over every rank (a collective): with equal slices of a
     global batch, the mean of the ranks' losses is the loss of the whole batch."""
-    total = torch.as_tensor(value).detach().clone().float()
+    total = torch.as_tensor(value).detach().clone().float().to(harness_device())
     dist.all_reduce(total)
     return total.item() / dist.get_world_size()
 
@@ -32,7 +34,7 @@ def gather_rows(local: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor:
     group): this rank holds rows ``rows`` = [start, end) as ``local``. For shards whose
     rows are not where DTensor's metadata puts them, so ``full_tensor()`` does not apply."""
     parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (tuple(rows), local.detach().clone()))
+    dist.all_gather_object(parts, (tuple(rows), local.detach().cpu().clone()))
     end = max(r1 for (_r0, r1), _part in parts)
     out = torch.empty((end, *local.shape[1:]), dtype=local.dtype)
     for (r0, r1), part in parts:

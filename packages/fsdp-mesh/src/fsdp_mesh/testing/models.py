@@ -1,4 +1,5 @@
-"""Small models for tests, examples and benchmarks (plain torch, no fsdp imports).
+"""Small models for tests, examples and benchmarks (plain torch; the harness only says
+where a batch goes).
 
 ``GPT`` is a decoder-only transformer: token and position embeddings, ``Block``s
 (pre-norm attention and MLP) and an output head tied to the token embedding. The
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from fsdp_mesh.testing._runner import harness_device
 
 __all__ = ["GPT", "Block", "FusedWeightGradLinear", "GPTConfig", "token_batch"]
 
@@ -90,12 +93,21 @@ class GPT(nn.Module):
 
 
 def token_batch(
-    step: int, batch: int, seq_len: int, vocab_size: int, seed: int = 0
+    step: int,
+    batch: int,
+    seq_len: int,
+    vocab_size: int,
+    seed: int = 0,
+    device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A deterministic batch of (inputs, next-token targets) for ``step``: the same on
-    every rank, so rank r can take rows [r*b, (r+1)*b) and a reference the whole."""
+    every rank, so rank r can take rows [r*b, (r+1)*b) and a reference the whole.
+
+    Drawn on the CPU (the same numbers everywhere), then moved to ``device``; None
+    means the rank's device inside a process group (its GPU under NCCL), else the CPU."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     tokens = torch.randint(0, vocab_size, (batch, seq_len + 1), generator=g)
+    tokens = tokens.to(harness_device() if device is None else device)
     return tokens[:, :-1], tokens[:, 1:]
 
 
