@@ -5,7 +5,8 @@ LR schedulers built after ``fully_shard`` (the usual order) work.
 Parity: world size 2, ZeRO-3 (and the other strategies for some), 3 steps of a two-layer MLP whose shapes
 split evenly over the ranks, each rank on its half of a global batch, against the
 same model and optimizer in one process on the whole batch (fp32, 1e-5). Rprop over a
-0-d parameter is refused unless ``capturable`` (which then matches one process).
+0-d parameter is refused unless ``capturable`` (which then matches one process); before
+torch 2.15, Rprop unless ``capturable`` over any parameter.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.optim import rprop
 
 from fsdp_hooks import fully_shard
 from fsdp_mesh.testing import assert_tensors_close, run_distributed
+from fsdp_mesh.versions import dtensor_masked_assign_keeps_shard
 
 WORLD = 2
 STEPS = 3
@@ -42,6 +44,10 @@ OPTIMIZERS: dict[str, _Factory] = {
     "Rprop": lambda p: torch.optim.Rprop(p, lr=0.01),
     "ASGD": lambda p: torch.optim.ASGD(p, lr=0.01, t0=1),
 }
+# Refused before torch 2.15 (test_unsupported_optimizers_are_refused_on_every_rank).
+RPROP_STEPS = dtensor_masked_assign_keeps_shard()
+if not RPROP_STEPS:
+    del OPTIMIZERS["Rprop"]
 # Need whole matrices: under 1-3 fully_shard places them whole on one rank each (Note
 # [whole placement] in fsdp_buffers.layout; more in test_whole_matrix.py).
 WHOLE_MATRIX: dict[str, _Factory] = {
@@ -172,20 +178,27 @@ def _all_refusals() -> list[list[str]]:
     # A 0-d parameter, under every strategy (no_shard steps a replicated DTensor too).
     out += [_refused(lambda p: torch.optim.Rprop(p), s, _with_0d) for s in STRATEGIES]
     out.append(_refused(lambda p: torch.optim.Rprop(p), 3, _with_frozen_0d))  # not stepped
+    out.append(_refused(lambda p: torch.optim.Rprop(p), 3))  # no 0-d parameter
     return out
 
 
 def test_unsupported_optimizers_are_refused_on_every_rank():
     per_rank = run_distributed(_all_refusals, WORLD, timeout=120)
     assert per_rank[0] == per_rank[1]
-    messages = per_rank[0]
-    assert all(len(m) == 1 for m in messages[:-1]), messages
-    assert "LBFGS is not supported" in messages[0][0] and "closure" in messages[0][0]
-    assert "SparseAdam is not supported" in messages[1][0] and "sparse" in messages[1][0]
-    for message in messages[2:-1]:
-        assert "Rprop cannot step a 0-d parameter" in message[0], message
-    assert messages[-1] == [], messages  # a frozen 0-d parameter is not stepped
-    assert len(messages) == 3 + len(STRATEGIES), messages  # whole-matrix ones are placed
+    lbfgs, sparse_adam, *zero_d, frozen_0d, plain = per_rank[0]
+    assert len(zero_d) == len(STRATEGIES), per_rank[0]  # whole-matrix ones are placed
+    assert all(len(m) == 1 for m in (lbfgs, sparse_adam, *zero_d)), per_rank[0]
+    assert "LBFGS is not supported" in lbfgs[0] and "closure" in lbfgs[0]
+    assert "SparseAdam is not supported" in sparse_adam[0] and "sparse" in sparse_adam[0]
+    if RPROP_STEPS:
+        for message in zero_d:
+            assert "Rprop cannot step a 0-d parameter" in message[0], message
+        assert frozen_0d == plain == [], per_rank[0]  # a frozen 0-d parameter is not stepped
+    else:  # any Rprop (not capturable) on an older torch, naming the torch it needs
+        for message in [*zero_d, frozen_0d, plain]:
+            assert len(message) == 1, per_rank[0]
+            assert "Rprop cannot step fsdp's main weights on torch" in message[0], message
+            assert "from torch 2.15" in message[0] and "capturable=True" in message[0]
 
 
 class _Counting(torch.optim.Optimizer):

@@ -1,11 +1,21 @@
-"""Transformer Engine version checks read metadata only and never raise when TE is absent."""
+"""Transformer Engine version checks read metadata only and never raise when TE is absent;
+torch's version checks read ``torch.__version__``."""
 
 import sys
 from importlib import metadata
 
 import pytest
+import torch
 
-from fsdp_mesh import ReleaseVersion, get_te_version, is_te_min_version, parse_version
+from fsdp_mesh import (
+    ReleaseVersion,
+    get_te_version,
+    get_torch_version,
+    is_te_min_version,
+    is_torch_min_version,
+    parse_version,
+)
+from fsdp_mesh.versions import dtensor_masked_assign_keeps_shard
 
 
 @pytest.fixture
@@ -97,3 +107,27 @@ def test_parse_normalises_and_rejects():
     assert parse_version("2.0+cu12").final
     with pytest.raises(ValueError, match="Cannot parse version 'abc'"):
         parse_version("abc")
+
+
+def test_torch_version_reads_the_running_torch():
+    assert get_torch_version() == parse_version(torch.__version__.split("+")[0])
+    assert is_torch_min_version("2.11")  # the oldest torch the packages declare
+    assert not is_torch_min_version("999")
+
+
+@pytest.mark.parametrize(
+    ("running", "at_least_2_15"),
+    [
+        ("2.11.0+cu130", False),
+        ("2.14.1", False),
+        ("2.15.0a0+git1234", False),  # a build before the 2.15 release
+        ("2.15.0+cpu", True),
+        ("2.16.1", True),
+    ],
+)
+def test_torch_min_version_and_the_feature_it_gates(monkeypatch, running, at_least_2_15):
+    monkeypatch.setattr(torch, "__version__", running)
+    assert str(get_torch_version()) == running
+    assert is_torch_min_version("2.15") is at_least_2_15
+    assert is_torch_min_version("2.11", check_equality=False) is not running.startswith("2.11")
+    assert dtensor_masked_assign_keeps_shard() is at_least_2_15

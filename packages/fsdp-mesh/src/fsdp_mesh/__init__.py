@@ -37,7 +37,14 @@ from fsdp_mesh.tensor_parallel import (
     is_mcore_tensor_parallel_duplicated,
 )
 from fsdp_mesh.utils import log_single_rank, safe_get_rank, using_tensor_parallel
-from fsdp_mesh.versions import ReleaseVersion, get_te_version, is_te_min_version, parse_version
+from fsdp_mesh.versions import (
+    ReleaseVersion,
+    get_te_version,
+    get_torch_version,
+    is_te_min_version,
+    is_torch_min_version,
+    parse_version,
+)
 
 try:
     __version__ = _metadata.version("fsdp-mesh")
@@ -67,11 +74,13 @@ __all__ = [
     "get_mesh_names",
     "get_rng_tracker",
     "get_te_version",
+    "get_torch_version",
     "initialize_rng_tracker",
     "is_mcore_tensor_model_parallel",
     "is_mcore_tensor_parallel_duplicated",
     "is_submodule",
     "is_te_min_version",
+    "is_torch_min_version",
     "log_single_rank",
     "model_parallel_seed",
     "parse_version",

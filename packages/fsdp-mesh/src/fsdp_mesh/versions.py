@@ -1,9 +1,15 @@
-"""Version checks for optional dependencies, read from installed metadata only.
+"""Version checks: torch's, and Transformer Engine's read from installed metadata only.
 
 Importing Transformer Engine costs seconds and initialises CUDA, so the installed
 distribution's metadata is read instead. Versions are compared on their numeric
 release segments with a small local parser rather than adding ``packaging`` as a
 dependency; a pre-release or dev build sorts just below its final release.
+
+Note [torch range]: the packages declare ``torch>=2.11`` (what the Megatron-Core and
+torchtitan containers ship), and CI runs a part of the suite on torch 2.11 beside the
+locked torch (``ci/torch-oldest``). Where a newer torch brings something fsdp needs,
+the check lives here, once, as a named predicate over :func:`is_torch_min_version`;
+its caller raises a clear error or takes a fallback, never a silent difference.
 """
 
 from __future__ import annotations
@@ -13,7 +19,17 @@ import re
 from dataclasses import dataclass, field
 from importlib import metadata
 
-__all__ = ["ReleaseVersion", "get_te_version", "is_te_min_version", "parse_version"]
+import torch
+
+__all__ = [
+    "ReleaseVersion",
+    "dtensor_masked_assign_keeps_shard",
+    "get_te_version",
+    "get_torch_version",
+    "is_te_min_version",
+    "is_torch_min_version",
+    "parse_version",
+]
 
 # Transformer Engine has shipped under both spellings.
 _TE_DISTRIBUTIONS = ("transformer-engine", "transformer_engine")
@@ -110,3 +126,27 @@ def is_te_min_version(version: str, check_equality: bool = True) -> bool:
         return False
     wanted = parse_version(version)
     return installed >= wanted if check_equality else installed > wanted
+
+
+def get_torch_version() -> ReleaseVersion:
+    """The running torch's version, from ``torch.__version__`` (a source build may have
+    no distribution metadata); its local label (``+cu130``) is ignored."""
+    return parse_version(str(torch.__version__))
+
+
+def is_torch_min_version(version: str, check_equality: bool = True) -> bool:
+    """Return whether the running torch is ``version`` or newer (strictly newer with
+    ``check_equality=False``). A pre-release (``2.15.0a0+git...``) counts as older
+    than its release."""
+    installed = get_torch_version()
+    wanted = parse_version(version)
+    return installed >= wanted if check_equality else installed > wanted
+
+
+def dtensor_masked_assign_keeps_shard() -> bool:
+    """Whether DTensor can assign through a boolean mask in place (``t[mask] = v``,
+    ``aten.index_put_``) on a tensor sharded on dim 0, keeping it sharded: from torch
+    2.15. Torch 2.11 registers no sharding strategy for ``aten.index_put_``; 2.12-2.14
+    register one that needs the tensor replicated, which an in-place op cannot get.
+    ``torch.optim.Rprop`` steps this way unless ``capturable``."""
+    return is_torch_min_version("2.15")

@@ -32,9 +32,9 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
             "already has a default process group (torch.distributed is initialized); call "
             "plan() before init_process_group, or in a separate process"
         )
-    # Importing the module registers the "fake" backend.
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401
-    from torch._C._distributed_c10d import FakeStore
+    # Importing the module registers the "fake" backend. Its FakeStore is a Python class
+    # on torch 2.11 and torch's C++ one, re-exported there, on newer torch.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:

@@ -13,6 +13,9 @@ tensor. Refused at wrap, with the reason:
 - ``Rprop`` (unless ``capturable``) over a 0-d parameter: its step indexes the parameter's
   0-d DTensor with a boolean mask, which torch turns into a plain index tensor that
   DTensor refuses to mix in (a torch limit; its ``capturable`` path uses ``torch.where``).
+  Before torch 2.15, ``Rprop`` (unless ``capturable``) over any parameter: DTensor has no
+  in-place masked assignment that keeps a shard (``dtensor_masked_assign_keeps_shard``
+  in ``fsdp_mesh.versions``).
 - ``Adafactor`` and ``Muon`` under a sharding strategy (1-3), for parameters that are not
   whole-placed: they need whole rows and columns and per-tensor RMS (Adafactor, for every
   parameter with a dim) or whole matrices (Muon's orthogonalization), which a row piece
@@ -38,6 +41,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from fsdp_buffers.no_shard import FSDP_WHOLE_ATTR
 from fsdp_buffers.whole_param import inner_of, is_whole_parameter
 from fsdp_hooks.optim.local_step import state_keys
+from fsdp_mesh.versions import dtensor_masked_assign_keeps_shard
 
 __all__ = [
     "check_optimizer_supported",
@@ -202,9 +206,21 @@ def check_optimizer_supported(
         )
     rprop = _class("Rprop")
     if rprop is not None and isinstance(optimizer, rprop):
-        scalars = [
-            g for g in optimizer.param_groups if not g.get("capturable") and _has_0d(g["params"])
+        masked = [
+            g
+            for g in optimizer.param_groups
+            if not g.get("capturable") and any(p.requires_grad for p in g["params"])
         ]
+        if masked and not dtensor_masked_assign_keeps_shard():
+            raise TypeError(
+                f"{where}: {name} cannot step fsdp's main weights on torch "
+                f"{torch.__version__}: its step assigns through a boolean mask "
+                "(sign[sign.gt(0)] = etaplus, aten.index_put_), which DTensor supports on "
+                "sharded tensors from torch 2.15 (2.11 has no sharding strategy for it); "
+                "upgrade torch, pass capturable=True (CUDA), or use another optimizer "
+                "(e.g. Adam)"
+            )
+        scalars = [g for g in masked if _has_0d(g["params"])]
         if scalars:
             raise TypeError(
                 f"{where}: {name} cannot step a 0-d parameter (a scalar, shape ()) of fsdp's "
