@@ -158,11 +158,11 @@ def _lower_strategies_body():
         buffer = model.buffer
         trainable = [g for g, grp in enumerate(buffer.groups) if grp.requires_grad]
         padded = sum(buffer.buckets[g].layout.total_numel for g in trainable)
-        # With overlap, the unit buckets' installs are left to the next forward.
+        # With overlap, the step leaves every bucket stale: the next forward gathers it.
         deferred = sum(
             buffer.buckets[g].layout.total_numel
             for g in trainable
-            if overlap and strategy > 0 and buffer.groups[g].fsdp_unit_id is not None
+            if overlap and g in model.hooks.stale_after_step
         )
         assert deferred or not overlap or strategy == 0
         n = dist.get_world_size()
@@ -184,7 +184,7 @@ def _lower_strategies_body():
                 assert bwd["reduce_scatter"]["calls"] == len(trainable)
                 assert bwd["all_reduce"]["calls"] == 0
                 # The step re-replicates the updated weights: one all-gather a bucket,
-                # the deferred ones in the next forward.
+                # the stale ones in the next forward.
                 assert after["all_gather"]["numel"] == padded - deferred
                 assert next_fwd["all_gather"]["numel"] == deferred
                 both = _total(after, next_fwd)

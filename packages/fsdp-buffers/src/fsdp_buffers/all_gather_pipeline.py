@@ -3,9 +3,10 @@
 Each bucket moves EMPTY → GATHER_IN_PROGRESS → READY_TO_USE → EMPTY (``BucketStatus``,
 owned by the ``Bucket``; Note [bucket states]). A bucket whose model weights are
 replicated (``fsdp_no_shard``, or a strategy below 3) is READY_TO_USE from the start
-and issues a collective only when an optimizer step left it STALE (Note [stale buckets]). This pipeline decides when: prefetch walks the forward
-(or backward) order of buckets past the ones asked for and starts gathering those that
-are EMPTY (or STALE, below), while the unsharded bytes it has started stay within
+and issues a collective only when an optimizer step left it STALE (Note [stale
+buckets]). This pipeline decides when: prefetch walks the forward (or backward) order
+of buckets past the ones asked for and starts gathering those that are EMPTY (or
+STALE), while the unsharded bytes it has started stay within
 ``prefetch_budget_bytes``: by default ``prefetch_depth`` (1; FSDP2's
 ``set_modules_to_forward_prefetch`` analogue, 0 turns prefetch off) times the largest
 communication unit's unsharded bytes (an FSDP unit, or the units coalesced into one,
@@ -43,7 +44,10 @@ skipped on one rank only issues no collective under ZeRO-1/2 otherwise): the roo
 buckets, then the others in registration order. Starting a stale bucket's gather first
 starts and waits for every stale bucket before it in that order, so the same sequence
 of collectives is issued on every rank; a model that runs its units out of
-registration order only loses overlap.
+registration order only loses overlap. A write to a unit's main weights inside the
+forward after its gather started is not in that forward's compute weights (as a write
+to a ZeRO-3 unit's shard after its prefetch is not); the next root pre-forward sees it
+by the version counters and installs again (``fsdp_hooks``' ParamState).
 
 With ``fsdp_double_buffer`` two units cannot hold one slot: prefetch stops at a bucket
 whose slot is taken, and a bucket asked for whose slot is held by buckets that were

@@ -51,6 +51,7 @@ class ParamSwapping:
                     self._locations.append((sub, attr, p, by_param[p]))
         self._using_compute = True
         self.distributed_by_compute = by_param
+        self._kept_units = set()
         self._assign_unit_locations()
 
     def use_compute_params(self) -> None:
@@ -67,44 +68,47 @@ class ParamSwapping:
 
     def _assign_unit_locations(self) -> None:
         """Give each unit the parameter locations it swaps: those of modules inside it
-        (the innermost unit, when units nest) whose bucket it gathers and releases
-        (compute weights sharded) or gathers after a step left it stale (ZeRO-1/2:
-        ``Bucket.can_be_stale``). Buckets an optimizer step may leave stale
-        (``stale_after_step``): root buckets (the root pre-forward gathers them before
-        anything runs) and buckets every location of which a unit with gathering hooks
-        swaps (its pre-forward, the first to run, gathers them)."""
+        (the innermost unit, when units nest) whose bucket it gathers and either
+        releases (compute weights sharded: ``unit.locations``, the ones it frees) or
+        keeps (ZeRO-1/2 buckets a step may leave stale, ``Bucket.can_be_stale``).
+        Buckets an optimizer step may leave stale (``stale_after_step``): root buckets
+        (the root pre-forward gathers them before anything runs) and buckets every
+        location of which a unit with gathering hooks swaps (its pre-forward, the first
+        to run, gathers them)."""
         owner: dict[nn.Module, FSDPUnit] = {}
         for unit in sorted(self.units, key=lambda u: u.name.count(".") + bool(u.name)):
             for sub in unit.module.modules():
                 owner[sub] = unit  # deeper units come later and win
         buckets = self.buffer.buckets
+        swapped: dict[FSDPUnit, list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]]] = {}
         blocked: set[int] = set()
         for module, attr, compute, dparam in self._locations:
             gid = self.buffer.group_of(compute)[0]
+            bucket = buckets[gid]
             unit = owner.get(module)
-            swapped = (
-                unit is not None
-                and unit.on_pre_backward is not None  # a unit with gathering hooks
-                and gid in unit.release_groups
-                and (buckets[gid].is_distributed or buckets[gid].can_be_stale)
-            )
-            if swapped:
+            if (
+                unit is None
+                or unit.on_pre_backward is None  # no gathering hooks
+                or gid not in unit.release_groups
+                or not (bucket.is_distributed or bucket.can_be_stale)
+            ):
+                blocked.add(gid)
+                continue
+            swapped.setdefault(unit, []).append((module, attr, compute, dparam))
+            if bucket.is_distributed:
                 unit.locations.append((module, attr, compute, dparam))
             else:
-                blocked.add(gid)
+                self._kept_units.add(unit)  # ZeRO-1/2: swapped only while stale
         root = set(self.buffer.root_groups)
         self.stale_after_step = frozenset(
             b.gid for b in buckets if b.can_be_stale and (b.gid in root or b.gid not in blocked)
         )
-        self._kept_units = set()
-        for unit in self.units:  # one dict update per module and direction
+        for unit, locations in swapped.items():  # one dict update per module and direction
             by_module: dict[nn.Module, tuple[dict, dict]] = {}
-            for module, attr, compute, dparam in unit.locations:
+            for module, attr, compute, dparam in locations:
                 to_compute, to_dist = by_module.setdefault(module, ({}, {}))
                 to_compute[attr], to_dist[attr] = compute, dparam
             unit.swaps = [(m, c, d) for m, (c, d) in by_module.items()]
-            if unit.swaps and not any(buckets[g].is_distributed for g in unit.release_groups):
-                self._kept_units.add(unit)  # ZeRO-1/2: swapped only while stale
 
     def _hold_stale_units(self) -> None:
         """Root pre-forward: units whose buckets are not current (STALE after a step, or
