@@ -19,8 +19,7 @@ overhead), where the padding overhead is (U + R)/Ψ − 1.
 ZeRO-2 and ZeRO-1: one reduce-scatter per trainable bucket in backward, no all-gather
 in backward; one all-gather per trainable bucket re-replicates the updated compute
 weights: inside the optimizer step without ``overlap_param_gather``; with it (the
-default), the root buckets' inside the step and the units' in the next forward
-(Note [deferred install]). ZeRO-0 (``no_shard``): one all-reduce per trainable bucket,
+default), in the next forward (Note [stale buckets]). ZeRO-0 (``no_shard``): one all-reduce per trainable bucket,
 no all-gather at all.
 """
 
