@@ -180,11 +180,13 @@ def _all_gather_pipeline():
     with pytest.raises(ValueError, match=r"forward_order must be a permutation of the 6"):
         AllGatherPipeline(buf, forward_order=[0, 1, 2, 3, 4, 4])
 
-    # Below ZeRO-3 nothing is distributed: every bucket READY, no collective ever.
+    # Below ZeRO-3 nothing is distributed: every bucket READY, no collective unless a
+    # step left buckets STALE (ZeRO-1/2, Note [stale buckets]), which the budget counts.
     for strategy in (0, 1, 2):
         model, expected, buf = _setup(strategy)
         ag = AllGatherPipeline(buf)
-        assert ag.status == [READY] * 6 and ag.prefetch_budget_bytes == 0
+        assert ag.status == [READY] * 6
+        assert (ag.prefetch_budget_bytes == 0) == (strategy == 0)
         ag.all_gather_params(range(6))
         ag.all_gather_params([0], prefetch_order=BACKWARD)
         ag.release_bucket(2)
@@ -192,6 +194,20 @@ def _all_gather_pipeline():
         assert ag.status == [READY] * 6 and _gathers(buf) == 0
         assert ag.gathered_buckets() == []
         _check_params(model, expected, ("",))
+        stale = [g for g in range(6) if buf.buckets[g].can_be_stale]
+        assert bool(stale) == (strategy > 0)
+        if stale:
+            buf.install_optimized_model_weights(stale=range(6))
+            assert [s is BucketStatus.STALE for s in ag.status] == [g in stale for g in range(6)]
+            # Asking for the last one (root buckets come first) gathers every stale one
+            # before it first, in that order.
+            roots = buf.root_groups
+            order = [g for g in roots if g in stale] + [g for g in stale if g not in roots]
+            ag.all_gather_params([order[-1]], prefetch=False)
+            assert ag.status == [READY] * 6 and _gathers(buf) == len(stale)
+            ag.reset()
+            assert ag.status == [READY] * 6  # release keeps replicated weights
+            _check_params(model, expected, ("",))
     return dist.get_rank()
 
 

@@ -19,8 +19,7 @@ overhead), where the padding overhead is (U + R)/Ψ − 1.
 ZeRO-2 and ZeRO-1: one reduce-scatter per trainable bucket in backward, no all-gather
 in backward; one all-gather per trainable bucket re-replicates the updated compute
 weights: inside the optimizer step without ``overlap_param_gather``; with it (the
-default), the root buckets' inside the step and the units' in the next forward
-(Note [deferred install]). ZeRO-0 (``no_shard``): one all-reduce per trainable bucket,
+default), in the next forward (Note [stale buckets]). ZeRO-0 (``no_shard``): one all-reduce per trainable bucket,
 no all-gather at all.
 """
 
@@ -158,11 +157,11 @@ def _lower_strategies_body():
         buffer = model.buffer
         trainable = [g for g, grp in enumerate(buffer.groups) if grp.requires_grad]
         padded = sum(buffer.buckets[g].layout.total_numel for g in trainable)
-        # With overlap, the unit buckets' installs are left to the next forward.
+        # With overlap, the step leaves every bucket stale: the next forward gathers it.
         deferred = sum(
             buffer.buckets[g].layout.total_numel
             for g in trainable
-            if overlap and strategy > 0 and buffer.groups[g].fsdp_unit_id is not None
+            if overlap and g in model.hooks.stale_after_step
         )
         assert deferred or not overlap or strategy == 0
         n = dist.get_world_size()
@@ -184,7 +183,7 @@ def _lower_strategies_body():
                 assert bwd["reduce_scatter"]["calls"] == len(trainable)
                 assert bwd["all_reduce"]["calls"] == 0
                 # The step re-replicates the updated weights: one all-gather a bucket,
-                # the deferred ones in the next forward.
+                # the stale ones in the next forward.
                 assert after["all_gather"]["numel"] == padded - deferred
                 assert next_fwd["all_gather"]["numel"] == deferred
                 both = _total(after, next_fwd)

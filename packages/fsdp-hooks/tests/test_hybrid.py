@@ -181,8 +181,8 @@ def _train_scenario(scenario):
         assert nbs == 0
         m = K if sync_each else 1
         n_rs = sum(1 for g in trainable if buf.buckets[g].sharding.main_weights)
-        # Units' buckets are gathered in the next forward (Note [deferred install]).
-        deferred = len(model.hooks.deferred_installs)
+        # Stale buckets are gathered in the next forward (Note [stale buckets]).
+        deferred = len(model.hooks.stale_after_step)
         assert deferred > 0 or strategy == 0
         for i, (before, after) in enumerate(counts):
             assert before["reduce_scatter"]["calls"] == m * n_rs, before

@@ -3,9 +3,10 @@
 Each bucket moves EMPTY → GATHER_IN_PROGRESS → READY_TO_USE → EMPTY (``BucketStatus``,
 owned by the ``Bucket``; Note [bucket states]). A bucket whose model weights are
 replicated (``fsdp_no_shard``, or a strategy below 3) is READY_TO_USE from the start
-and never issues a collective. This pipeline decides when: prefetch walks the forward
-(or backward) order of buckets past the ones asked for and starts gathering those that
-are EMPTY, while the unsharded bytes it has started stay within
+and issues a collective only when an optimizer step left it STALE (Note [stale
+buckets]). This pipeline decides when: prefetch walks the forward (or backward) order
+of buckets past the ones asked for and starts gathering those that are EMPTY (or
+STALE), while the unsharded bytes it has started stay within
 ``prefetch_budget_bytes``: by default ``prefetch_depth`` (1; FSDP2's
 ``set_modules_to_forward_prefetch`` analogue, 0 turns prefetch off) times the largest
 communication unit's unsharded bytes (an FSDP unit, or the units coalesced into one,
@@ -28,6 +29,25 @@ unit it does not run. Two counters tell how well prefetch guessed:
 for, and ``prefetch_misses``, buckets asked for (with prefetch on) that no prefetch had
 started: with the right order, one per pass (the first unit of a forward, of a
 backward).
+
+Note [stale buckets]. Under ZeRO-1/2 the compute weights are replicated and the main
+weights sharded, so installing an optimizer step is one all-gather per bucket. With
+``overlap_param_gather`` the step leaves those buckets STALE instead (``fsdp_hooks``
+chooses which: ``mark_stale``), and this pipeline gathers them as it gathers ZeRO-3's
+EMPTY buckets: the root buckets at the root pre-forward, each unit's at its
+pre-forward, with forward prefetch, so the all-gathers overlap forward compute as
+FSDP2's do; what no unit asked for is gathered at the root post-forward
+(``land_stale``), so nothing is stale or in flight after a forward. Release keeps what
+they gathered (the compute weights are replicated). Unlike EMPTY buckets, stale ones
+are gathered in one fixed order on every rank, whatever the units a rank runs (a unit
+skipped on one rank only issues no collective under ZeRO-1/2 otherwise): the root
+buckets, then the others in registration order. Starting a stale bucket's gather first
+starts and waits for every stale bucket before it in that order, so the same sequence
+of collectives is issued on every rank; a model that runs its units out of
+registration order only loses overlap. A write to a unit's main weights inside the
+forward after its gather started is not in that forward's compute weights (as a write
+to a ZeRO-3 unit's shard after its prefetch is not); the next root pre-forward sees it
+by the version counters and installs again (``fsdp_hooks``' ParamState).
 
 With ``fsdp_double_buffer`` two units cannot hold one slot: prefetch stops at a bucket
 whose slot is taken, and a bucket asked for whose slot is held by buckets that were
@@ -86,7 +106,7 @@ class AllGatherPipeline:
             per_unit: dict[object, int] = {}
             for b in self.buckets:
                 key = b.group.fsdp_unit_id if b.group.fsdp_unit_id is not None else ("b", b.gid)
-                if b.is_distributed:
+                if b.is_distributed or b.can_be_stale:
                     per_unit[key] = per_unit.get(key, 0) + b.unsharded_bytes
             prefetch_budget_bytes = prefetch_depth * max(per_unit.values(), default=0)
         self.prefetch_budget_bytes = prefetch_budget_bytes
@@ -94,6 +114,17 @@ class AllGatherPipeline:
         self._asked: set[int] = set()  # gathered because asked for, not only prefetched
         self.wasted_prefetches = 0
         self.prefetch_misses = 0
+        # Note [stale buckets]: the order stale buckets are gathered in, and how far
+        # it has been walked (no bucket before ``_stale_next`` is STALE, unless marked
+        # since: ``reset`` rewinds it, and the wrapper resets before each install).
+        roots = buffer.root_groups
+        self._stale_order = [
+            g
+            for g in [*roots, *(g for g in range(n) if g not in roots)]
+            if self.buckets[g].can_be_stale
+        ]
+        self._stale_position = {g: i for i, g in enumerate(self._stale_order)}
+        self._stale_next = 0
         self.reset()
 
     def _set_forward_order(self, order: list[int], no_backward: set[int] | None = None) -> None:
@@ -132,9 +163,11 @@ class AllGatherPipeline:
         return self.buckets[gid].is_distributed
 
     def reset(self) -> None:
-        """Release every gathered bucket; replicated buckets stay READY_TO_USE."""
+        """Release every gathered bucket; replicated buckets are kept (a gather of one
+        in flight lands), and STALE ones stay STALE."""
         for gid in range(self.num_buckets):
             self.release_bucket(gid)
+        self._stale_next = 0
 
     def record_backward(self, bucket_ids: Iterable[int], expected: bool) -> None:
         """During a forward: whether a backward will ask for these buckets. Those that
@@ -157,6 +190,9 @@ class AllGatherPipeline:
 
     def async_bucket_gather(self, gid: int) -> None:
         bucket = self.buckets[gid]
+        if bucket.status is BucketStatus.STALE:
+            self._start_stale(gid)
+            return
         if bucket.status is not BucketStatus.EMPTY:
             return
         if not bucket.can_gather():
@@ -164,6 +200,35 @@ class AllGatherPipeline:
                 if other not in self._asked and bucket.blocked_by(self.buckets[other]):
                     self.release_bucket(other)
         bucket.start_gather()
+
+    def _start_stale(self, gid: int) -> None:
+        """Start stale bucket ``gid``'s gather, after starting and waiting for every
+        stale bucket before it in the stale order (Note [stale buckets])."""
+        order, buckets = self._stale_order, self.buckets
+        target = self._stale_position[gid]
+        if target < self._stale_next:  # marked stale since the walk passed it
+            self._stale_next = 0
+        while self._stale_next <= target:
+            other = order[self._stale_next]
+            self._stale_next += 1
+            bucket = buckets[other]
+            if bucket.status is BucketStatus.STALE:
+                bucket.start_gather()
+                if other != gid:
+                    bucket.wait_gather(self._what[other])
+
+    def land_stale(self) -> None:
+        """Gather every STALE bucket and wait for every gather of a replicated bucket in
+        flight, in the stale order: afterwards every compute weight is current. The
+        root post-forward calls it, and so does anything else that reads compute
+        weights outside the forward's gathers (Note [stale buckets])."""
+        buckets = self.buckets
+        for gid in self._stale_order:
+            bucket = buckets[gid]
+            if bucket.status is not BucketStatus.READY_TO_USE:
+                if bucket.status is BucketStatus.STALE:
+                    self._start_stale(gid)
+                bucket.wait_gather(self._what[gid])
 
     def wait_bucket_ready(self, gid: int) -> None:
         self._asked.add(gid)
@@ -186,7 +251,8 @@ class AllGatherPipeline:
         self._asked.update(ids)  # asked for: no prefetch below may evict them
         buckets = self.buckets
         for gid in ids:
-            if buckets[gid].status is BucketStatus.EMPTY:
+            status = buckets[gid].status
+            if status is BucketStatus.EMPTY or status is BucketStatus.STALE:
                 if prefetch:
                     self.prefetch_misses += 1
                 self.async_bucket_gather(gid)
@@ -222,10 +288,11 @@ class AllGatherPipeline:
         buckets = self.buckets
         for gid in islice(sequence, max(map(position.__getitem__, ids)) + 1, None):
             bucket = buckets[gid]
-            if not bucket.is_distributed:
-                continue
+            status = bucket.status
+            if not bucket.is_distributed and status is BucketStatus.READY_TO_USE:
+                continue  # replicated and current: nothing to gather, nothing held
             size = bucket.unsharded_bytes
-            if bucket.status is BucketStatus.EMPTY:
+            if status is BucketStatus.EMPTY or status is BucketStatus.STALE:
                 if used + size > budget or not bucket.can_gather():
                     break
                 self.async_bucket_gather(gid)
@@ -238,6 +305,8 @@ class AllGatherPipeline:
         (its output buffer is in use by the collective)."""
         bucket = self.buckets[gid]
         if not bucket.is_distributed:
+            if bucket.status is BucketStatus.GATHER_IN_PROGRESS:
+                bucket.release(self._what[gid])  # a stale bucket's gather: landed, kept
             return
         if (
             bucket.status is BucketStatus.EMPTY

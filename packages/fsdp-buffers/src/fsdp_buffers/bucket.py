@@ -10,7 +10,15 @@ Note [bucket states]. ``status`` (``BucketStatus``) is where the compute weights
 
     EMPTY --start_gather--> GATHER_IN_PROGRESS --wait_gather--> READY_TO_USE --release--> EMPTY
 
-A bucket whose compute weights are replicated is READY_TO_USE for good. ``grad_state``
+A bucket whose compute weights are replicated is READY_TO_USE, except that under
+ZeRO-1/2 (replicated compute weights, sharded main weights) an optimizer step may leave
+it STALE (``mark_stale``) instead of all-gathering the updated shards at once; the next
+gather is then that all-gather, and release keeps what it gathered:
+
+    READY_TO_USE --mark_stale--> STALE --start_gather--> GATHER_IN_PROGRESS
+    GATHER_IN_PROGRESS --wait_gather (or release)--> READY_TO_USE
+
+``grad_state``
 (``GradState``) is what the main-grad storage holds:
 
     EMPTY --begin_accumulating--> ACCUMULATING --start_reduce (waited)--> SHARD_REDUCED
@@ -36,6 +44,7 @@ The gradient half (staging, reduction, released gradients) is ``bucket_grads``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -169,8 +178,8 @@ class Bucket(BucketGradients):
         # (bucket tensor, Layout.unpacker of it): the copy-out without the layout's
         # lookups per gather (``_copy_out_for``).
         self._unpacker: tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None = None
-        # (compute buffer tensor, an alias of it with its own version counter) for
-        # deferred installs.
+        # (compute buffer tensor, an alias of it with its own version counter): where
+        # an install unpacks (see ``start_install``).
         self._install_alias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ---- construction ---------------------------------------------------------------
@@ -329,7 +338,12 @@ class Bucket(BucketGradients):
 
     def start_gather(self) -> None:
         """EMPTY -> GATHER_IN_PROGRESS: start the all-gather (the bucket is fetched when it
-        lands, or now when its memory is a shared slot)."""
+        lands, or now when its memory is a shared slot). STALE -> GATHER_IN_PROGRESS:
+        start the install's all-gather (``start_install``)."""
+        if self.status is BucketStatus.STALE:
+            self._gather = self.start_install()
+            self.status = BucketStatus.GATHER_IN_PROGRESS
+            return
         if self.status is not BucketStatus.EMPTY:
             return
         buf = self.group.model_weight_buffer
@@ -374,7 +388,7 @@ class Bucket(BucketGradients):
 
     def wait_gather(self, what: str) -> None:
         """-> READY_TO_USE, gathering first if nothing is in flight."""
-        if self.status is BucketStatus.EMPTY:
+        if self.status is BucketStatus.EMPTY or self.status is BucketStatus.STALE:
             self.start_gather()
         pending, self._gather = self._gather, None
         if pending is not None:
@@ -383,8 +397,11 @@ class Bucket(BucketGradients):
 
     def release(self, what: str) -> None:
         """-> EMPTY: free the gathered bucket (a gather in flight is finished first: its
-        output is in use by the collective). No-op for replicated compute weights."""
+        output is in use by the collective). Replicated compute weights are kept: a
+        gather in flight is landed (-> READY_TO_USE), a STALE bucket stays STALE."""
         if not self.is_distributed:
+            if self.status is BucketStatus.GATHER_IN_PROGRESS:
+                self.wait_gather(what)
             return
         pending, self._gather = self._gather, None
         if pending is not None:
@@ -395,13 +412,13 @@ class Bucket(BucketGradients):
 
     # ---- main weights ---------------------------------------------------------------
     @property
-    def install_deferrable(self) -> bool:
-        """Whether this bucket's install may land after the optimizer step, in the next
-        forward (Note [deferred install]): an all-gather of sharded main weights into
-        replicated compute weights, outside fully-sharded hybrid sharding, whose
-        all-gather output is not memory a user can read meanwhile (the main weights'
-        own storage, when they are the compute buffer's local shard and the layout is
-        rank-major, so the gather would write into them)."""
+    def can_be_stale(self) -> bool:
+        """Whether an optimizer step may leave this bucket STALE, for the next forward's
+        gather (``mark_stale``): its install is an all-gather of sharded main weights
+        into replicated compute weights (ZeRO-1/2), outside fully-sharded hybrid
+        sharding, whose all-gather output is not memory a user can read meanwhile (the
+        main weights' own storage, when they are the compute buffer's local shard and
+        the layout is rank-major, so the gather would write into them)."""
         model = self.model
         return (
             self.group.requires_grad
@@ -412,14 +429,25 @@ class Bucket(BucketGradients):
             and (self.group.main_weight_buffer is not None or not model.layout.is_rank_major())
         )
 
-    def start_install(
-        self, deferred: bool = False, written: Callable[[], bool] | None = None
-    ) -> PendingCollective | None:
+    def mark_stale(self) -> None:
+        """-> STALE: the main weights were stepped and the compute weights not installed;
+        the next ``start_gather`` installs them (only where ``can_be_stale``)."""
+        if not self.can_be_stale:
+            raise RuntimeError(
+                f"bucket {self.gid} ({self.group.names[:3]}) cannot be left stale: its "
+                "install is not an all-gather into replicated compute weights"
+            )
+        self.release("a gather of stale weights")  # one in flight lands first
+        self.status = BucketStatus.STALE
+
+    def start_install(self) -> PendingCollective | None:
         """Copy the optimizer's main weights into the compute weights; where compute
         weights are replicated but main weights sharded (strategies 1 and 2), start the
-        all-gather that gives every rank the whole updated bucket. ``deferred`` (only
-        where ``install_deferrable``): users may write the main weights while it is in
-        flight, which ``written`` tells when it lands (Note [deferred install])."""
+        all-gather that gives every rank the whole updated bucket (the caller waits for
+        it before the weights are read). Where the main weights are the compute
+        buffer's local shard, the copy-out goes through an alias of the buffer with a
+        version counter of its own, so that it never looks like a user's write to the
+        version counters of the main weights (``fsdp_hooks``' ParamState)."""
         if not self.group.requires_grad:
             return None
         model = self.model
@@ -431,6 +459,7 @@ class Bucket(BucketGradients):
             model.copy_shard_from(main)
         if not self.sharding.main_weights or model.is_data_distributed:
             return None
+        self.status = BucketStatus.READY_TO_USE  # once the returned gather is waited
         # Replicated compute weights, sharded main weights: every rank sends its updated
         # shard and unpacks everyone's (Note [shard layout]).
         send = (
@@ -452,58 +481,29 @@ class Bucket(BucketGradients):
             label=f"fsdp.param_sync.{self.gid}",
             padding=layout.padding_fraction,
         )
-
-        if deferred:
-            unpack = self._deferred_unpack(gathered, written, main is None)
-            return PendingCollective(work, unpack, keepalive=(send, gathered))
-
-        def unpack() -> None:
-            if gathered is not model.data:
-                layout.unpack(gathered, model.data)
-
-        return PendingCollective(work, unpack, keepalive=(send, gathered))
-
-    def _deferred_unpack(
-        self, gathered: torch.Tensor, written: Callable[[], bool] | None, main_is_model: bool
-    ) -> Callable[[], None]:
-        """The copy-out of a deferred install. Users may write the main weights while it
-        is in flight; if one did (``written``, asked before anything is copied: where the
-        main weights are the compute buffer's local shard, the copy-out would overwrite
-        the write), what was sent is stale, and the bucket is installed again, at once,
-        from what is there now (every rank writes alike, as ``ParamState`` requires).
-        Where the main weights are the compute buffer's local shard, the copy goes
-        through an alias of the buffer with a version counter of its own, so that it
-        cannot look like a user's write to ``ParamState``, which recorded the versions
-        when the install began."""
-        model = self.model
         if gathered is model.data:
-            copy_out: Callable[[torch.Tensor], None] | None = None  # gathered in place
-        elif not main_is_model:
-            copy_out = self._copy_out_for(model.data)
-        else:
-            alias = self._install_alias
-            if alias is None or alias[0] is not model.data:
-                data = model.data
-                view = torch.empty(0, dtype=data.dtype, device=data.device)
-                view.set_(data.untyped_storage(), data.storage_offset(), data.size(), data.stride())
-                alias = self._install_alias = (data, view)
-            copy_out = self._copy_out_for(alias[1])
+            return PendingCollective(work, keepalive=(send, gathered))
+        copy_out = self._copy_out_for(model.data if main is not None else self._alias())
+        return PendingCollective(work, functools.partial(copy_out, gathered), (send, gathered))
 
-        def unpack() -> None:
-            if written is not None and written():
-                again = self.start_install()
-                if again is not None:
-                    again.wait(f"the weight all-gather of bucket {self.gid} (installed again)")
-                return
-            if copy_out is not None:
-                copy_out(gathered)
-
-        return unpack
+    def _alias(self) -> torch.Tensor:
+        """The compute buffer's tensor under a version counter of its own."""
+        alias = self._install_alias
+        data = self.model.data
+        if alias is None or alias[0] is not data:
+            view = torch.empty(0, dtype=data.dtype, device=data.device)
+            view.set_(data.untyped_storage(), data.storage_offset(), data.size(), data.stride())
+            alias = self._install_alias = (data, view)
+        return alias[1]
 
     def broadcast(self, src_group_rank: int) -> None:
         """Make every replicated buffer equal to shard-group rank ``src_group_rank``'s
         (and the outer replicas equal to outer rank 0's); sharded main weights are then
         re-derived from the model weights they shadow."""
+        if self.status is BucketStatus.STALE:  # broadcast the current weights
+            pending = self.start_install()
+            if pending is not None:
+                pending.wait(f"the weight all-gather of bucket {self.gid}")
         pg = self.shard.group
         src = dist.get_global_rank(pg, src_group_rank)
         group = self.group

@@ -21,8 +21,11 @@ class BucketStatus(enum.Enum):
     """Where a bucket's compute weights are (Note [bucket states])."""
 
     EMPTY = enum.auto()  # sharded: only this rank's shard exists
+    # Replicated (ZeRO-1/2), left by an optimizer step: only this rank's shard of the
+    # main weights is current until the next gather.
+    STALE = enum.auto()
     GATHER_IN_PROGRESS = enum.auto()  # an all-gather into the unsharded bucket is in flight
-    READY_TO_USE = enum.auto()  # unsharded (gathered, or replicated for good)
+    READY_TO_USE = enum.auto()  # unsharded (gathered, or replicated and current)
 
 
 class GradState(enum.Enum):

@@ -37,7 +37,6 @@ from fsdp_buffers.data_parallel_buffer import (
     DoubleBufferAllocator,
     TemporaryBucketAllocator,
 )
-from fsdp_buffers.deferred_install import DeferredInstalls
 from fsdp_buffers.dtensor_views import DTensorViews
 from fsdp_buffers.hybrid_sharding import hybrid_mesh
 from fsdp_buffers.layout import DEFAULT_ALIGNMENT
@@ -180,7 +179,6 @@ class ParamAndGradBuffer:
                 bucket.point_params_at_buffers()
         self._set_optimizer_meshes()
         self.views = DTensorViews(self)
-        self.installs = DeferredInstalls(self.buckets)  # Note [deferred install]
 
     # ---- construction -------------------------------------------------------------
     def _comm_groups(self, expert: bool) -> tuple[CommGroup, object, CommGroup | None]:
@@ -274,27 +272,18 @@ class ParamAndGradBuffer:
         the communication unit that ``unit_id`` opens (none for the units joined to it)."""
         return [g for g, grp in enumerate(self.groups) if grp.fsdp_unit_id == unit_id]
 
-    def deferrable_installs(self) -> list[int]:
-        """Buckets whose install the optimizer step may leave to the next forward: those
-        that may wait (``Bucket.install_deferrable``) outside the root buckets, which
-        no unit's pre-forward would land (Note [deferred install])."""
-        root = set(self.root_groups)
-        return [b.gid for b in self.buckets if b.gid not in root and b.install_deferrable]
-
     # ---- every bucket --------------------------------------------------------------
-    def install_optimized_model_weights(self, defer: Collection[int] = ()) -> None:
+    def install_optimized_model_weights(self, stale: Collection[int] = ()) -> None:
         """Copy the optimizer's main weights into the compute weights; where compute
         weights are replicated but main weights sharded (strategies 1 and 2), all-gather
-        them so that every rank has the whole updated model. Buckets in ``defer`` whose
-        install may wait are queued instead (``installs``, Note [deferred install]):
-        their compute weights are stale until a caller lands them."""
-        self.installs.forget()
+        them so that every rank has the whole updated model. Buckets in ``stale`` are
+        marked STALE instead (``Bucket.mark_stale``, only where ``can_be_stale``): the
+        next gather of each (``AllGatherPipeline``) is its all-gather."""
         pending: list[PendingCollective] = []
-        queued: list[int] = []
         with torch.no_grad(), annotate("fsdp.install_optimized_model_weights"):
             for bucket in self.buckets:
-                if bucket.gid in defer and bucket.install_deferrable:
-                    queued.append(bucket.gid)
+                if bucket.gid in stale and bucket.can_be_stale:
+                    bucket.mark_stale()
                     continue
                 started = bucket.start_install()
                 if started is None:
@@ -306,13 +295,12 @@ class ParamAndGradBuffer:
                     pending.pop(0).wait()
         for p in pending:
             p.wait()
-        self.installs.queue(queued)
 
     def broadcast_params(self, src_group_rank: int = 0) -> None:
         """Make every replicated buffer equal to that of shard-group rank
         ``src_group_rank``; sharded main weights are then re-derived from the model
-        weights they shadow, so all ranks hold one consistent model."""
-        self.installs.forget()  # the broadcast writes every compute weight
+        weights they shadow, so all ranks hold one consistent model (a STALE bucket is
+        installed first)."""
         with torch.no_grad(), annotate("fsdp.broadcast_params"):
             for bucket in self.buckets:
                 bucket.broadcast(src_group_rank)

@@ -16,9 +16,11 @@ prefetched after it have theirs at once.
 
 ZeRO-1/2: after the optimizer step, ``install_optimized_model_weights`` all-gathers the
 updated shards of every group whose main weights are sharded, two in flight at a time,
-each into a rank-major copy unless the bucket is rank-major already (with
-``overlap_param_gather``, the units' groups in the next forward: the same two at a time,
-Note [deferred install]).
+each into a rank-major copy unless the bucket is rank-major already. With
+``overlap_param_gather`` the step leaves the groups that can be STALE so, and the real
+``AllGatherPipeline`` replays the next forward's gathers of them (Note [stale buckets]):
+the root buckets together at the root pre-forward, then each unit's with forward
+prefetch; held bytes are the rank-major copies of the gathers in flight.
 """
 
 from __future__ import annotations
@@ -123,18 +125,47 @@ def _zero3_peak(buffer: ParamAndGradBuffer, prefetch_depth: int) -> int:
 def _sync_peak(buffer: ParamAndGradBuffer, overlap_param_gather: bool) -> int:
     """``install_optimized_model_weights``: each gathering group's rank-major copy is held
     from its all-gather until the next group's is started and it is waited on; with
-    ``overlap_param_gather`` the units' groups (``deferrable_installs``) form a sequence
-    of their own, in the next forward."""
-    deferred = set(buffer.deferrable_installs()) if overlap_param_gather else set()
-    copies: tuple[list[int], list[int]] = ([], [])
+    ``overlap_param_gather`` only the groups that cannot be stale."""
+    copies: list[int] = []
     for gid, group in enumerate(buffer.groups):
         mw = group.model_weight_buffer
         assert mw is not None
-        if not group.requires_grad or buffer.buckets[gid].outer_sharded:
+        bucket = buffer.buckets[gid]
+        if not group.requires_grad or bucket.outer_sharded:
             continue
-        if buffer.buckets[gid].sharding.main_weights and not mw.is_data_distributed:
-            copies[gid in deferred].append(_rank_major_copy(buffer, gid))
-    return max((a + b for seq in copies for a, b in zip([0, *seq], seq, strict=False)), default=0)
+        if overlap_param_gather and bucket.can_be_stale:
+            continue
+        if bucket.sharding.main_weights and not mw.is_data_distributed:
+            copies.append(_rank_major_copy(buffer, gid))
+    return max((a + b for a, b in zip([0, *copies], copies, strict=False)), default=0)
+
+
+def _stale_peak(buffer: ParamAndGradBuffer, prefetch_depth: int) -> int:
+    """The next forward's gathers of the groups a step left stale (see the module note)."""
+    stale = [b for b in buffer.buckets if b.can_be_stale]
+    if not stale:
+        return 0
+    pipe = AllGatherPipeline(buffer, prefetch_depth=prefetch_depth)
+    copies = [_rank_major_copy(buffer, g) for g in range(buffer.num_buckets)]
+    for bucket in stale:
+        bucket.mark_stale()
+    peak = 0
+
+    def gather(ids: list[int], prefetch: bool) -> None:
+        nonlocal peak
+        pipe.all_gather_params(ids, prefetch=prefetch, wait_bucket_ready=False)
+        in_flight = sum(
+            copies[g] for g, s in enumerate(pipe.status) if s is BucketStatus.GATHER_IN_PROGRESS
+        )
+        peak = max(peak, in_flight)
+        for gid in ids:
+            pipe.wait_bucket_ready(gid)
+
+    gather(list(buffer.root_groups), False)
+    for _index, groups, _release in _units(buffer):
+        gather(groups, True)
+    pipe.land_stale()
+    return peak
 
 
 def gathered_peak(
@@ -142,4 +173,5 @@ def gathered_peak(
 ) -> int:
     """Bytes of gathered weights held at once by this rank (see the module note); run
     inside the fake world the buffer was built in."""
-    return max(_zero3_peak(buffer, prefetch_depth), _sync_peak(buffer, overlap_param_gather))
+    stale = _stale_peak(buffer, prefetch_depth) if overlap_param_gather else 0
+    return max(_zero3_peak(buffer, prefetch_depth), _sync_peak(buffer, overlap_param_gather), stale)

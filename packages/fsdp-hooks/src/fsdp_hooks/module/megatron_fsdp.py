@@ -453,8 +453,8 @@ class MegatronFSDP(InnerModuleAttributes):
     ) -> None:
         """Gather every sharded bucket: asynchronously when ``overlap_param_gather`` (or
         ``force_dispatch``), and waited for when not (or ``force_sync``)."""
-        self.hooks.land_installs()  # ZeRO-1/2 installs left to the forward, if any
         pipeline = self.all_gather_pipeline
+        pipeline.land_stale()  # ZeRO-1/2 buckets a step left stale, if any
         for gid in pipeline.forward_order:
             pipeline.async_bucket_gather(gid)
         wait = force_sync or not (self.ddp_config.overlap_param_gather or force_dispatch)
@@ -462,8 +462,8 @@ class MegatronFSDP(InnerModuleAttributes):
             self.synchronize_param_gather()
 
     def synchronize_param_gather(self) -> None:
-        self.hooks.land_installs()
         pipeline = self.all_gather_pipeline
+        pipeline.land_stale()
         for gid in pipeline.gathered_buckets():
             pipeline.wait_bucket_ready(gid)
 
@@ -569,11 +569,12 @@ class MegatronFSDP(InnerModuleAttributes):
         """Copy the main weights into the compute weights (after an optimizer step, or
         in-place writes to the parameters; the next forward does it by itself when a
         main weight's version moved since the last install). ``defer`` (what the
-        optimizer step passes with ``overlap_param_gather``): ZeRO-1/2 all-gathers are
-        left to the next forward, overlapped with it (Note [deferred install])."""
+        optimizer step passes with ``overlap_param_gather``): ZeRO-1/2 buckets are left
+        STALE, and the next forward gathers them with forward prefetch (Note [stale
+        buckets] in ``fsdp_buffers.all_gather_pipeline``)."""
         self.all_gather_pipeline.reset()  # gathered copies are stale after a step
         hooks = self.hooks
-        self.buffer.install_optimized_model_weights(hooks.deferred_installs if defer else ())
+        self.buffer.install_optimized_model_weights(hooks.stale_after_step if defer else ())
         hooks.params.record_versions()
 
     def broadcast_params(self) -> None:

@@ -233,10 +233,7 @@ class FSDPHooks(ParamSwapping):
         for dparam in distributed.values():
             dparam._fsdp_model_ref = self._wrapper  # type: ignore[attr-defined]
         self._init_locations(module, by_param)
-        self._installs = buffer.installs  # Note [deferred install]
-        self._init_install_swaps()
         self.params = ParamState(self)
-        self._installs.main_versions = self.params.bucket_versions
         self._reached_add = self.params.reached.add  # per gradient (the set is kept)
         # Opt-in (FSDP_CHECK_SCHEDULE=1): ranks agree on each point that issues collectives.
         self.schedule: ScheduleCheck | None = None
@@ -283,9 +280,7 @@ class FSDPHooks(ParamSwapping):
                     )
                 self.root_state = TrainingState.FORWARD
             self.use_compute_params()
-            if self._installs.pending:  # left to this forward by the optimizer step
-                self._hold_pending_installs()
-                self._installs.start()
+            self._hold_stale_units()  # ZeRO-1/2 after a step: Note [stale buckets]
             self.gather.all_gather_params(self.root_groups, prefetch=False)
         return args, kwargs
 
@@ -293,8 +288,7 @@ class FSDPHooks(ParamSwapping):
         if self.root_state is TrainingState.PRE_BACKWARD:
             return output  # recompute inside backward: the backward goes on
         with annotate("fsdp.root_post_forward"):
-            if self._installs.pending:  # buckets no unit of this forward used
-                self.land_installs()
+            self.gather.land_stale()  # buckets no unit of this forward used
             for gid in self._shared.take_partly_run():  # a unit sharing it was skipped
                 self.gather.release_bucket(gid)
             self.gather.commit_observed_order()
@@ -397,8 +391,6 @@ class FSDPHooks(ParamSwapping):
                 unit.pending_backward += 1
                 in_root = self.root_state is TrainingState.FORWARD
                 (self._forward_calls if in_root else self._outside_calls)[unit.index] += 1
-            if self._installs.pending and self._using_compute:
-                self.land_installs(unit.groups)  # ZeRO-1/2: Note [deferred install]
             order = (
                 PrefetchOrder.BACKWARD_PASS_ORDER if recompute else PrefetchOrder.FORWARD_PASS_ORDER
             )

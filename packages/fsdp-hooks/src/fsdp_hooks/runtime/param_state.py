@@ -71,12 +71,6 @@ class ParamState:
         self._trainable_dparams = [d for _c, d in self._trainable]
         self._trainable_ids = [id(c) for c in self._trainable_compute]
         self._versions: tuple[list[int], list[int]] = ([], [])
-        self._by_bucket: dict[int, tuple[list, list]] = {}
-        for (compute, _d), inner in zip(self._trainable, self._inner, strict=True):
-            lists = self._by_bucket.setdefault(buffer.group_of(compute)[0], ([], []))
-            lists[0].append(inner)
-            if hasattr(inner, "_local_tensor"):
-                lists[1].append(inner)
         # ids of the compute parameters a gradient reached (a Tensor hashes in Python;
         # the parameters live as long as the model).
         self.reached: set[int] = set()  # cleared, never replaced (the hooks bind .add)
@@ -92,11 +86,6 @@ class ParamState:
     # each time (not cached), so one swapped in under a DTensor is still seen.
     def _all_versions(self) -> tuple[list[int], list[int]]:
         return _counters(self._inner, self._sharded)
-
-    def bucket_versions(self, gid: int) -> tuple[list[int], list[int]]:
-        """The same counters for bucket ``gid``'s trainable parameters only (a deferred
-        install asks when its gather lands: Note [deferred install])."""
-        return _counters(*self._by_bucket.get(gid, ((), ())))
 
     def record_versions(self) -> None:
         self._versions = self._all_versions()

@@ -7,9 +7,11 @@ puts the compute parameters in place, and while a unit's buckets are released it
 locations hold the DTensors again (reading a compute parameter then would read freed
 memory; autograd refuses one it saved: Note [released weights read later] in
 ``saved_weight_hooks``). Every place a parameter is reachable from is a location, so
-tied weights swap together. Under ZeRO-1/2 with ``overlap_param_gather``, a bucket whose install has not
-landed keeps its DTensors in place inside the forward too, until the first unit that
-uses it lands it (Note [deferred install] in ``fsdp_buffers.deferred_install``).
+tied weights swap together. Under ZeRO-1/2 a unit's buckets are never released, but an
+optimizer step may leave them STALE (Note [stale buckets] in
+``fsdp_buffers.all_gather_pipeline``): then its locations hold the DTensors (the updated
+main weights) from the root pre-forward until its pre-forward gathers them, as a
+released unit's do, so nothing computes with the weights of the step before.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torch import nn
+
+from fsdp_buffers import BucketStatus
 
 if TYPE_CHECKING:
     from fsdp_buffers import ParamAndGradBuffer
@@ -34,8 +38,8 @@ class ParamSwapping:
     _locations: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]]
     _using_compute: bool
     distributed_by_compute: dict[nn.Parameter, nn.Parameter]
-    deferred_installs: frozenset[int]
-    _install_swaps: dict[int, list[tuple[nn.Module, dict, dict]]]
+    stale_after_step: frozenset[int]
+    _kept_units: set[FSDPUnit]
     _saved_weights: SavedWeightHooks
 
     def _init_locations(
@@ -50,6 +54,7 @@ class ParamSwapping:
                     self._locations.append((sub, attr, p, by_param[p]))
         self._using_compute = True
         self.distributed_by_compute = by_param
+        self._kept_units = set()
         self._assign_unit_locations()
 
     def use_compute_params(self) -> None:
@@ -66,87 +71,70 @@ class ParamSwapping:
             self._using_compute = False
 
     def _assign_unit_locations(self) -> None:
-        """Give each unit the parameter locations it frees: those of modules inside it
-        (the innermost unit, when units nest) whose bucket it releases and whose compute
-        weights are sharded (else the bucket is never freed)."""
+        """Give each unit the parameter locations it swaps: those of modules inside it
+        (the innermost unit, when units nest) whose bucket it gathers and either
+        releases (compute weights sharded: ``unit.locations``, the ones it frees) or
+        keeps (ZeRO-1/2 buckets a step may leave stale, ``Bucket.can_be_stale``).
+        Buckets an optimizer step may leave stale (``stale_after_step``): root buckets
+        (the root pre-forward gathers them before anything runs) and buckets every
+        location of which a unit with gathering hooks swaps (its pre-forward, the first
+        to run, gathers them)."""
         owner: dict[nn.Module, FSDPUnit] = {}
         for unit in sorted(self.units, key=lambda u: u.name.count(".") + bool(u.name)):
             for sub in unit.module.modules():
                 owner[sub] = unit  # deeper units come later and win
+        buckets = self.buffer.buckets
+        swapped: dict[FSDPUnit, list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]]] = {}
+        blocked: set[int] = set()
         for module, attr, compute, dparam in self._locations:
-            unit = owner.get(module)
-            if unit is None:
-                continue
             gid = self.buffer.group_of(compute)[0]
-            if gid in unit.release_groups and self.buffer.buckets[gid].is_distributed:
+            bucket = buckets[gid]
+            unit = owner.get(module)
+            if (
+                unit is None
+                or unit.on_pre_backward is None  # no gathering hooks
+                or gid not in unit.release_groups
+                or not (bucket.is_distributed or bucket.can_be_stale)
+            ):
+                blocked.add(gid)
+                continue
+            swapped.setdefault(unit, []).append((module, attr, compute, dparam))
+            if bucket.is_distributed:
                 unit.locations.append((module, attr, compute, dparam))
-        for unit in self.units:  # one dict update per module and direction
+            else:
+                self._kept_units.add(unit)  # ZeRO-1/2: swapped only while stale
+        root = set(self.buffer.root_groups)
+        self.stale_after_step = frozenset(
+            b.gid for b in buckets if b.can_be_stale and (b.gid in root or b.gid not in blocked)
+        )
+        for unit, locations in swapped.items():  # one dict update per module and direction
             by_module: dict[nn.Module, tuple[dict, dict]] = {}
-            for module, attr, compute, dparam in unit.locations:
+            for module, attr, compute, dparam in locations:
                 to_compute, to_dist = by_module.setdefault(module, ({}, {}))
                 to_compute[attr], to_dist[attr] = compute, dparam
             unit.swaps = [(m, c, d) for m, (c, d) in by_module.items()]
 
-    def _init_install_swaps(self) -> None:
-        """Which buckets' installs may be left to the forward (Note [deferred install]
-        in ``fsdp_buffers.deferred_install``): of the buffer's ``deferrable_installs``,
-        those every location of which is inside a unit with gathering hooks (whose
-        pre-forward, the first to run, lands it); and their locations, by bucket."""
-        inside: set[nn.Module] = set()
-        for unit in self.units:
-            if unit.on_pre_backward is not None:  # a unit with gathering hooks
-                inside.update(unit.module.modules())
-        by_gid: dict[int, dict[nn.Module, tuple[dict, dict]]] = {}
-        blocked: set[int] = set()
-        for module, attr, compute, dparam in self._locations:
-            gid = self.buffer.group_of(compute)[0]
-            if module not in inside:
-                blocked.add(gid)
-            to_compute, to_dist = by_gid.setdefault(gid, {}).setdefault(module, ({}, {}))
-            to_compute[attr], to_dist[attr] = compute, dparam
-        self.deferred_installs = frozenset(
-            g for g in self.buffer.deferrable_installs() if g in by_gid and g not in blocked
-        )
-        self._install_swaps = {
-            g: [(m, c, d) for m, (c, d) in by_gid[g].items()] for g in self.deferred_installs
-        }
-
-    def _hold_pending_installs(self) -> None:
-        """Root pre-forward: locations of buckets whose install has not landed keep
-        their DTensors (the updated main weights), so nothing reads stale weights."""
-        swaps = self._install_swaps
-        for gid in self.buffer.installs.pending:
-            for module, _to_compute, to_dist in swaps.get(gid, ()):
-                module._parameters.update(to_dist)
-
-    def land_installs(self, gids: list[int] | None = None) -> None:
-        """Land the deferred installs of ``gids`` (and those queued before them; all
-        when None) and, inside a forward, put their compute parameters in place."""
-        installs = self.buffer.installs
-        if gids is None:
-            landed = installs.land_all()
-        else:
-            landed = []
-            for gid in gids:
-                if gid in installs.pending:
-                    landed += installs.land(gid)
-        if self._using_compute:
-            swaps = self._install_swaps
-            for gid in landed:
-                for module, to_compute, _to_dist in swaps.get(gid, ()):
-                    module._parameters.update(to_compute)
+    def _hold_stale_units(self) -> None:
+        """Root pre-forward: units whose buckets are not current (STALE after a step, or
+        their gather in flight) hold their DTensors until their pre-forward."""
+        buckets = self.buffer.buckets
+        for unit in self._kept_units:
+            if any(buckets[g].status is not BucketStatus.READY_TO_USE for g in unit.release_groups):
+                for module, _to_compute, to_dist in unit.swaps:
+                    module._parameters.update(to_dist)
 
     def _unit_use(self, unit: FSDPUnit, compute: bool) -> None:
         if compute:
             self._saved_weights.show(unit)
         else:
             self._saved_weights.hide(unit)
-        # Outside the compute phase every location already holds its DTensor.
+        # Outside the compute phase every location already holds its DTensor. A unit
+        # whose buckets stay gathered (ZeRO-1/2) keeps its compute parameters.
         if self._using_compute:
             if compute:
                 for module, to_compute, _to_dist in unit.swaps:
                     module._parameters.update(to_compute)
-            else:
+            elif unit not in self._kept_units:
                 for module, _to_compute, to_dist in unit.swaps:
                     module._parameters.update(to_dist)
 

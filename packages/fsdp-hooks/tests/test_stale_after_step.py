@@ -1,17 +1,19 @@
-"""ZeRO-1/2 installs left to the next forward (Note [deferred install]).
+"""ZeRO-1/2 weights left stale by the optimizer step and gathered by the next forward
+(Note [stale buckets] in ``fsdp_buffers.all_gather_pipeline``).
 
-With ``overlap_param_gather`` (``fully_shard``'s default) the optimizer step queues the
-all-gathers that re-replicate the units' updated weights, and each unit's pre-forward
-lands its own. Whatever a user does between the step and that forward, or during it,
-training must be what it is when the step gathers everything itself: the same losses
-and weights, bit for bit, and the one-process reference's within 1e-5. The cases: writes
-to the main weights after the step (with and without a main-weight buffer of their
-own), a state dict loaded after the step, an eval forward, a forward that raises
-half-way, units run out of registration order, a unit skipped on one rank only, units
-under activation checkpointing (reentrant or not), a
-parameter of a unit written inside the forward before the unit runs (its install is then
-in flight, and is done again), and a unit's submodule called from outside the unit
-before the unit runs.
+With ``overlap_param_gather`` (``fully_shard``'s default) the optimizer step marks the
+buckets whose install is an all-gather STALE, and the forward's ordinary gather path
+gathers them with forward prefetch. Whatever a user does between the step and that
+forward, or during it, training must be what it is when the step gathers everything
+itself: the same losses and weights, bit for bit, and the one-process reference's within
+1e-5. The cases: writes to the main weights after the step (with and without a
+main-weight buffer of their own), a state dict loaded after the step, an eval forward, a
+forward that raises half-way, units run out of registration order, a unit skipped on one
+rank only, units under activation checkpointing (reentrant or not), a parameter of a unit
+written inside the forward before the unit runs, and a unit's submodule called from
+outside the unit before the unit runs. Then: the gathers are issued in the forward, each
+unit's prefetched by the unit before it, and a broadcast between the step and the
+forward keeps the step.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_buffers import MixedPrecisionPolicy
+from fsdp_buffers import BucketStatus, MixedPrecisionPolicy
 from fsdp_hooks import fully_shard
 from fsdp_mesh.testing import assert_same_training, mean_over_ranks, run_distributed
 
@@ -144,8 +146,8 @@ def _train(strategy: int, overlap: bool, scenario: str, precision: str) -> dict:
         try:
             out = model(x)
         except RuntimeError as err:
-            # Block 2's parameters are its DTensors until its install lands, so torch
-            # raises where the stale compute weights would have given a wrong value.
+            # Block 2's parameters are its DTensors until its pre-forward gathers them,
+            # so torch raises where the stale compute weights would give a wrong value.
             assert scenario == "peek" and overlap, err
             return {"peek_error": str(err)}
         loss = F.mse_loss(out, y)
@@ -167,7 +169,7 @@ def _train(strategy: int, overlap: bool, scenario: str, precision: str) -> dict:
                 model(x)
             inner.fail_in = None
     inner.write_in_forward = False
-    with torch.no_grad():  # lands the last step's installs
+    with torch.no_grad():  # gathers the last step's stale buckets
         model(batch(STEPS, rank)[0])
     compute = {name: p.detach().clone() for name, _g, _i, p in model.buffer.named_params()}
     return {"losses": losses, "params": model.buffer.views.full_parameters(), "compute": compute}
@@ -218,8 +220,8 @@ SCENARIOS = (
 
 def _scenarios(precision: str) -> tuple[str, ...]:
     # A write to a parameter inside the forward, installing inside the step, lands in
-    # the bf16 compute weights only and is lost at the next install; deferred, it lands
-    # in the main weights (a pending unit holds its DTensors) and is kept, as in fp32.
+    # the bf16 compute weights only and is lost at the next install; left stale, it
+    # lands in the main weights (a stale unit holds its DTensors) and is kept, as in fp32.
     return SCENARIOS if precision == "fp32" else SCENARIOS[:-1]
 
 
@@ -229,31 +231,124 @@ def _all_scenarios(strategy: int, precision: str) -> dict:
 
 @pytest.mark.parametrize("strategy", (1, 2), ids=lambda s: f"zero{s}")
 @pytest.mark.parametrize("precision", ("fp32", "bf16"))
-def test_a_deferred_install_trains_as_an_install_inside_the_step(strategy, precision):
+def test_weights_gathered_in_the_forward_train_as_an_install_inside_the_step(strategy, precision):
     """fp32: the main weights are the compute buffer's local shard; bf16: a main
     buffer of their own (float32 main weights, bfloat16 compute weights)."""
     results = run_distributed(_all_scenarios, WORLD, (strategy, precision), timeout=240)
     for scenario in _scenarios(precision):
-        deferred, inside = results[0][scenario][True], results[0][scenario][False]
+        stale, inside = results[0][scenario][True], results[0][scenario][False]
         where = f"zero{strategy} {precision} {scenario}"
-        assert deferred["losses"] == inside["losses"], where
+        assert stale["losses"] == inside["losses"], where
         for name, value in inside["params"].items():
-            assert torch.equal(deferred["params"][name], value), f"{where} {name}"
+            assert torch.equal(stale["params"][name], value), f"{where} {name}"
         for rank in range(WORLD):  # every rank computes with the updated whole weights
             for name, value in results[rank][scenario][True]["compute"].items():
-                expected = deferred["params"][name].to(value.dtype)
+                expected = stale["params"][name].to(value.dtype)
                 assert torch.equal(value, expected), f"{where} rank {rank} compute {name}"
         if precision == "fp32":
-            assert_same_training(deferred, reference(scenario), where=where)
+            assert_same_training(stale, reference(scenario), where=where)
 
 
-def test_reading_a_unit_before_its_install_landed_is_never_stale():
+def test_reading_a_unit_before_its_gather_is_never_stale():
     """The root reads block 2's linear layer before block 2 runs (and so before its
-    install lands): its parameters are the DTensors (the updated main weights), as a
-    released unit's are under ZeRO-3, so torch raises; the weights of the step before
-    are never used. Installing inside the step, the model trains."""
+    stale bucket is gathered): its parameters are the DTensors (the updated main
+    weights), as a released unit's are under ZeRO-3, so torch raises; the weights of the
+    step before are never used. Installing inside the step, the model trains."""
     results = run_distributed(_both, WORLD, (2, "peek", "fp32"), timeout=120)
     for result in results:
-        deferred, inside = result[True], result[False]
+        stale, inside = result[True], result[False]
         assert "peek_error" not in inside and len(inside["losses"]) == STEPS
-        assert "mixed torch.Tensor and DTensor" in deferred["peek_error"]
+        assert "mixed torch.Tensor and DTensor" in stale["peek_error"]
+
+
+def _gathered_in_the_forward(strategy: int) -> dict:
+    rank = dist.get_rank()
+    module = build()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    model, optimizer = fully_shard(
+        module,
+        optimizer,
+        fsdp_unit_modules=[Block],
+        zero_dp_strategy=strategy,
+        suggested_communication_unit_size=0,
+    )
+    buffer, pipeline = model.buffer, model.all_gather_pipeline
+    blocks = model.module.blocks
+    gid = [model.hooks.group_of_any(next(iter(b.parameters()))) for b in blocks]
+    x, y = batch(0, rank)
+    F.mse_loss(model(x), y).backward()
+    stats = buffer.stats
+    stats.reset()
+    optimizer.step()
+    after_step = stats.as_dict()["all_gather"]["calls"]
+    status = pipeline.status
+    stale_after_step = [status[g] is BucketStatus.STALE for g in range(len(status))]
+    seen: list[list[BucketStatus]] = []
+    handles = [  # after fsdp's pre-forward (prepended), before the block computes
+        b.register_forward_pre_hook(lambda *_: seen.append([pipeline.status[g] for g in gid]))
+        for b in blocks
+    ]
+    stats.reset()
+    F.mse_loss(model(x), y).backward()
+    in_forward = stats.as_dict()["all_gather"]["calls"]
+    for h in handles:
+        h.remove()
+    return {
+        "after_step": after_step,
+        "in_forward": in_forward,
+        "stale": stale_after_step,
+        "expected_stale": sorted(model.hooks.stale_after_step),
+        "roots": list(buffer.root_groups),
+        "seen": seen,
+        "ready": all(s is BucketStatus.READY_TO_USE for s in pipeline.status),
+    }
+
+
+@pytest.mark.parametrize("strategy", (1, 2), ids=lambda s: f"zero{s}")
+def test_stale_buckets_are_gathered_by_the_forward_with_prefetch(strategy):
+    """The step issues no all-gather; every bucket it left STALE (the units' and the
+    root buckets) is gathered once in the next forward, where each block finds its own
+    bucket gathered and the next block's in flight (prefetched), the rest still stale."""
+    for result in run_distributed(_gathered_in_the_forward, WORLD, (strategy,), timeout=120):
+        stale = result["expected_stale"]
+        assert set(result["roots"]) <= set(stale) and len(stale) == len(result["roots"]) + 4, result
+        assert result["after_step"] == 0, result
+        assert [g for g, s in enumerate(result["stale"]) if s] == stale, result
+        assert result["in_forward"] == len(stale), result
+        R, G, S = (
+            BucketStatus.READY_TO_USE,
+            BucketStatus.GATHER_IN_PROGRESS,
+            BucketStatus.STALE,
+        )
+        assert result["seen"] == [[R, G, S, S], [R, R, G, S], [R, R, R, G], [R, R, R, R]], result
+        assert result["ready"], result
+
+
+def _broadcast_after_step(strategy: int, overlap: bool) -> dict:
+    rank = dist.get_rank()
+    module = build()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    model, optimizer = fully_shard(
+        module,
+        optimizer,
+        fsdp_unit_modules=[Block],
+        zero_dp_strategy=strategy,
+        overlap_param_gather=overlap,
+    )
+    x, y = batch(0, rank)
+    F.mse_loss(model(x), y).backward()
+    optimizer.step()
+    stepped = model.buffer.views.full_parameters()
+    model.broadcast_params()  # reads the compute weights of every bucket
+    return {"stepped": stepped, "broadcast": model.buffer.views.full_parameters()}
+
+
+@pytest.mark.parametrize("strategy", (1, 2), ids=lambda s: f"zero{s}")
+def test_a_broadcast_between_the_step_and_the_forward_keeps_the_step(strategy):
+    """``broadcast_params`` re-derives the main weights from the compute weights it
+    broadcasts: a stale bucket is installed first, so the step is not undone."""
+    for overlap in (True, False):
+        results = run_distributed(_broadcast_after_step, WORLD, (strategy, overlap), timeout=120)
+        for result in results:
+            for name, value in result["stepped"].items():
+                assert torch.equal(result["broadcast"][name], value), (overlap, name)
