@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
+from fsdp_buffers import GradStaging, MixedPrecisionPolicy, ShardingStrategy
 from fsdp_buffers.whole_param import inner_of, is_whole_parameter
 from fsdp_hooks.config import DistributedDataParallelConfig
 from fsdp_hooks.local_step import LocalStep
@@ -143,6 +143,7 @@ def fully_shard_model(
     is_expert_param: Callable[[str, nn.Parameter], bool] | str | None = None,
     suggested_communication_unit_size: int | None = None,
     prefetch_depth: int = 1,
+    grad_staging: GradStaging | str = GradStaging.AUTOGRAD,
 ) -> MegatronFSDP:
     """Shard ``module`` and return the ``MegatronFSDP`` wrapper (the original module is
     ``wrapper.module``). Its parameters are then DTensors: this rank's shard of the
@@ -154,7 +155,11 @@ def fully_shard_model(
     as one collective until each group holds at least that many parameter elements;
     ``prefetch_depth`` (default 1) is how many units (groups) are gathered ahead of the
     one in use, 0 for none. Peak gathered memory grows with both (README, "Unit
-    coalescing and prefetch depth")."""
+    coalescing and prefetch depth"). ``grad_staging`` (``"autograd"``, the default, or
+    ``"main_grad"``) is where a backward's gradients wait for their reduction: autograd's
+    ``.grad``, or a staging buffer that ``param.main_grad`` views, for layers that add
+    into ``main_grad`` themselves (fused wgrad, ``grad_added_to_main_grad``); Note
+    [gradient staging] in ``fsdp_buffers.bucket_grads``."""
     check_argument_types(
         "fully_shard_model",
         module,
@@ -251,6 +256,7 @@ def fully_shard_model(
         mixed_precision_policy=policy,
         is_expert_param=is_expert_param,
         prefetch_depth=prefetch_depth,
+        grad_staging=grad_staging,
     )
     # Recorded only (see MegatronFSDP.__init__): the pieces are torch.chunk ones.
     model.preproc_state_dict_for_dcp_ckpt = (

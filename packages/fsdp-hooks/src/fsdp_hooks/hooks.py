@@ -88,7 +88,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_buffers import PrefetchOrder, annotate, module_is_fully_no_shard
+from fsdp_buffers import GradStaging, PrefetchOrder, annotate, module_is_fully_no_shard
 from fsdp_hooks.backward import (
     in_backward,
     queue_end_of_backward_callback,
@@ -99,7 +99,7 @@ from fsdp_hooks.param_state import ParamState
 from fsdp_hooks.param_swap import ParamSwapping
 from fsdp_hooks.saved_weight_hooks import REGATHER_ENV, SavedWeightHooks
 from fsdp_hooks.schedule_check import Phase, ScheduleCheck, schedule_check_requested
-from fsdp_hooks.shared_buckets import SharedBuckets, backward_done
+from fsdp_hooks.shared_buckets import SharedBuckets
 from fsdp_hooks.training_state import TrainingState
 from fsdp_mesh.device import control_device
 
@@ -150,6 +150,7 @@ class FSDPHooks(ParamSwapping):
         self.buffer = buffer
         self.gather = wrapper.all_gather_pipeline
         self.reduce = wrapper.grad_reduce_pipeline
+        self._stages_main_grad = buffer.grad_staging is GradStaging.MAIN_GRAD
         self.root_state = TrainingState.IDLE
         # Unit calls per unit: of the root forward under way, and outside any root
         # forward since the last end of backward; whether the counts of the backward
@@ -157,8 +158,6 @@ class FSDPHooks(ParamSwapping):
         self._forward_calls = [0] * len(buffer.unit_names)
         self._outside_calls = [0] * len(buffer.unit_names)
         self._counts_from_graph = False
-        # A post-backward of this backward found its unit's count at zero (shared_buckets).
-        self._uncounted_backward = False
         # Root buckets (ParamAndGradBuffer.root_groups: outside every unit, or tied to
         # a module outside every unit): gathered at the root pre-forward and kept until
         # the end of backward, as no unit hook runs around them.
@@ -454,29 +453,21 @@ class FSDPHooks(ParamSwapping):
     def _unit_post_backward(self, unit: FSDPUnit) -> None:
         with self._range_post_backward:
             unit.state = TrainingState.POST_BACKWARD
-            if unit.pending_backward == 0:
-                self._uncounted_backward = True  # a call not counted: the counts are short
             unit.pending_backward = max(0, unit.pending_backward - 1)
             for gid in unit.release_groups:
-                self._mark_ready_if_complete(gid)
-            for gid in unit.release_groups:
-                if self._shared.release_after_backward(gid):
-                    self.gather.release_bucket(gid)
+                if not self._shared.release_after_backward(gid):
+                    continue  # a coalesced bucket another unit's backward still needs
+                if unit in self._markers.get(gid, ()):
+                    # Every call: what arrived since the last reduction (Note [gradient
+                    # staging]); later gradients are reduced at the end of backward.
+                    self.reduce.mark_bucket_ready(gid)
+                    if unit.pending_backward and self._stages_main_grad:
+                        self.reduce.prepare(gid)  # another call's main_grad writes come
+                self.gather.release_bucket(gid)
             self._unit_use(unit, compute=False)
-
-    def _mark_ready_if_complete(self, gid: int) -> None:
-        """Mark bucket ``gid`` ready for reduction once no unit that uses it has a call
-        whose backward is still to come; missing gradients count as zeros."""
-        units = self._markers.get(gid)
-        if not units or self.reduce.is_ready(gid) or not backward_done(units):
-            return
-        if len(units) > 1 and self._uncounted_backward:
-            return  # another sharer's backward may still come: the end of backward launches it
-        self.reduce.mark_bucket_ready(gid)
 
     def _reset_call_counts(self) -> None:
         self._counts_from_graph = False
-        self._uncounted_backward = False
         for unit in self.units:
             unit.pending_backward = 0
 
@@ -494,9 +485,8 @@ class FSDPHooks(ParamSwapping):
             local = grad.to_local() if isinstance(grad, DTensor) else grad  # tp: no collective
             # Kept as a tensor: checking now would sync the device once per parameter.
             self._nonfinite.append((self._param_names[param], torch.isfinite(local).all()))
-        # Later than its unit's post-backward (see the module note) it is still
-        # accumulated if the bucket waits for its turn, else an error names it.
-        self.reduce.accumulate(param)  # type: ignore[arg-type]
+        if self._stages_main_grad:  # else it stays on .grad (Note [gradient staging])
+            self.reduce.accumulate(param)  # type: ignore[arg-type]
 
     def _end_of_backward(self) -> None:
         with annotate("fsdp.end_of_backward"):
@@ -504,10 +494,9 @@ class FSDPHooks(ParamSwapping):
             try:
                 if self.schedule is not None:
                     self.schedule.check(Phase.END_OF_BACKWARD)
-                self.reduce.finish()
+                self.reduce.finish(agree=self.params.agree)
                 if self.reduce.sync_grads:
                     self.raise_if_nonfinite_grads()
-                self.params.agree_on_reached()
             finally:
                 self._reset_after_backward()
                 # As in Megatron-FSDP, .grad appears only once every gradient is

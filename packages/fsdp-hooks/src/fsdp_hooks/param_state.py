@@ -126,21 +126,23 @@ class ParamState:
         self.reached.clear()
         self.unreached = []
 
-    def agree_on_reached(self) -> None:
-        """After a backward that reduced: which trainable parameters got a gradient on
-        some rank since ``zero_grad`` (a MAX over each parameter's data-parallel group)."""
-        if not self._trainable:
-            return
+    def agree(self, late: list[bool]) -> list[bool]:
+        """End of a backward, in one collective (a MAX over the data-parallel group):
+        which trainable parameters got a gradient on some rank since ``zero_grad``, and
+        which buckets some rank holds gradients for that arrived after their reduction
+        (``late``, one flag per bucket in the reduce pipeline's order; returned agreed)."""
         reached = torch.tensor(
             list(map(self.reached.__contains__, self._trainable_ids)), dtype=torch.uint8
         )
+        n = len(reached)
         if dist.is_initialized():
             index = self._hooks.wrapper.dist_index
-            device = self._hooks.buffer.device
-            device = control_device(device)
-            flags = reached.to(device)
-            expert = torch.tensor(self._expert, device=device)
+            device = control_device(self._hooks.buffer.device)
+            flags = torch.cat([reached, torch.tensor(late, dtype=torch.uint8)]).to(device)
+            expert = torch.tensor(self._expert, dtype=torch.bool, device=device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=index.get_dp_group())
+            late = [bool(x) for x in flags[n:].tolist()]
+            flags = flags[:n]
             if self._hooks.wrapper.experts_differ_across_ranks and bool(expert.any()):
                 # Ranks hold different experts: agree over the expert group instead.
                 mine = reached.to(device)
@@ -153,6 +155,7 @@ class ParamState:
             d for (_c, d), hit in zip(self._trainable, reached.tolist(), strict=True) if not hit
         ]
         self.drop_unreached_grads()
+        return late
 
     def drop_unreached_grads(self) -> None:
         self._hooks.buffer.views.drop_grads(self.unreached)
