@@ -335,6 +335,8 @@ class FSDPHooks(ParamSwapping):
 
     def _begin_backward(self) -> None:
         if not self._callback_queued:
+            if self.grads_published:  # gradients users dropped since start afresh
+                self.buffer.views.forget_dropped_grads(self.params.unreached)
             self._callback_queued = True
             self.grads_published = False
             self.reduce.sync_grads = self.wrapper.sync_grads
