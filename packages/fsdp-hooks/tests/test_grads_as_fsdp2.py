@@ -8,7 +8,9 @@
 - An optimizer fsdp did not patch, built over ``model.parameters()`` after
   ``fully_shard_model`` (torchtitan's and all FSDP2-style code), whose ``zero_grad()``
   sets ``.grad`` to None: the next backward gives fresh gradients, not ones added to the
-  old (issue 40, item 1: grad norms 13.6, 27.1, 40.7 with a constant gradient).
+  old (issue 40, item 1: grad norms 13.6, 27.1, 40.7 with a constant gradient); and
+  post-accumulate-grad hooks on those parameters fire once each per backward, with the
+  gradient there (issue 40, item 4).
 
 Under every strategy, world size 2, rank r training on its slice of the global batch must
 reproduce one process trained on the whole batch: losses and parameters within 1e-5.
@@ -98,7 +100,10 @@ def _reference(views: int) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {
+        "losses": losses,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
 
 
 def _train_views(cases: tuple[tuple[int, int, int], ...]) -> dict:
@@ -139,9 +144,7 @@ def trained_views() -> dict:
 
 
 @pytest.mark.parametrize(("strategy", "views", "unit_size"), VIEW_CASES)
-def test_several_forwards_one_backward_match_one_process(
-    trained_views, strategy, views, unit_size
-):
+def test_several_forwards_one_backward_match_one_process(trained_views, strategy, views, unit_size):
     assert_same_training(
         trained_views[(strategy, views, unit_size)],
         _reference(views),
@@ -157,10 +160,23 @@ def _train_unpatched(strategies: tuple[int, ...]) -> dict:
         model = fully_shard_model(Net(), fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
         # Built over the model's parameters after wrapping, not patched by fsdp.
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        calls: list[str] = []
+        names = {p: n for n, p in model.named_parameters()}
+
+        def record(param: torch.Tensor, calls=calls, names=names) -> None:
+            if param.grad is not None:
+                calls.append(names[param])
+
+        for p in model.parameters():
+            # Issue 40, item 4: fired once per parameter per backward, after the
+            # reduction, on the sharded gradient (optimizer-in-backward code relies on it).
+            p.register_post_accumulate_grad_hook(record)
         losses = []
         for step in range(STEPS):
             loss = _loss(model, step, 1, rows)
             loss.backward()
+            assert sorted(calls) == sorted(names.values()), (strategy, step, calls)
+            calls.clear()
             optimizer.step()
             optimizer.zero_grad()  # set_to_none=True: fresh gradients next backward
             assert all(p.grad is None for p in model.parameters())

@@ -85,7 +85,11 @@ def _train() -> dict:
         module = Net(fused=True)
         opt = torch.optim.AdamW(module.parameters(), lr=LR)
         model, opt = fully_shard(
-            module, opt, fsdp_unit_modules=[Block], zero_dp_strategy=strategy, grad_staging="main_grad"
+            module,
+            opt,
+            fsdp_unit_modules=[Block],
+            zero_dp_strategy=strategy,
+            grad_staging="main_grad",
         )
         losses = []
         for step in range(STEPS):

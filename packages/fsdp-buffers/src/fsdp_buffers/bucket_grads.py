@@ -65,6 +65,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BucketGradients"]
 
+
 class BucketGradients:
     """Gradient verbs and views of a ``Bucket``; its state is set up by ``Bucket``."""
 

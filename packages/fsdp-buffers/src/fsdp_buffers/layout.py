@@ -463,7 +463,7 @@ class FlatLayout:
             start = self.rank_offset(slot.index, shard_rank)
             region.copy_(shard[start : start + region.numel()])
 
-    # ---- gradients staged rank-major (Note [rank-major staging]) -------------------------
+    # ---- gradients written rank-major (Note [gradient staging] in bucket_grads) ----------
     def staging_targets(self, rm: torch.Tensor, coarse: int | None = None) -> StagingTargets:
         """Where each parameter's gradient goes in ``rm``, a tensor laid out as ``pack``'s
         output (rank-major over ``coarse`` ranks), and what a reduction must zero there:

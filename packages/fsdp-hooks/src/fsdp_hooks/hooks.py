@@ -16,13 +16,17 @@ Note on one step under ZeRO-3 (see DESIGN.md's data flow):
    compute parameters back; autograd itself never looks them up by attribute.
 4. Unit pre-backward: gather again and prefetch in backward order. The first backward
    event of a step also queues the end-of-backward callback on the outer graph task.
-5. Post-accumulate-grad hooks accumulate each gradient into its bucket.
-6. Unit post-backward: the unit's gradients are all in, so mark its buckets ready for
-   the ``GradReducePipeline``, which reduces them in its fixed order (see "When
-   reductions start" below); then release them.
+5. Gradients stay on the compute parameters' ``.grad`` (``GradStaging.AUTOGRAD``), or
+   post-accumulate-grad hooks add each into its bucket's ``main_grad`` staging
+   (``MAIN_GRAD``); the hooks also record which parameters a gradient reached.
+6. Unit post-backward (each call): mark its trainable buckets ready for the
+   ``GradReducePipeline``, which reduces them in its fixed order (see "When reductions
+   start" below) from what arrived since their last reduction; then release them.
 7. End of backward: launch what is left (parameters without gradients reduce zeros),
-   wait for every reduction, release everything, check for NaN/Inf when asked, and
-   swap the DTensor parameters back in with their ``.grad`` on the main-grad shards.
+   agree across ranks on the buckets holding gradients that came after their reduction
+   and reduce those again, wait for every reduction, release everything, check for
+   NaN/Inf when asked, and swap the DTensor parameters back in with their ``.grad`` on
+   the main-grad shards.
 
 Activation recompute: a unit's forward that runs inside backward (torch.utils.checkpoint
 recomputing it, reentrant or not) is not a new forward. ``TrainingState`` tells: a unit
@@ -40,34 +44,31 @@ from one still under way (``recover_if_backward_aborted``).
 
 When reductions start. A bucket's reduction is launched only at points that every rank
 reaches in the same order, so that reductions and the gathers of ZeRO-3's backward are
-issued in one order on every rank (they share the shard group): a unit's post-backward
-marks the buckets it releases ready, and the end of backward launches the rest (root
-buckets, buckets of units without hooks or whose post-backward did not run), in the
-pipeline's fixed order. A gradient that arrives is only accumulated into its bucket.
-With ``overlap_grad_reduce=False`` no unit marks its buckets: all wait for the end.
-Marking a bucket when its last gradient arrived instead would depend on the rank's
-data: with a branch taken on one rank only (some parameters get no gradient there) one
-rank would launch a reduce-scatter while the other issues the next all-gather, and both
-wait forever. The autograd engine runs a ready AccumulateGrad node before any other
-ready node, so a unit's gradients have arrived when its post-backward runs.
+issued in one order on every rank (they share the shard group): each post-backward of a
+unit marks the buckets it releases ready, and the end of backward launches the rest
+(root buckets, buckets of units without hooks or whose post-backward did not run), in
+the pipeline's fixed order. With ``overlap_grad_reduce=False`` no unit marks its
+buckets: all wait for the end. Marking a bucket when its last gradient arrived instead
+would depend on the rank's data: with a branch taken on one rank only (some parameters
+get no gradient there) one rank would launch a reduce-scatter while the other issues
+the next all-gather, and both wait forever. The autograd engine runs a ready
+AccumulateGrad node before any other ready node, so a unit's gradients have arrived when
+its post-backward runs; those that come later (a weight also used outside the unit) are
+found at the end of backward, where one agreement makes every rank reduce them.
 
 Units called more than once in a forward (shared weights: ``block(block(h))``, or one
-module at two positions of a ``ModuleList``): each call has its own pre-forward,
-post-forward, pre-backward and post-backward, so under ZeRO-3 the unit is gathered and
-released once per call. A gradient usually arrives once, summed over the calls; under
-reentrant checkpointing each recomputed call runs its own backward and the gradient
-arrives once per call. So each unit counts its calls whose backward is still to come
-(``pending_backward``), and its buckets are marked ready at the post-backward of the
-last one, when every call's gradient is in.
-
-Graphs in flight (two forwards then two backwards; a ``no_grad`` forward, or an
-auxiliary loss's own backward, in between) reset the counts at their end: each root
-forward records its unit calls, and its root pre-backward sets the counts from them
-(``shared_buckets``: counts too low would reduce a shared bucket early).
+module at two positions of a ``ModuleList``, or two forwards before one backward): each
+call has its own pre-forward, post-forward, pre-backward and post-backward, so under
+ZeRO-3 the unit is gathered and released once per call, and its buckets are reduced at
+each call's post-backward, as FSDP2 does: reduction is linear, so the reductions of what
+arrived between them add up to the whole gradient (a gradient that autograd adds over
+both calls arrives once, and the other call reduces zeros).
 
 Coalesced units (``suggested_communication_unit_size``) share buckets: a shared
 bucket is released, and reduced, once all the units sharing it are done
-(``shared_buckets``).
+(``shared_buckets``: counts of the unit calls whose backward is to come, set from each
+graph's record at its root pre-backward, since graphs in flight, two forwards then two
+backwards or a ``no_grad`` forward in between, reset them at their end).
 
 A unit that is entirely ``fsdp_no_shard`` gets no gathering hooks (seed 002: nothing
 to gather, and no per-module dispatch for a frozen encoder's many layers): two forward
@@ -505,6 +506,7 @@ class FSDPHooks(ParamSwapping):
                 # reduced: after a backward that synced, else at finish_grad_sync().
                 if self.reduce.sync_grads:
                     self.attach_grads(only_with_grads=False)
+                    self.params.run_grad_hooks()
                 self.wrapper.microbatch_count += 1
                 self._callback_queued = False
                 self.root_state = TrainingState.IDLE
@@ -552,6 +554,7 @@ class FSDPHooks(ParamSwapping):
         if reduced or not self.grads_published:
             self.raise_if_nonfinite_grads()
             self.attach_grads(only_with_grads=True)
+            self.params.run_grad_hooks()
 
     def clear_nonfinite_grads(self) -> None:
         self._nonfinite.clear()

@@ -157,5 +157,17 @@ class ParamState:
         self.drop_unreached_grads()
         return late
 
+    def run_grad_hooks(self) -> None:
+        """Once the reduced gradients are attached: the post-accumulate-grad hooks users
+        registered on the parameters they see, once per parameter with a gradient, as
+        FSDP2 runs them on its sharded parameters after the reduction (optimizer-in-
+        backward code steps there). Autograd never runs them: those parameters are not
+        in the graph, the compute parameters are."""
+        for dparam in self._trainable_dparams:
+            hooks = getattr(dparam, "_post_accumulate_grad_hooks", None)
+            if hooks and dparam.grad is not None:
+                for hook in tuple(hooks.values()):
+                    hook(dparam)
+
     def drop_unreached_grads(self) -> None:
         self._hooks.buffer.views.drop_grads(self.unreached)
