@@ -147,6 +147,8 @@ def _train(mode: str, variant: str, coalesce: int | None = None, configs=CONFIGS
             zero_dp_strategy=strategy,
             fsdp_double_buffer=double_buffer,
             suggested_communication_unit_size=coalesce,
+            # Fused-wgrad layers add into main_grad themselves.
+            grad_staging="main_grad" if "fused" in variant else "autograd",
         )
         if coalesce:
             shared = {g.coalesced_unit_ids for g in model.buffer.groups}

@@ -132,7 +132,6 @@ class Bucket(BucketGradients):
         self.grad_state = GradState.EMPTY
         self._gather: PendingCollective | None = None
         self._grad_views: list[torch.Tensor] = []
-        self._grad_probe: torch.Tensor | bool | None = None  # see ``accumulate``
         self._chunk_cat: bool | None = None  # see ``_chunk_cat_applies``
         # The optimizer's gradients cast to the main weights' dtype, when the main
         # grads are in another (made on first use; see ``grads_for_optimizer``).

@@ -55,7 +55,7 @@ from fsdp_buffers.bucket_state import (
     GroupSharding,
 )
 from fsdp_buffers.collectives import PendingCollective
-from fsdp_buffers.data_parallel_buffer import DataParallelBuffer, TemporaryBucketAllocator
+from fsdp_buffers.data_parallel_buffer import DataParallelBuffer
 from fsdp_buffers.param_group import ParameterGroup
 from fsdp_buffers.profiling import annotate
 
@@ -81,7 +81,6 @@ class BucketGradients:
     _grad_views: list[torch.Tensor]
     _grads_cast: DataParallelBuffer | None
     _chunk_cat: bool | None
-    _grad_probe: torch.Tensor | bool | None
     _reduce_label: annotate
     main_weights: DataParallelBuffer  # a property of Bucket
 
@@ -185,18 +184,6 @@ class BucketGradients:
         ):
             gbuf.fetch_bucket().zero_()
             self._attach_main_grads()
-        if self._grad_probe is None:
-            # What ``accumulate`` checks per gradient instead of calling this: the state
-            # alone when the storage is persistent; the temporary staging bucket's
-            # tensor (fixed for the buffer's life) when it may have been freed; else
-            # (another allocator) nothing, and this runs for every gradient.
-            allocator = gbuf.allocator
-            if not gbuf.is_data_distributed:
-                self._grad_probe = True
-            elif isinstance(allocator, TemporaryBucketAllocator):
-                self._grad_probe = allocator.bucket_for(gbuf)
-            else:
-                self._grad_probe = False
 
     def prepare_grads(self) -> None:
         """Before any gradient of a backward reaches the bucket: make ``param.main_grad``
@@ -223,14 +210,7 @@ class BucketGradients:
             with torch.no_grad():
                 self.accumulate(index, param)
             return
-        probe = self._grad_probe
-        if (
-            self.grad_state is not GradState.ACCUMULATING
-            or probe is None
-            or probe is False
-            or (probe is not True and not probe.untyped_storage().nbytes())
-        ):
-            self.begin_accumulating()  # else it would change nothing: one call less
+        self.begin_accumulating()  # the staging bucket may have been reduced and freed
         if getattr(param, "grad_added_to_main_grad", False):
             param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
         elif (grad := param.grad) is not None:
@@ -414,10 +394,12 @@ class BucketGradients:
             if buf is not None and not buf.is_released:  # released: zeros already
                 buf.data.mul_(factor)
 
-    def zero_grads(self, release: bool = True) -> bool:
+    def zero_grads(self, release: bool = True, keep_pending: bool = False) -> bool:
         """-> EMPTY, with zeroed storage and no ``param.grad``. Sharded main grads (and
         the optimizer's cast copy of them) are released rather than zeroed when
-        ``release`` (Note [released gradients]); True when they were."""
+        ``release`` (Note [released gradients]); True when they were. ``keep_pending``:
+        only the reduced gradients go; gradients a backward under way gave the compute
+        parameters (``.grad``, a staging bucket) stay."""
         gbuf = self.group.main_grad_buffer
         cast = self._grads_cast
         released = release and gbuf is not None and gbuf.is_data_distributed
@@ -426,7 +408,7 @@ class BucketGradients:
                 gbuf.release()
             else:
                 gbuf.zero_()
-            if gbuf.is_data_distributed:
+            if gbuf.is_data_distributed and not keep_pending:
                 gbuf.free_bucket()
                 self._detach_main_grads()
         if cast is not None:
@@ -434,7 +416,10 @@ class BucketGradients:
                 cast.release()
             else:
                 cast.zero_()
-        self.forget_grads()
+        if keep_pending:
+            self.grad_state = GradState.EMPTY
+        else:
+            self.forget_grads()
         return released
 
     def forget_grads(self) -> None:

@@ -263,7 +263,7 @@ class DTensorViews:
                 continue
             with torch.no_grad():
                 if len(dropped) == sum(id(d) not in skip for _i, d, _c in views):
-                    if b.zero_grads(release=True):
+                    if b.zero_grads(release=True, keep_pending=True):
                         self.park_grads(gid)
                     continue
                 if b.outer is not None:

@@ -164,8 +164,10 @@ class FSDPHooks(ParamSwapping):
         # the end of backward, as no unit hook runs around them.
         self.root_groups = buffer.root_groups
         self._callback_queued = False
-        # Whether the gradients of the last backward were checked and attached.
+        # Whether the gradients of the last backward were checked and attached; whether
+        # none has arrived since (then those users dropped are forgotten first).
         self.grads_published = False
+        self._check_dropped = False
         self._nonfinite: list[tuple[str, torch.Tensor]] = []
         self._param_names = {p: name for name, _g, _i, p in buffer.named_params()}
         # The per-unit hooks' profiler ranges, made once (re-entrant; the hooks of one
@@ -336,8 +338,8 @@ class FSDPHooks(ParamSwapping):
 
     def _begin_backward(self) -> None:
         if not self._callback_queued:
-            if self.grads_published:  # gradients users dropped since start afresh
-                self.buffer.views.forget_dropped_grads(self.params.unreached)
+            if self._check_dropped:
+                self._forget_dropped_grads()
             self._callback_queued = True
             self.grads_published = False
             self.reduce.sync_grads = self.wrapper.sync_grads
@@ -475,7 +477,16 @@ class FSDPHooks(ParamSwapping):
             unit.pending_backward = 0
 
     # ---- gradients ------------------------------------------------------------------
+    def _forget_dropped_grads(self) -> None:
+        """Before the first gradient after the last published ones (a backward's first
+        event, or a gradient of a backward that meets no unit hook): gradients users
+        dropped since start afresh (``DTensorViews.forget_dropped_grads``)."""
+        self._check_dropped = False
+        self.buffer.views.forget_dropped_grads(self.params.unreached)
+
     def _on_param_grad(self, param: torch.Tensor) -> None:
+        if self._check_dropped:
+            self._forget_dropped_grads()
         saved = self._saved_weights
         if not saved.regather_saved_weights:  # else there is nothing to check (the default)
             saved.check_side_path(param)  # type: ignore[arg-type]
@@ -544,6 +555,7 @@ class FSDPHooks(ParamSwapping):
         self.buffer.views.attach_grads(only_with_grads=only_with_grads)
         self.params.drop_unreached_grads()
         self.grads_published = True
+        self._check_dropped = True
 
     def publish_grads(self) -> None:
         """``finish_grad_sync``: reduce what is still unreduced; when that reduced
