@@ -255,7 +255,7 @@ class BucketGradients:
             offset = 0
             ok = hasattr(torch, "_chunk_cat") and not layout.has_whole
             for slot in layout.slots:
-                ok = ok and not slot.replicated and slot.offset == offset
+                ok = ok and not slot.replicated and slot.numel > 0 and slot.offset == offset
                 offset += slot.width
             coarse = self.main_grads.coarse
             self._chunk_cat = ok and (coarse is None or coarse == layout.shard_count)
