@@ -513,7 +513,7 @@ class FlatLayout:
 
 @dataclass(frozen=True)
 class StagingTargets:
-    """Views of a rank-major staging tensor, made once per tensor (``staging_targets``).
+    """Views of a rank-major reduce-scatter input, made per tensor (``staging_targets``).
 
     ``writes[i]``: ``(dst, r0, r1, shape)`` pieces taking parameter ``i``'s gradient
     ``grad[r0:r1].reshape(shape)`` (all of ``grad`` when ``r0`` is None); ``regions[i]``:

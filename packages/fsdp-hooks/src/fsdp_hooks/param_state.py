@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_buffers.whole_param import inner_of
+from fsdp_buffers.whole_param import inner_of, is_whole_parameter
 from fsdp_mesh.device import control_device
 
 if TYPE_CHECKING:
@@ -69,6 +69,8 @@ class ParamState:
         self._frozen_dparams = [d for _n, _c, d, t in self.entries if not t]
         self._trainable_compute = [c for c, _d in self._trainable]
         self._trainable_dparams = [d for _c, d in self._trainable]
+        # Those whose hooks run_grad_hooks runs (a WholeParameter refuses every tensor op).
+        self._hookable = [d for d in self._trainable_dparams if not is_whole_parameter(d)]
         self._trainable_ids = [id(c) for c in self._trainable_compute]
         self._versions: tuple[list[int], list[int]] = ([], [])
         self._by_bucket: dict[int, tuple[list, list]] = {}
@@ -163,7 +165,7 @@ class ParamState:
         FSDP2 runs them on its sharded parameters after the reduction (optimizer-in-
         backward code steps there). Autograd never runs them: those parameters are not
         in the graph, the compute parameters are."""
-        for dparam in self._trainable_dparams:
+        for dparam in self._hookable:
             hooks = getattr(dparam, "_post_accumulate_grad_hooks", None)
             if hooks and dparam.grad is not None:
                 for hook in tuple(hooks.values()):
