@@ -335,7 +335,9 @@ def _unused_on_one_rank(strategy):
         gr.mark_param_grad_ready(p)
     vit.grad = torch.full_like(vit, 100.0)
     gr.mark_param_grad_ready(vit)
-    with pytest.raises(RuntimeError, match=r"arrived after their bucket was reduced \(\[.*bucket 5"):
+    with pytest.raises(
+        RuntimeError, match=r"arrived after their bucket was reduced \(\[.*bucket 5"
+    ):
         gr.finish()
     got, _ = _reduced(buf, "vit.weight")
     assert torch.all(got == 2.0)  # the late gradient was not added
