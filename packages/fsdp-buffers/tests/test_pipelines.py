@@ -341,7 +341,8 @@ def _unused_on_one_rank(strategy):
     if unused.numel():
         assert torch.count_nonzero(unused) > 0  # rank 0's half really arrived
 
-    # Late gradient: a bucket that was already reduced refuses more, naming the param.
+    # Late gradient: without an agreement across ranks (the hook layer's), finish()
+    # refuses a gradient that came after its bucket was reduced, naming the bucket.
     model, _, buf = _setup(strategy)
     gr = GradReducePipeline(buf)
     vit = model.vit.weight
@@ -349,11 +350,31 @@ def _unused_on_one_rank(strategy):
         p.grad = torch.full_like(p, 2.0)
         gr.mark_param_grad_ready(p)
     vit.grad = torch.full_like(vit, 100.0)
-    with pytest.raises(RuntimeError, match=r"gradient of 'vit.weight' arrived after its bucket 5"):
-        gr.mark_param_grad_ready(vit)
-    gr.finish()
+    gr.mark_param_grad_ready(vit)
+    with pytest.raises(
+        RuntimeError, match=r"arrived after their bucket was reduced \(\[.*bucket 5"
+    ):
+        gr.finish()
     got, _ = _reduced(buf, "vit.weight")
     assert torch.all(got == 2.0)  # the late gradient was not added
+
+    # With an agreement, it is reduced at the end of backward, on every rank.
+    model, _, buf = _setup(strategy)
+    gr = GradReducePipeline(buf)
+    for p in (model.vit.weight, model.vit.bias):
+        p.grad = torch.full_like(p, 2.0)
+        gr.mark_param_grad_ready(p)
+    if rank == 0:  # one rank only: the agreement makes both reduce again
+        model.vit.weight.grad = torch.full_like(model.vit.weight, 100.0)
+
+    def agree(late: list[bool]) -> list[bool]:
+        flags = torch.tensor(late, dtype=torch.uint8)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return [bool(x) for x in flags.tolist()]
+
+    gr.finish(agree=agree)
+    got, _ = _reduced(buf, "vit.weight")
+    assert torch.all(got == 2.0 + 100.0 / world), got  # the mean, late gradient included
     return rank
 
 
@@ -417,7 +438,9 @@ def _main_grad_protocol():
     rank, world = dist.get_rank(), dist.get_world_size()
     for strategy in (0, 1, 2, 3):
         for double_buffer in (False, True):
-            model, _, buf = _setup(strategy, fsdp_double_buffer=double_buffer)
+            model, _, buf = _setup(
+                strategy, fsdp_double_buffer=double_buffer, grad_staging="main_grad"
+            )
             gr = GradReducePipeline(buf)
             params = dict(model.named_parameters())
             staged = [g for g in range(6) if buf.buckets[g].sharding.grads]

@@ -84,7 +84,13 @@ def _train() -> dict:
     for strategy in (0, 1, 2, 3):
         module = Net(fused=True)
         opt = torch.optim.AdamW(module.parameters(), lr=LR)
-        model, opt = fully_shard(module, opt, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+        model, opt = fully_shard(
+            module,
+            opt,
+            fsdp_unit_modules=[Block],
+            zero_dp_strategy=strategy,
+            grad_staging="main_grad",
+        )
         losses = []
         for step in range(STEPS):
             x, y = _batch(step)

@@ -154,6 +154,8 @@ def _train(mode: str, variant: str, coalesce: int | None = None, configs=CONFIGS
             fsdp_double_buffer=double_buffer,
             suggested_communication_unit_size=coalesce,
             regather_saved_weights=mode == "separate",
+            # Fused-wgrad layers add into main_grad themselves.
+            grad_staging="main_grad" if "fused" in variant else "autograd",
         )
         assert model.hooks.saved_weights_hooks().__class__.__name__ == (
             "saved_tensors_hooks" if mode == "separate" and strategy == 3 else "nullcontext"

@@ -19,6 +19,7 @@ from importlib.metadata import version as _version
 
 from fsdp_buffers.all_gather_pipeline import AllGatherPipeline, BucketStatus, PrefetchOrder
 from fsdp_buffers.bucket import Bucket
+from fsdp_buffers.bucket_state import GradStaging
 from fsdp_buffers.data_parallel_buffer import DataParallelBuffer
 from fsdp_buffers.grad_reduce_pipeline import GradReducePipeline
 from fsdp_buffers.layout import FlatLayout, compute_layout
@@ -44,6 +45,7 @@ __all__ = [
     "DataParallelBuffer",
     "FlatLayout",
     "GradReducePipeline",
+    "GradStaging",
     "MixedPrecisionPolicy",
     "ParamAndGradBuffer",
     "ParameterGroup",

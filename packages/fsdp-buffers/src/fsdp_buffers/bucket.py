@@ -29,8 +29,9 @@ gather is then that all-gather, and release keeps what it gathered:
 
 Gradients are scaled just before they are reduced, on the unreduced data
 (Megatron-FSDP's rule), by ``grad_scale`` (1/N for a mean over the N data-parallel
-ranks). Sharded-grad buckets reduce-scatter a fresh staging bucket each backward and add
-the result into the main-grad shard, so microbatches accumulate in the main-grad dtype.
+ranks). Sharded-grad buckets reduce-scatter what arrived since their last reduction
+(Note [gradient staging] in ``bucket_grads``) and add the result into the main-grad
+shard, so microbatches accumulate in the main-grad dtype.
 Replicated-grad buckets (strategies 0 and 1) accumulate local gradients in the full
 main-grad buffer and reduce it in place. If such a buffer already holds reduced values
 R when a second backward accumulates before the optimizer step, R is first rebased to
@@ -69,7 +70,7 @@ from fsdp_buffers.data_parallel_buffer import (
     DoubleBufferAllocator,
 )
 from fsdp_buffers.hybrid_sharding import OuterSharding
-from fsdp_buffers.layout import FlatLayout, StagingTargets, assign_owners, compute_layout
+from fsdp_buffers.layout import FlatLayout, assign_owners, compute_layout
 from fsdp_buffers.no_shard import FSDP_WHOLE_ATTR
 from fsdp_buffers.param_group import ParameterGroup
 from fsdp_buffers.profiling import annotate
@@ -140,19 +141,7 @@ class Bucket(BucketGradients):
         self.grad_state = GradState.EMPTY
         self._gather: PendingCollective | None = None
         self._grad_views: list[torch.Tensor] = []
-        # Note [rank-major staging]: whether the staging bucket fetched now is rank-major,
-        # which parameters got a gradient since, the views (made once), and what decides
-        # the mode (which parameters brought a plain gradient; whether any a fused one).
-        self._direct = False
-        self._touched: list[bool] = []
-        self._targets: StagingTargets | None = None
-        # Note [held gradients]: gradients taken aside until the staging bucket is made.
-        self._held: dict[int, torch.Tensor] = {}
-        self._held_numel = 0
-        self._grad_probe: torch.Tensor | bool | None = None  # see ``accumulate``
-        self._plain = [not p.requires_grad for p in group.params]
-        self._plain_missing = self._plain.count(False)
-        self._fused = False
+        self._chunk_cat: bool | None = None  # see ``_chunk_cat_applies``
         # The optimizer's gradients cast to the main weights' dtype, when the main
         # grads are in another (made on first use; see ``grads_for_optimizer``).
         self._grads_cast: DataParallelBuffer | None = None

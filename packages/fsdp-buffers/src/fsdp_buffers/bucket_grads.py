@@ -1,36 +1,26 @@
 """``BucketGradients``: the gradient half of a ``Bucket`` (``bucket.py``): where a
 backward's gradients stage, how they are reduced, and how long the reduced ones live.
 
-Note [rank-major staging]. A sharded-grad bucket stages parameter-major, zeroed, with
-``param.main_grad`` views (what frameworks that add into ``main_grad`` themselves need),
-and packs the staging bucket into a rank-major tensor for the reduce-scatter, until every
-trainable parameter of it has brought a plain ``.grad`` at least once and none came with
-``grad_added_to_main_grad``. From the next backward on it stages rank-major instead
-(a parameter that never gets a gradient keeps its bucket parameter-major): each
-gradient goes straight to its
-``torch.chunk`` pieces in reduce-scatter order (copied when it is the parameter's first
-in the backward, added after), the staging bucket is not zeroed first (only what no
-gradient reached, and padding, is zeroed at the reduction), and the bucket itself is the
-reduce-scatter's input: no zeroing pass, no pack copy, and a copy instead of an add.
-The values sent are the same bits. ``main_grad`` then stays None, and a fused write
-seen later raises.
+Note [gradient staging]. Where a backward's gradients wait for their reduction is chosen
+once, at wrap time (``GradStaging`` in the buffer's frozen ``GradConfig``):
 
-Note [held gradients]. A rank-major staging bucket is made when the first gradient that
-needs it arrives, not at the pre-backward (``prepare_grads``: no ``main_grad`` views to
-make valid in that mode). A gradient that arrives while it does not exist, and that
-with those already held is at most ``1/HOLD_FRACTION`` of the bucket, is held aside
-(taken from ``.grad`` as any gradient is; a later one for the same parameter is added
-to it); the next gradient past that share, or the reduction, makes the bucket and
-writes the held ones first.
-This is for buckets whose gradients come spread over the whole backward: a root
-bucket of a GPT with tied embeddings gets its final norm's small gradients right
-after the head's backward and the embedding's (almost all of the bucket) at the very
-end, so a bucket made at the first one is held through every block's backward, on
-top of the three embedding-sized tensors autograd has alive when it adds the head's
-and the embedding's gradients (32 MB each on the 49M GPT: docs/benchmarks.md, 11th
-session). Until the bucket is made, holding saves the whole bucket less what is held;
-when it is made, the held gradients (at most an eighth of it) are alive beside it until
-written. ``zero_grads`` drops held gradients with the rest.
+- ``AUTOGRAD`` (the default; FSDP2's): the compute parameters keep autograd's ``.grad``
+  (autograd adds within a backward). The reduction packs them: one chunk-cat
+  (``torch._chunk_cat``, or the layout's ``staging_targets`` for whole, replicated or
+  coarse slots) of every parameter's gradient, zeros for a parameter without one (so
+  every rank sends the same collective), into the rank-major reduce-scatter input, and
+  drops the ``.grad``s. Replicated gradients (strategies 0 and 1) are added into their
+  persistent buffer instead, and reduced there in place. ``param.main_grad`` is kept only
+  where gradients are replicated.
+- ``MAIN_GRAD`` (frameworks that add into ``param.main_grad`` themselves: Megatron's
+  fused wgrad, ``grad_added_to_main_grad``; the Megatron-Core adapters): each gradient is
+  added at its post-accumulate-grad hook into a zeroed parameter-major staging bucket
+  that ``param.main_grad`` views (``accumulate``), made at the pre-backward
+  (``prepare_grads``); the reduction packs it (``pack``) and frees it.
+
+A bucket may be reduced several times in one backward (a unit called twice): reduction
+is linear, so each reduction of what arrived since the last one, added into the main
+grads, sums to the reduction of the whole.
 
 Note [released gradients]. Sharded main grads (strategies 2 and 3) exist only from a
 backward's first reduction of the bucket until the gradients are cleared, as FSDP2's
@@ -57,10 +47,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_buffers import collectives
-from fsdp_buffers.bucket_state import BucketContext, CommGroup, GradState, GroupSharding
+from fsdp_buffers.bucket_state import (
+    BucketContext,
+    CommGroup,
+    GradStaging,
+    GradState,
+    GroupSharding,
+)
 from fsdp_buffers.collectives import PendingCollective
-from fsdp_buffers.data_parallel_buffer import DataParallelBuffer, TemporaryBucketAllocator
-from fsdp_buffers.layout import StagingTargets
+from fsdp_buffers.data_parallel_buffer import DataParallelBuffer
 from fsdp_buffers.param_group import ParameterGroup
 from fsdp_buffers.profiling import annotate
 
@@ -69,10 +64,6 @@ if TYPE_CHECKING:
     from fsdp_buffers.tensor_parallel import TensorParallel
 
 __all__ = ["BucketGradients"]
-
-# Note [held gradients]: a bucket is made once its held gradients would pass this
-# fraction of it.
-HOLD_FRACTION = 8
 
 
 class BucketGradients:
@@ -89,15 +80,7 @@ class BucketGradients:
     grad_scale: float
     _grad_views: list[torch.Tensor]
     _grads_cast: DataParallelBuffer | None
-    _plain: list[bool]
-    _plain_missing: int
-    _fused: bool
-    _direct: bool
-    _touched: list[bool]
-    _held: dict[int, torch.Tensor]
-    _held_numel: int
-    _targets: StagingTargets | None
-    _grad_probe: torch.Tensor | bool | None
+    _chunk_cat: bool | None
     _reduce_label: annotate
     main_weights: DataParallelBuffer  # a property of Bucket
 
@@ -175,9 +158,15 @@ class BucketGradients:
         """Whether a backward put gradients here since the last ``zero_grads``."""
         return self.grad_state is not GradState.EMPTY
 
+    @property
+    def stages_main_grad(self) -> bool:
+        """Whether gradients stage in a ``main_grad`` bucket (Note [gradient staging])."""
+        return self.ctx.grads.staging is GradStaging.MAIN_GRAD
+
     def begin_accumulating(self) -> None:
         """-> ACCUMULATING: the storage this backward's gradients add into exists (the
-        staging bucket when grads are sharded); reduced gradients are rebased first."""
+        ``main_grad`` staging bucket when grads are sharded and staged there); reduced
+        gradients are rebased first."""
         gbuf = self.group.main_grad_buffer  # per gradient: no property call
         if gbuf is None:
             gbuf = self.main_grads  # raises, naming the bucket
@@ -188,107 +177,32 @@ class BucketGradients:
             if state is not GradState.EMPTY and not gbuf.is_data_distributed:
                 self._rebase_shard()
             self.grad_state = GradState.ACCUMULATING
-        if gbuf.is_data_distributed and not gbuf.allocator.is_allocated(gbuf):
-            self._direct = self._next_rank_major()
-            if self._direct:  # Note [rank-major staging]: written before it is read
-                gbuf.fetch_bucket()
-                self._touched = [False] * len(self.group.params)
-            else:
-                gbuf.fetch_bucket().zero_()
-                self._attach_main_grads()
-        if self._held:
-            self._write_held()
-        if self._grad_probe is None:
-            # What ``accumulate`` checks per gradient instead of calling this: the state
-            # alone when the storage is persistent; the temporary staging bucket's
-            # tensor (fixed for the buffer's life) when it may have been freed; else
-            # (another allocator) nothing, and this runs for every gradient.
-            allocator = gbuf.allocator
-            if not gbuf.is_data_distributed:
-                self._grad_probe = True
-            elif isinstance(allocator, TemporaryBucketAllocator):
-                self._grad_probe = allocator.bucket_for(gbuf)
-            else:
-                self._grad_probe = False
-
-    def _next_rank_major(self) -> bool:
-        """Whether a staging bucket made now stages rank-major (Note [rank-major
-        staging]): every trainable parameter brought a plain gradient, none a fused one."""
-        return self._plain_missing == 0 and not self._fused
-
-    def _stages_later(self) -> bool:
-        """Whether this backward's staging bucket is rank-major and not made yet (Note
-        [held gradients])."""
-        gbuf = self.group.main_grad_buffer
-        return (
-            gbuf is not None
-            and gbuf.is_data_distributed
-            and self._next_rank_major()
+        if (
+            gbuf.is_data_distributed
+            and self.stages_main_grad
             and not gbuf.allocator.is_allocated(gbuf)
-        )
+        ):
+            gbuf.fetch_bucket().zero_()
+            self._attach_main_grads()
 
     def prepare_grads(self) -> None:
-        """Before any gradient of a backward: make ``param.main_grad`` valid where it is
-        kept (``begin_accumulating``). A rank-major staging bucket keeps none, so it is
-        made by the gradients themselves (Note [held gradients])."""
-        if not self._stages_later():
+        """Before any gradient of a backward reaches the bucket: make ``param.main_grad``
+        valid where gradients stage in it (Note [gradient staging])."""
+        if self.stages_main_grad:
             self.begin_accumulating()
 
-    def _hold(self, index: int, param: nn.Parameter) -> bool:
-        """Take ``param.grad`` aside instead of making the staging bucket for it, if that
-        is still cheaper (Note [held gradients]); True when held."""
-        grad = param.grad
-        if grad is None or getattr(param, "grad_added_to_main_grad", False):
-            return False
-        if not self._stages_later():
-            return False
-        if type(grad) is not torch.Tensor and isinstance(grad, DTensor):  # tensor parallel
-            grad = self.tp.local_grad(param, grad)
-        held = self._held
-        if (earlier := held.get(index)) is not None:
-            # The parameter's second gradient in this backward; not in place: the first
-            # was autograd's, which may share its storage with what it stole it from.
-            held[index] = earlier + grad
-        else:
-            numel = self._held_numel + grad.numel()
-            if numel * HOLD_FRACTION > self.main_grads.layout.total_numel:
-                return False
-            held[index] = grad
-            self._held_numel = numel
-        param.grad = None
-        return True
-
-    def _write_held(self) -> None:
-        """Write the held gradients into the staging bucket made now, in arrival order."""
-        if not self._direct:
-            raise RuntimeError(
-                f"bucket {self.gid} holds gradients for a rank-major staging bucket but "
-                "stages parameter-major (internal: Note [held gradients])"
-            )
-        held = self._held
-        self._held = {}
-        self._held_numel = 0
-        targets = self._staging_targets()
-        touched = self._touched
-        for index, grad in held.items():
-            targets.write(index, grad, not touched[index])
-            touched[index] = True
-
-    def _staging_targets(self) -> StagingTargets:
-        targets = self._targets
-        if targets is None:  # made once
-            gbuf = self.main_grads
-            made = gbuf.allocator.make_views(
-                gbuf, lambda rm: [gbuf.layout.staging_targets(rm, gbuf.coarse)]
-            )
-            targets = self._targets = made[0]
-        return targets
+    def holds_autograd_grads(self) -> bool:
+        """Whether a compute parameter holds a ``.grad`` no reduction has taken yet
+        (``AUTOGRAD`` staging)."""
+        return not self.stages_main_grad and any(p.grad is not None for p in self.group.params)
 
     def accumulate(self, index: int, param: nn.Parameter) -> None:
-        """Move ``param.grad`` (parameter ``index`` of the bucket) into the gradient
-        storage and drop it. A framework that already added into ``param.main_grad``
-        sets ``param.grad_added_to_main_grad = True`` (Megatron-Core / Transformer
-        Engine)."""
+        """``MAIN_GRAD`` staging: add ``param.grad`` (parameter ``index`` of the bucket)
+        into the staging bucket and drop it. A framework that already added into
+        ``param.main_grad`` sets ``param.grad_added_to_main_grad = True`` (Megatron-Core /
+        Transformer Engine). ``AUTOGRAD`` staging leaves ``.grad`` where it is."""
+        if not self.stages_main_grad:
+            return
         if torch.is_grad_enabled():
             # A backward with create_graph=True (hooks of a plain one run with grad mode
             # off): keep the buffers out of the graph. No context object per gradient
@@ -296,41 +210,79 @@ class BucketGradients:
             with torch.no_grad():
                 self.accumulate(index, param)
             return
-        probe = self._grad_probe
-        if (
-            self.grad_state is not GradState.ACCUMULATING
-            or probe is None
-            or probe is False
-            or (probe is not True and not probe.untyped_storage().nbytes())
-        ):
-            if self._hold(index, param):  # Note [held gradients]
-                return
-            self.begin_accumulating()  # else it would change nothing: one call less
+        self.begin_accumulating()  # the staging bucket may have been reduced and freed
         if getattr(param, "grad_added_to_main_grad", False):
-            if self._direct:
-                raise RuntimeError(
-                    f"{self.group.names[index]!r} came with grad_added_to_main_grad=True in "
-                    f"a backward where its bucket {self.gid} stages gradients rank-major "
-                    "(param.main_grad is None): every parameter of it brought a plain .grad "
-                    "before and none a fused one, so main_grad views are no longer kept. "
-                    "A parameter must take the same gradient path in every backward"
-                )
-            self._fused = True
             param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
         elif (grad := param.grad) is not None:
             if type(grad) is not torch.Tensor and isinstance(grad, DTensor):  # tensor parallel
                 grad = self.tp.local_grad(param, grad)
-            if self._direct:
-                touched = self._touched
-                targets = self._targets or self._staging_targets()
-                targets.write(index, grad, not touched[index])
-                touched[index] = True
-            else:
-                self._grad_views[index].add_(grad)
-                if not self._plain[index]:
-                    self._plain[index] = True
-                    self._plain_missing -= 1
+            self._grad_views[index].add_(grad)
         param.grad = None
+
+    def stage_locally(self) -> None:
+        """Keep this backward's gradients unreduced in the replicated main grads (a
+        backward under ``no_sync``): ``AUTOGRAD`` staging adds the ``.grad``s in."""
+        self.begin_accumulating()
+        if not self.stages_main_grad:
+            with torch.no_grad():
+                self._absorb_grads()
+
+    def _take_grads(self) -> list[torch.Tensor | None]:
+        """The compute parameters' local ``.grad``s (None where there is none), dropped
+        from the parameters."""
+        grads: list[torch.Tensor | None] = []
+        for p in self.group.params:
+            grad = p.grad
+            if grad is not None:
+                if type(grad) is not torch.Tensor and isinstance(grad, DTensor):  # tp
+                    grad = self.tp.local_grad(p, grad)
+                p.grad = None
+            grads.append(grad)
+        return grads
+
+    def _absorb_grads(self) -> None:
+        """Add the ``.grad``s into the replicated main grads (``AUTOGRAD`` staging)."""
+        for view, grad in zip(self._grad_views, self._take_grads(), strict=True):
+            if grad is not None:
+                view.add_(grad)
+
+    def _chunk_cat_applies(self) -> bool:
+        """Whether ``torch._chunk_cat`` lays gradients out as the shard layout does:
+        every slot row-split along dim 0 into ``torch.chunk`` pieces, back to back in
+        parameter order, over one shard group (Note [shard layout])."""
+        if self._chunk_cat is None:
+            layout = self.main_grads.layout
+            offset = 0
+            ok = hasattr(torch, "_chunk_cat") and not layout.has_whole
+            for slot in layout.slots:
+                ok = ok and not slot.replicated and slot.numel > 0 and slot.offset == offset
+                offset += slot.width
+            coarse = self.main_grads.coarse
+            self._chunk_cat = ok and (coarse is None or coarse == layout.shard_count)
+        return self._chunk_cat
+
+    def _pack_grads(self, dtype: torch.dtype) -> torch.Tensor:
+        """``AUTOGRAD`` staging, sharded gradients: the rank-major reduce-scatter input,
+        made from the ``.grad``s in one chunk-cat (FSDP2's ``foreach_reduce``)."""
+        gbuf = self.main_grads
+        layout = gbuf.layout
+        grads = self._take_grads()
+        send = torch.empty(layout.total_numel, dtype=dtype, device=self.ctx.device)
+        with annotate(f"fsdp.copy_in.{self.gid}"):
+            if self._chunk_cat_applies() and all(g is not None for g in grads):
+                n = layout.shard_count
+                tensors = [g.reshape(g.shape[0], -1) if g.dim() > 1 else g for g in grads]  # type: ignore[union-attr]
+                pad = layout.shard_numel - sum(s.width for s in layout.slots)
+                if pad:
+                    tensors.append(tensors[0].new_zeros(n * pad))
+                torch._chunk_cat(tensors, 0, n, out=send.view(n, -1))  # type: ignore[arg-type]
+            else:
+                targets = layout.staging_targets(send, gbuf.coarse)
+                for index, grad in enumerate(grads):
+                    if grad is not None:
+                        targets.write(index, grad, True)
+                targets.zero_rest([g is not None for g in grads])
+        return send
 
     def _scale_and_op(self) -> tuple[float, dist.ReduceOp.RedOpType]:
         if self.ctx.average_in_collective:
@@ -358,18 +310,23 @@ class BucketGradients:
         self.grad_state = GradState.REDUCED
 
     def start_reduce(self) -> PendingCollective:
-        """Scale and reduce this backward's gradients in the shard group. Every rank
-        must call it for the same buckets in the same order, with or without local
-        gradients (zeros stand in)."""
+        """Scale and reduce the gradients this bucket took since its last reduction in
+        the shard group. Every rank must call it for the same buckets in the same
+        order, with or without local gradients (zeros stand in)."""
         gbuf = self.main_grads
         self.begin_accumulating()
-        unsharded = gbuf.unsharded_tensor()
-        if gbuf.is_data_distributed:
-            self._detach_main_grads()  # reduced from here on: later writes are lost
+        autograd = not self.stages_main_grad
         factor, op = self._scale_and_op()
         comm_dtype = self.ctx.policy.grad_comm_dtype_for(self.group.dtype)
         pg, stats, label = self.shard.group, self.ctx.stats, self._reduce_label
         with torch.no_grad():
+            if not gbuf.is_data_distributed:
+                if autograd:
+                    self._absorb_grads()
+                unsharded = gbuf.data
+            elif not autograd:
+                unsharded = gbuf.unsharded_tensor()
+                self._detach_main_grads()  # reduced from here on: later writes are lost
             if not (self.sharding.grads or self.sharding.main_weights):
                 send = unsharded if comm_dtype == gbuf.dtype else unsharded.to(comm_dtype)
                 if factor != 1.0:
@@ -382,19 +339,13 @@ class BucketGradients:
                     self._shard_reduced()
 
                 return PendingCollective(work, finish_all_reduce, keepalive=(send,))
-            # Parameter-major gradients to rank-major pieces (Note [shard layout]); the
-            # staging bucket is free once they are packed.
+            # Gradients to rank-major pieces (Note [shard layout]); a staging bucket is
+            # free once they are packed.
             layout = gbuf.layout
-            direct = gbuf.is_data_distributed and self._direct
-            if direct:  # already rank-major (Note [rank-major staging])
-                self._staging_targets().zero_rest(self._touched)
-                self._direct = False
-            if (direct or layout.is_rank_major(gbuf.coarse)) and comm_dtype == gbuf.dtype:
+            if gbuf.is_data_distributed and autograd:
+                send = self._pack_grads(comm_dtype)
+            elif layout.is_rank_major(gbuf.coarse) and comm_dtype == gbuf.dtype:
                 send = unsharded  # in place: freed once the reduction is waited on
-            elif direct:
-                send = unsharded.to(comm_dtype)
-                if self.sharding.grads:
-                    gbuf.free_bucket()
             else:
                 send = torch.empty(layout.total_numel, dtype=comm_dtype, device=unsharded.device)
                 with annotate(f"fsdp.copy_in.{self.gid}"):
@@ -443,10 +394,12 @@ class BucketGradients:
             if buf is not None and not buf.is_released:  # released: zeros already
                 buf.data.mul_(factor)
 
-    def zero_grads(self, release: bool = True) -> bool:
+    def zero_grads(self, release: bool = True, keep_pending: bool = False) -> bool:
         """-> EMPTY, with zeroed storage and no ``param.grad``. Sharded main grads (and
         the optimizer's cast copy of them) are released rather than zeroed when
-        ``release`` (Note [released gradients]); True when they were."""
+        ``release`` (Note [released gradients]); True when they were. ``keep_pending``:
+        only the reduced gradients go; gradients a backward under way gave the compute
+        parameters (``.grad``, a staging bucket) stay."""
         gbuf = self.group.main_grad_buffer
         cast = self._grads_cast
         released = release and gbuf is not None and gbuf.is_data_distributed
@@ -455,7 +408,7 @@ class BucketGradients:
                 gbuf.release()
             else:
                 gbuf.zero_()
-            if gbuf.is_data_distributed:
+            if gbuf.is_data_distributed and not keep_pending:
                 gbuf.free_bucket()
                 self._detach_main_grads()
         if cast is not None:
@@ -463,14 +416,15 @@ class BucketGradients:
                 cast.release()
             else:
                 cast.zero_()
-        self.forget_grads()
+        if keep_pending:
+            self.grad_state = GradState.EMPTY
+        else:
+            self.forget_grads()
         return released
 
     def forget_grads(self) -> None:
         """-> EMPTY without touching the storage (its owner zeroes it)."""
         self.grad_state = GradState.EMPTY
-        self._held = {}
-        self._held_numel = 0
         for p in self.group.params:
             p.grad = None
 

@@ -14,7 +14,15 @@ from fsdp_buffers.collectives import CommStats
 from fsdp_buffers.data_parallel_buffer import TemporaryBucketAllocator
 from fsdp_buffers.mixed_precision import MixedPrecisionPolicy
 
-__all__ = ["BucketContext", "BucketStatus", "CommGroup", "GradState", "GroupSharding"]
+__all__ = [
+    "BucketContext",
+    "BucketStatus",
+    "CommGroup",
+    "GradConfig",
+    "GradStaging",
+    "GradState",
+    "GroupSharding",
+]
 
 
 class BucketStatus(enum.Enum):
@@ -35,6 +43,32 @@ class GradState(enum.Enum):
     ACCUMULATING = enum.auto()  # local, unreduced gradients (in the staging bucket if sharded)
     SHARD_REDUCED = enum.auto()  # reduced in the shard group; the outer reduction is to come
     REDUCED = enum.auto()  # reduced across every data-parallel rank: ready for the optimizer
+
+
+class GradStaging(enum.Enum):
+    """Where a backward's gradients wait for their reduction (Note [gradient staging] in
+    ``bucket_grads``). Chosen at wrap time, never switched at run time."""
+
+    AUTOGRAD = enum.auto()  # the compute parameters' ``.grad``, packed at the reduction
+    MAIN_GRAD = enum.auto()  # a parameter-major staging bucket with ``param.main_grad`` views
+
+    @classmethod
+    def parse(cls, value: GradStaging | str) -> GradStaging:
+        """A ``GradStaging`` or its name (``"autograd"``, ``"main_grad"``)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        raise ValueError(
+            f"grad_staging must be 'autograd' or 'main_grad' (or a GradStaging); got {value!r}"
+        )
+
+
+@dataclass(frozen=True)
+class GradConfig:
+    """How the buckets of one buffer take gradients: fixed at wrap time."""
+
+    staging: GradStaging = GradStaging.AUTOGRAD
 
 
 @dataclass(frozen=True)
@@ -65,6 +99,7 @@ class BucketContext:
     device: torch.device
     average_in_collective: bool
     scratch: TemporaryBucketAllocator
+    grads: GradConfig = field(default_factory=GradConfig)
     # Elements of whole-placed parameters each shard owns so far, per (expert, shards):
     # later buckets balance against it (Note [whole placement]).
     whole_loads: dict[tuple[bool, int], list[int]] = field(default_factory=dict)

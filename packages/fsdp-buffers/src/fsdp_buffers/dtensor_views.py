@@ -38,6 +38,7 @@ Tensor parallelism: the views live on the 2-D mesh (dp_shard, tp) and carry
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import torch
@@ -237,6 +238,44 @@ class DTensorViews:
                 storage = zeros.untyped_storage()
             local.set_(storage, 0, cached.size, cached.zero_stride)
             cached.data = None
+
+    def forget_dropped_grads(self, unreached: Collection[nn.Parameter] = ()) -> None:
+        """Before a backward, when the last one published its gradients: parameters
+        whose gradient the user dropped since (``.grad`` set to None or replaced: an
+        optimizer fsdp did not patch calling ``zero_grad()``, user code) get a fresh
+        gradient from this backward, as FSDP2's do, instead of one added to the old:
+        their rows of the main grads are zeroed, or the bucket's gradients released when
+        every parameter of it was dropped (Note [released gradients]). ``unreached``:
+        parameters whose ``.grad`` fsdp itself left None (no rank gave them one)."""
+        attr, cache, buckets = self.grad_attr, self._grad_cache, self._buffer.buckets
+        skip = {id(p) for p in unreached}
+        for gid, members in self._params_of.items():
+            b = buckets[gid]
+            if not b.has_grads:
+                continue
+            views = [(i, d, cache[(gid, i)]) for i, d in members if (gid, i) in cache]
+            dropped = [
+                (i, c)
+                for i, d, c in views
+                if getattr(d, attr, None) is not c.grad and id(d) not in skip
+            ]
+            if not dropped:
+                continue
+            with torch.no_grad():
+                if len(dropped) == sum(id(d) not in skip for _i, d, _c in views):
+                    if b.zero_grads(release=True, keep_pending=True):
+                        self.park_grads(gid)
+                    continue
+                if b.outer is not None:
+                    names = [b.group.names[i] for i, _c in dropped]
+                    raise NotImplementedError(
+                        f"the gradients of {names[:3]} were dropped (.grad set to None) and "
+                        f"those of other parameters of their bucket {gid} were kept; with "
+                        "hybrid sharding fsdp drops gradients per bucket only: drop them all "
+                        "(optimizer.zero_grad() over every parameter, model.zero_grad())"
+                    )
+                for i, _c in dropped:
+                    self._optimizer_view(b, i, b.main_grads).zero_()
 
     def drop_grads(self, params: list[nn.Parameter] | None = None) -> None:
         """``params`` (default: every optimizer parameter) hold no gradient: ``.grad``

@@ -12,10 +12,20 @@ collective makes of them), and a second one in flight measured 49 MB (about 4 un
 buckets) more peak tensor memory on the 49M GPT under ZeRO-3 at the same step time
 (docs/benchmarks.md, "one reduction in flight").
 
-A bucket is marked ready whole (``mark_bucket_ready``: the hook layer does it at a
-unit's post-backward). ``mark_param_grad_ready`` is the per-parameter route for loops
-without that layer (``register_grad_hooks``): it marks a bucket ready once every one of
-its trainable parameters reported.
+A bucket is marked ready whole (``mark_bucket_ready``: the hook layer does it at each
+post-backward of a unit). A bucket reduced already in this backward and marked again (a
+unit called twice) is reduced again at once: it reduces what arrived since, and the
+sum is exact, reduction being linear (Note [gradient staging] in ``bucket_grads``).
+Marks are points every rank reaches in the same order, so both rules keep collectives
+matched. ``mark_param_grad_ready`` is the per-parameter route for loops without that
+layer (``register_grad_hooks``): it marks a bucket ready once every one of its trainable
+parameters reported.
+
+Gradients that arrive after their bucket's last reduction of a backward (a weight also
+used outside its unit, a path the unit hooks did not see) are reduced by ``finish``:
+each rank says which buckets hold such gradients, ``agree`` (the hook layer's one
+agreement at the end of backward) makes the answer the same on every rank, and those
+buckets are reduced once more. Without ``agree`` such a gradient raises instead.
 
 Hybrid sharding: the reduction across the outer dim (``reduce_outer``) runs at the end
 of a backward that syncs (``sync_grads``), else once per optimizer step from
@@ -26,7 +36,7 @@ in ``hybrid_sharding``.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -77,41 +87,34 @@ class GradReducePipeline:
         self._ready: set[int] = set()
         self._next = 0
         self._launched: set[int] = set()
+        # MAIN_GRAD staging: buckets that took a gradient since their reduction.
+        self._late: set[int] = set()
 
     def prepare(self, gid: int) -> None:
         """Make bucket ``gid``'s gradient storage exist now where ``param.main_grad``
-        views are kept, so that they are valid before any gradient arrives (frameworks
-        that accumulate into ``main_grad`` themselves, e.g. Transformer Engine's fused
-        wgrad); a rank-major staging bucket is made by its gradients instead."""
-        if gid in self._expected and gid not in self._launched:
+        views are kept (``MAIN_GRAD`` staging), so that they are valid before any
+        gradient arrives (frameworks that accumulate into ``main_grad`` themselves,
+        e.g. Transformer Engine's fused wgrad)."""
+        if gid in self._expected:
             self.buckets[gid].prepare_grads()
 
     def accumulate(self, param: nn.Parameter) -> None:
-        """Take ``param``'s gradient into its bucket; an error if the bucket was
-        already reduced in this backward (the gradient would be lost)."""
+        """Take ``param``'s gradient into its bucket (``MAIN_GRAD`` staging; under
+        ``AUTOGRAD`` it stays on ``.grad`` until the bucket is reduced)."""
         gid, i = self.buffer.group_of(param)
         if gid in self._launched:
-            name = self.buckets[gid].group.names[i]
-            raise RuntimeError(
-                f"gradient of {name!r} arrived after its bucket {gid} was reduced; it would "
-                "be lost. The bucket was reduced when every unit using it had run its "
-                "backward, or at finish(); this gradient came later, by a path the unit "
-                "hooks did not see (a graph not reaching the model's output, in the same "
-                "backward as one that does). Call finish() only after backward is "
-                "complete; with coalesced units, suggested_communication_unit_size=0 "
-                "gives each unit its own bucket"
-            )
+            self._late.add(gid)  # reduced by a later mark of it, else by finish()
         self.buckets[gid].accumulate(i, param)
 
     def mark_bucket_ready(self, gid: int) -> None:
-        """Every gradient of bucket ``gid`` is in (missing ones count as zeros): launch
-        it, and whatever it held back, in the fixed order."""
+        """Every gradient of bucket ``gid`` for now is in (missing ones count as zeros):
+        launch it, and whatever it held back, in the fixed order; a bucket launched
+        before in this backward is launched again at once."""
+        if gid in self._launched:
+            self._launch(gid)
+            return
         self._ready.add(gid)
         self._launch_in_order()
-
-    def is_ready(self, gid: int) -> bool:
-        """Whether bucket ``gid`` was marked ready in this backward."""
-        return gid in self._ready
 
     def mark_param_grad_ready(self, param: nn.Parameter) -> None:
         """Take ``param``'s gradient into its bucket; mark the bucket ready once every
@@ -120,7 +123,7 @@ class GradReducePipeline:
         gid, i = self.buffer.group_of(param)
         reported = self._reported.setdefault(gid, set())
         reported.add(i)
-        if reported >= self._expected[gid]:
+        if reported >= self._expected[gid] and gid not in self._ready:
             self.mark_bucket_ready(gid)
 
     def _launch_in_order(self) -> None:
@@ -131,19 +134,37 @@ class GradReducePipeline:
 
     def _launch(self, gid: int) -> None:
         self._launched.add(gid)
+        self._late.discard(gid)
         bucket = self.buckets[gid]
         if not self.sync_grads and not bucket.sharding.grads:
-            bucket.begin_accumulating()  # accumulate only; reduce at the next sync
+            bucket.stage_locally()  # accumulate only; reduce at the next sync
             return
         self._wait_for_room()
         self._inflight.append((self._what[gid], bucket.start_reduce()))
 
-    def finish(self) -> None:
+    def finish(self, agree: Callable[[list[bool]], list[bool]] | None = None) -> None:
         """End of backward: launch every bucket not launched yet (zeros stand in for
-        gradients that never came), wait for all reductions, and start afresh."""
+        gradients that never came), then, once more, every bucket that some rank holds
+        gradients for that came after its reduction (``agree`` makes each rank's list,
+        one flag per bucket of ``reduce_order``, the same on every rank); wait for all
+        reductions, and start afresh."""
         with annotate("fsdp.finish_grad_sync"):
             self._ready.update(self._expected)
             self._launch_in_order()
+            order = self.reduce_order
+            late = [g in self._late or self.buckets[g].holds_autograd_grads() for g in order]
+            if agree is not None:
+                late = agree(late)
+            elif any(late):
+                self.abort()
+                names = [self._what[g] for g, hit in zip(order, late, strict=True) if hit]
+                raise RuntimeError(
+                    f"gradients arrived after their bucket was reduced ({names}); they would "
+                    "be lost. Call finish() only after backward is complete"
+                )
+            for gid, hit in zip(order, late, strict=True):
+                if hit:
+                    self._launch(gid)
             self.wait_all()
             if self.sync_grads:
                 self.reduce_outer()

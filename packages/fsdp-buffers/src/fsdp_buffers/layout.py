@@ -463,7 +463,7 @@ class FlatLayout:
             start = self.rank_offset(slot.index, shard_rank)
             region.copy_(shard[start : start + region.numel()])
 
-    # ---- gradients staged rank-major (Note [rank-major staging]) -------------------------
+    # ---- gradients written rank-major (Note [gradient staging] in bucket_grads) ----------
     def staging_targets(self, rm: torch.Tensor, coarse: int | None = None) -> StagingTargets:
         """Where each parameter's gradient goes in ``rm``, a tensor laid out as ``pack``'s
         output (rank-major over ``coarse`` ranks), and what a reduction must zero there:
@@ -513,7 +513,7 @@ class FlatLayout:
 
 @dataclass(frozen=True)
 class StagingTargets:
-    """Views of a rank-major staging tensor, made once per tensor (``staging_targets``).
+    """Views of a rank-major reduce-scatter input, made per tensor (``staging_targets``).
 
     ``writes[i]``: ``(dst, r0, r1, shape)`` pieces taking parameter ``i``'s gradient
     ``grad[r0:r1].reshape(shape)`` (all of ``grad`` when ``r0`` is None); ``regions[i]``:

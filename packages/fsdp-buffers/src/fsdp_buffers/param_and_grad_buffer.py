@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from fsdp_buffers.bucket import Bucket, BucketContext, CommGroup, GradState
+from fsdp_buffers.bucket_state import GradConfig, GradStaging
 from fsdp_buffers.collectives import CommStats, PendingCollective, read_timeout_env
 from fsdp_buffers.data_parallel_buffer import (
     BucketAllocator,
@@ -78,6 +79,7 @@ class ParamAndGradBuffer:
         tensor_parallel: TensorParallel | None = None,
         communication_unit_size: int | None = None,
         communication_unit_max_units: int | None = None,
+        grad_staging: GradStaging | str = GradStaging.AUTOGRAD,
     ) -> None:
         read_timeout_env()  # FSDP_COLLECTIVE_TIMEOUT_S as it is at wrap time
         self.module = module
@@ -99,6 +101,7 @@ class ParamAndGradBuffer:
             device=self.device,
             average_in_collective=average_in_collective,
             scratch=TemporaryBucketAllocator(),
+            grads=GradConfig(GradStaging.parse(grad_staging)),
         )
         # The wrapper classifies the parameters for tp once, at its checks, and passes it.
         self.tp = (
@@ -304,6 +307,11 @@ class ParamAndGradBuffer:
         with torch.no_grad(), annotate("fsdp.broadcast_params"):
             for bucket in self.buckets:
                 bucket.broadcast(src_group_rank)
+
+    @property
+    def grad_staging(self) -> GradStaging:
+        """Where gradients wait for their reduction (Note [gradient staging])."""
+        return self._ctx.grads.staging
 
     def grad_states(self) -> list[GradState]:
         return [b.grad_state for b in self.buckets]

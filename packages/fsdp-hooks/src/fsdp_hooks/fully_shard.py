@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
+from fsdp_buffers import GradStaging, MixedPrecisionPolicy, ShardingStrategy
 from fsdp_buffers.whole_param import inner_of, is_whole_parameter
 from fsdp_hooks.features.whole_state import register_whole_optimizer_state
 from fsdp_hooks.module.config import DistributedDataParallelConfig
@@ -148,6 +148,7 @@ def fully_shard_model(
     suggested_communication_unit_size: int | None = None,
     prefetch_depth: int = 1,
     regather_saved_weights: bool = False,
+    grad_staging: GradStaging | str = GradStaging.AUTOGRAD,
 ) -> MegatronFSDP:
     """Shard ``module`` and return the ``MegatronFSDP`` wrapper (the original module is
     ``wrapper.module``). Its parameters are then DTensors: this rank's shard of the
@@ -163,7 +164,11 @@ def fully_shard_model(
     gathers a unit's released weights again when a backward reads them outside the
     unit's own backward (an auxiliary loss on the weights backpropagated on its own);
     by default such a backward raises (README, "Gradient paths that bypass a unit's
-    outputs")."""
+    outputs"). ``grad_staging`` (``"autograd"``, the default, or ``"main_grad"``) is
+    where a backward's gradients wait for their reduction: autograd's ``.grad``, or a
+    staging buffer that ``param.main_grad`` views, for layers that add into
+    ``main_grad`` themselves (fused wgrad, ``grad_added_to_main_grad``); Note [gradient
+    staging] in ``fsdp_buffers.bucket_grads``."""
     # Every argument by name (nothing else is bound yet): Note [option types].
     typed = dict(locals())
     check_argument_types(
@@ -264,6 +269,7 @@ def fully_shard_model(
         is_expert_param=is_expert_param,
         prefetch_depth=prefetch_depth,
         regather_saved_weights=regather_saved_weights,
+        grad_staging=grad_staging,
     )
     # Recorded only (see MegatronFSDP.__init__): the pieces are torch.chunk ones.
     model.preproc_state_dict_for_dcp_ckpt = (

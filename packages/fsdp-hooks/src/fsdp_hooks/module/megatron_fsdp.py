@@ -28,6 +28,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from fsdp_buffers import (
     AllGatherPipeline,
     GradReducePipeline,
+    GradStaging,
     MixedPrecisionPolicy,
     ParamAndGradBuffer,
     PrefetchOrder,
@@ -109,6 +110,7 @@ class MegatronFSDP(InnerModuleAttributes):
         is_expert_param: Callable[[str, nn.Parameter], bool] | str | None = None,
         prefetch_depth: int = 1,
         regather_saved_weights: bool = False,
+        grad_staging: GradStaging | str = GradStaging.AUTOGRAD,
     ) -> None:
         super().__init__()
         check_argument_types(
@@ -151,6 +153,7 @@ class MegatronFSDP(InnerModuleAttributes):
                 "MegatronFSDP: regather_saved_weights must be True or False; got "
                 f"{type(regather_saved_weights).__name__} {regather_saved_weights!r}"
             )
+        grad_staging = GradStaging.parse(grad_staging)  # bad input: before anything changes
         if ddp_config is None:
             ddp_config = default_ddp_config(
                 keep_fp8_transpose_cache,
@@ -277,6 +280,7 @@ class MegatronFSDP(InnerModuleAttributes):
                 tensor_parallel=tensor_parallel,
                 communication_unit_size=unit_size,
                 communication_unit_max_units=unit_max,
+                grad_staging=grad_staging,
             )
             if ddp_config.suggested_communication_unit_size:
                 warn_if_units_joined_widely(

@@ -16,13 +16,17 @@ Note on one step under ZeRO-3 (see DESIGN.md's data flow):
    compute parameters back; autograd itself never looks them up by attribute.
 4. Unit pre-backward: gather again and prefetch in backward order. The first backward
    event of a step also queues the end-of-backward callback on the outer graph task.
-5. Post-accumulate-grad hooks accumulate each gradient into its bucket.
-6. Unit post-backward: the unit's gradients are all in, so mark its buckets ready for
-   the ``GradReducePipeline``, which reduces them in its fixed order (see "When
-   reductions start" below); then release them.
+5. Gradients stay on the compute parameters' ``.grad`` (``GradStaging.AUTOGRAD``), or
+   post-accumulate-grad hooks add each into its bucket's ``main_grad`` staging
+   (``MAIN_GRAD``); the hooks also record which parameters a gradient reached.
+6. Unit post-backward (each call): mark its trainable buckets ready for the
+   ``GradReducePipeline``, which reduces them in its fixed order (see "When reductions
+   start" below) from what arrived since their last reduction; then release them.
 7. End of backward: launch what is left (parameters without gradients reduce zeros),
-   wait for every reduction, release everything, check for NaN/Inf when asked, and
-   swap the DTensor parameters back in with their ``.grad`` on the main-grad shards.
+   agree across ranks on the buckets holding gradients that came after their reduction
+   and reduce those again, wait for every reduction, release everything, check for
+   NaN/Inf when asked, and swap the DTensor parameters back in with their ``.grad`` on
+   the main-grad shards.
 
 Activation recompute: a unit's forward that runs inside backward (torch.utils.checkpoint
 recomputing it, reentrant or not) is not a new forward. ``TrainingState`` tells: a unit
@@ -40,34 +44,31 @@ from one still under way (``recover_if_backward_aborted``).
 
 When reductions start. A bucket's reduction is launched only at points that every rank
 reaches in the same order, so that reductions and the gathers of ZeRO-3's backward are
-issued in one order on every rank (they share the shard group): a unit's post-backward
-marks the buckets it releases ready, and the end of backward launches the rest (root
-buckets, buckets of units without hooks or whose post-backward did not run), in the
-pipeline's fixed order. A gradient that arrives is only accumulated into its bucket.
-With ``overlap_grad_reduce=False`` no unit marks its buckets: all wait for the end.
-Marking a bucket when its last gradient arrived instead would depend on the rank's
-data: with a branch taken on one rank only (some parameters get no gradient there) one
-rank would launch a reduce-scatter while the other issues the next all-gather, and both
-wait forever. The autograd engine runs a ready AccumulateGrad node before any other
-ready node, so a unit's gradients have arrived when its post-backward runs.
+issued in one order on every rank (they share the shard group): each post-backward of a
+unit marks the buckets it releases ready, and the end of backward launches the rest
+(root buckets, buckets of units without hooks or whose post-backward did not run), in
+the pipeline's fixed order. With ``overlap_grad_reduce=False`` no unit marks its
+buckets: all wait for the end. Marking a bucket when its last gradient arrived instead
+would depend on the rank's data: with a branch taken on one rank only (some parameters
+get no gradient there) one rank would launch a reduce-scatter while the other issues
+the next all-gather, and both wait forever. The autograd engine runs a ready
+AccumulateGrad node before any other ready node, so a unit's gradients have arrived when
+its post-backward runs; those that come later (a weight also used outside the unit) are
+found at the end of backward, where one agreement makes every rank reduce them.
 
 Units called more than once in a forward (shared weights: ``block(block(h))``, or one
-module at two positions of a ``ModuleList``): each call has its own pre-forward,
-post-forward, pre-backward and post-backward, so under ZeRO-3 the unit is gathered and
-released once per call. A gradient usually arrives once, summed over the calls; under
-reentrant checkpointing each recomputed call runs its own backward and the gradient
-arrives once per call. So each unit counts its calls whose backward is still to come
-(``pending_backward``), and its buckets are marked ready at the post-backward of the
-last one, when every call's gradient is in.
-
-Graphs in flight (two forwards then two backwards; a ``no_grad`` forward, or an
-auxiliary loss's own backward, in between) reset the counts at their end: each root
-forward records its unit calls, and its root pre-backward sets the counts from them
-(``shared_buckets``: counts too low would reduce a shared bucket early).
+module at two positions of a ``ModuleList``, or two forwards before one backward): each
+call has its own pre-forward, post-forward, pre-backward and post-backward, so under
+ZeRO-3 the unit is gathered and released once per call, and its buckets are reduced at
+each call's post-backward, as FSDP2 does: reduction is linear, so the reductions of what
+arrived between them add up to the whole gradient (a gradient that autograd adds over
+both calls arrives once, and the other call reduces zeros).
 
 Coalesced units (``suggested_communication_unit_size``) share buckets: a shared
 bucket is released, and reduced, once all the units sharing it are done
-(``shared_buckets``).
+(``shared_buckets``: counts of the unit calls whose backward is to come, set from each
+graph's record at its root pre-backward, since graphs in flight, two forwards then two
+backwards or a ``no_grad`` forward in between, reset them at their end).
 
 A unit that is entirely ``fsdp_no_shard`` gets no gathering hooks (seed 002: nothing
 to gather, and no per-module dispatch for a frozen encoder's many layers): two forward
@@ -88,7 +89,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_buffers import PrefetchOrder, annotate, module_is_fully_no_shard
+from fsdp_buffers import GradStaging, PrefetchOrder, annotate, module_is_fully_no_shard
 from fsdp_hooks.runtime.backward import (
     in_backward,
     queue_end_of_backward_callback,
@@ -99,7 +100,7 @@ from fsdp_hooks.runtime.param_state import ParamState
 from fsdp_hooks.runtime.param_swap import ParamSwapping
 from fsdp_hooks.runtime.saved_weight_hooks import SavedWeightHooks
 from fsdp_hooks.runtime.schedule_check import Phase, ScheduleCheck, schedule_check_requested
-from fsdp_hooks.runtime.shared_buckets import SharedBuckets, backward_done
+from fsdp_hooks.runtime.shared_buckets import SharedBuckets
 from fsdp_hooks.runtime.training_state import TrainingState
 from fsdp_mesh.device import control_device
 
@@ -150,6 +151,7 @@ class FSDPHooks(ParamSwapping):
         self.buffer = buffer
         self.gather = wrapper.all_gather_pipeline
         self.reduce = wrapper.grad_reduce_pipeline
+        self._stages_main_grad = buffer.grad_staging is GradStaging.MAIN_GRAD
         self.root_state = TrainingState.IDLE
         # Unit calls per unit: of the root forward under way, and outside any root
         # forward since the last end of backward; whether the counts of the backward
@@ -157,15 +159,15 @@ class FSDPHooks(ParamSwapping):
         self._forward_calls = [0] * len(buffer.unit_names)
         self._outside_calls = [0] * len(buffer.unit_names)
         self._counts_from_graph = False
-        # A post-backward of this backward found its unit's count at zero (shared_buckets).
-        self._uncounted_backward = False
         # Root buckets (ParamAndGradBuffer.root_groups: outside every unit, or tied to
         # a module outside every unit): gathered at the root pre-forward and kept until
         # the end of backward, as no unit hook runs around them.
         self.root_groups = buffer.root_groups
         self._callback_queued = False
-        # Whether the gradients of the last backward were checked and attached.
+        # Whether the gradients of the last backward were checked and attached; whether
+        # none has arrived since (then those users dropped are forgotten first).
         self.grads_published = False
+        self._check_dropped = False
         self._nonfinite: list[tuple[str, torch.Tensor]] = []
         self._param_names = {p: name for name, _g, _i, p in buffer.named_params()}
         # The per-unit hooks' profiler ranges, made once (re-entrant; the hooks of one
@@ -332,6 +334,8 @@ class FSDPHooks(ParamSwapping):
 
     def _begin_backward(self) -> None:
         if not self._callback_queued:
+            if self._check_dropped:
+                self._forget_dropped_grads()
             self._callback_queued = True
             self.grads_published = False
             self.reduce.sync_grads = self.wrapper.sync_grads
@@ -452,34 +456,35 @@ class FSDPHooks(ParamSwapping):
     def _unit_post_backward(self, unit: FSDPUnit) -> None:
         with self._range_post_backward:
             unit.state = TrainingState.POST_BACKWARD
-            if unit.pending_backward == 0:
-                self._uncounted_backward = True  # a call not counted: the counts are short
             unit.pending_backward = max(0, unit.pending_backward - 1)
             for gid in unit.release_groups:
-                self._mark_ready_if_complete(gid)
-            for gid in unit.release_groups:
-                if self._shared.release_after_backward(gid):
-                    self.gather.release_bucket(gid)
+                if not self._shared.release_after_backward(gid):
+                    continue  # a coalesced bucket another unit's backward still needs
+                if unit in self._markers.get(gid, ()):
+                    # Every call: what arrived since the last reduction (Note [gradient
+                    # staging]); later gradients are reduced at the end of backward.
+                    self.reduce.mark_bucket_ready(gid)
+                    if unit.pending_backward and self._stages_main_grad:
+                        self.reduce.prepare(gid)  # another call's main_grad writes come
+                self.gather.release_bucket(gid)
             self._unit_use(unit, compute=False)
-
-    def _mark_ready_if_complete(self, gid: int) -> None:
-        """Mark bucket ``gid`` ready for reduction once no unit that uses it has a call
-        whose backward is still to come; missing gradients count as zeros."""
-        units = self._markers.get(gid)
-        if not units or self.reduce.is_ready(gid) or not backward_done(units):
-            return
-        if len(units) > 1 and self._uncounted_backward:
-            return  # another sharer's backward may still come: the end of backward launches it
-        self.reduce.mark_bucket_ready(gid)
 
     def _reset_call_counts(self) -> None:
         self._counts_from_graph = False
-        self._uncounted_backward = False
         for unit in self.units:
             unit.pending_backward = 0
 
     # ---- gradients ------------------------------------------------------------------
+    def _forget_dropped_grads(self) -> None:
+        """Before the first gradient after the last published ones (a backward's first
+        event, or a gradient of a backward that meets no unit hook): gradients users
+        dropped since start afresh (``DTensorViews.forget_dropped_grads``)."""
+        self._check_dropped = False
+        self.buffer.views.forget_dropped_grads(self.params.unreached)
+
     def _on_param_grad(self, param: torch.Tensor) -> None:
+        if self._check_dropped:
+            self._forget_dropped_grads()
         saved = self._saved_weights
         if not saved.regather_saved_weights:  # else there is nothing to check (the default)
             saved.check_side_path(param)  # type: ignore[arg-type]
@@ -492,9 +497,8 @@ class FSDPHooks(ParamSwapping):
             local = grad.to_local() if isinstance(grad, DTensor) else grad  # tp: no collective
             # Kept as a tensor: checking now would sync the device once per parameter.
             self._nonfinite.append((self._param_names[param], torch.isfinite(local).all()))
-        # Later than its unit's post-backward (see the module note) it is still
-        # accumulated if the bucket waits for its turn, else an error names it.
-        self.reduce.accumulate(param)  # type: ignore[arg-type]
+        if self._stages_main_grad:  # else it stays on .grad (Note [gradient staging])
+            self.reduce.accumulate(param)  # type: ignore[arg-type]
 
     def _end_of_backward(self) -> None:
         with annotate("fsdp.end_of_backward"):
@@ -502,16 +506,16 @@ class FSDPHooks(ParamSwapping):
             try:
                 if self.schedule is not None:
                     self.schedule.check(Phase.END_OF_BACKWARD)
-                self.reduce.finish()
+                self.reduce.finish(agree=self.params.agree)
                 if self.reduce.sync_grads:
                     self.raise_if_nonfinite_grads()
-                self.params.agree_on_reached()
             finally:
                 self._reset_after_backward()
                 # As in Megatron-FSDP, .grad appears only once every gradient is
                 # reduced: after a backward that synced, else at finish_grad_sync().
                 if self.reduce.sync_grads:
                     self.attach_grads(only_with_grads=False)
+                    self.params.run_grad_hooks()
                 self.wrapper.microbatch_count += 1
                 self._callback_queued = False
                 self.root_state = TrainingState.IDLE
@@ -549,6 +553,7 @@ class FSDPHooks(ParamSwapping):
         self.buffer.views.attach_grads(only_with_grads=only_with_grads)
         self.params.drop_unreached_grads()
         self.grads_published = True
+        self._check_dropped = True
 
     def publish_grads(self) -> None:
         """``finish_grad_sync``: reduce what is still unreduced; when that reduced
@@ -559,6 +564,7 @@ class FSDPHooks(ParamSwapping):
         if reduced or not self.grads_published:
             self.raise_if_nonfinite_grads()
             self.attach_grads(only_with_grads=True)
+            self.params.run_grad_hooks()
 
     def clear_nonfinite_grads(self) -> None:
         self._nonfinite.clear()

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_buffers.whole_param import inner_of
+from fsdp_buffers.whole_param import inner_of, is_whole_parameter
 from fsdp_mesh.device import control_device
 
 if TYPE_CHECKING:
@@ -69,6 +69,8 @@ class ParamState:
         self._frozen_dparams = [d for _n, _c, d, t in self.entries if not t]
         self._trainable_compute = [c for c, _d in self._trainable]
         self._trainable_dparams = [d for _c, d in self._trainable]
+        # Those whose hooks run_grad_hooks runs (a WholeParameter refuses every tensor op).
+        self._hookable = [d for d in self._trainable_dparams if not is_whole_parameter(d)]
         self._trainable_ids = [id(c) for c in self._trainable_compute]
         self._versions: tuple[list[int], list[int]] = ([], [])
         # ids of the compute parameters a gradient reached (a Tensor hashes in Python;
@@ -115,21 +117,23 @@ class ParamState:
         self.reached.clear()
         self.unreached = []
 
-    def agree_on_reached(self) -> None:
-        """After a backward that reduced: which trainable parameters got a gradient on
-        some rank since ``zero_grad`` (a MAX over each parameter's data-parallel group)."""
-        if not self._trainable:
-            return
+    def agree(self, late: list[bool]) -> list[bool]:
+        """End of a backward, in one collective (a MAX over the data-parallel group):
+        which trainable parameters got a gradient on some rank since ``zero_grad``, and
+        which buckets some rank holds gradients for that arrived after their reduction
+        (``late``, one flag per bucket in the reduce pipeline's order; returned agreed)."""
         reached = torch.tensor(
             list(map(self.reached.__contains__, self._trainable_ids)), dtype=torch.uint8
         )
+        n = len(reached)
         if dist.is_initialized():
             index = self._hooks.wrapper.dist_index
-            device = self._hooks.buffer.device
-            device = control_device(device)
-            flags = reached.to(device)
-            expert = torch.tensor(self._expert, device=device)
+            device = control_device(self._hooks.buffer.device)
+            flags = torch.cat([reached, torch.tensor(late, dtype=torch.uint8)]).to(device)
+            expert = torch.tensor(self._expert, dtype=torch.bool, device=device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=index.get_dp_group())
+            late = [bool(x) for x in flags[n:].tolist()]
+            flags = flags[:n]
             if self._hooks.wrapper.experts_differ_across_ranks and bool(expert.any()):
                 # Ranks hold different experts: agree over the expert group instead.
                 mine = reached.to(device)
@@ -142,6 +146,19 @@ class ParamState:
             d for (_c, d), hit in zip(self._trainable, reached.tolist(), strict=True) if not hit
         ]
         self.drop_unreached_grads()
+        return late
+
+    def run_grad_hooks(self) -> None:
+        """Once the reduced gradients are attached: the post-accumulate-grad hooks users
+        registered on the parameters they see, once per parameter with a gradient, as
+        FSDP2 runs them on its sharded parameters after the reduction (optimizer-in-
+        backward code steps there). Autograd never runs them: those parameters are not
+        in the graph, the compute parameters are."""
+        for dparam in self._hookable:
+            hooks = getattr(dparam, "_post_accumulate_grad_hooks", None)
+            if hooks and dparam.grad is not None:
+                for hook in tuple(hooks.values()):
+                    hook(dparam)
 
     def drop_unreached_grads(self) -> None:
         self._hooks.buffer.views.drop_grads(self.unreached)

@@ -8,21 +8,18 @@ released after every unit sharing it has run its forward (a unit the forward ski
 leaves it gathered until the root post-forward, which releases it), and, in backward,
 after the post-backward of the last of them whose backward was pending. It is one
 tensor, so memory is freed per communication unit, not per unit. Its reduction starts
-at that same point (``FSDPHooks._mark_ready_if_complete``: ``backward_done`` of the
-units that release it), so the units' gradients reduce as one. The rule is only as
-good as the counts (``FSDPUnit.pending_backward``). Another graph's end of backward
-(``l1 = f(x1); l2 = f(x2); l1.backward(); l2.backward()``, an auxiliary loss
+at that same point, so the units' gradients reduce as one. Another graph's end of
+backward (``l1 = f(x1); l2 = f(x2); l1.backward(); l2.backward()``, an auxiliary loss
 backpropagated on its own first) and a forward that no backward follows (a ``no_grad``
-forward in between) reset them to zero, and zero counts would reduce the bucket at the
-first sharer's post-backward, before the others' gradients arrive. So each root forward
-records its unit calls and hands them to its output's root pre-backward, which sets the
-counts of the backward that begins to them (adds them, for a second graph of the same
-backward), plus the unit calls made outside any root forward since the last end of
-backward. A backward that reaches no output of the model (a loss on a unit's output kept
-by a hook) has no root pre-backward: when a post-backward finds its unit's count already
-zero the counts are known to be short, and buckets that several units release wait for
-the end of that backward (``FSDPHooks._uncounted_backward``). Counts too high (a graph
-that a backward reaches only partly) only defer marking to the end of backward.
+forward in between) reset the counts (``FSDPUnit.pending_backward``) to zero, and zero
+counts would release the bucket at the first sharer's post-backward, before the others'
+backward. So each root forward records its unit calls and hands them to its output's
+root pre-backward, which sets the counts of the backward that begins to them (adds them,
+for a second graph of the same backward), plus the unit calls made outside any root
+forward since the last end of backward. Counts too high (a graph that a backward
+reaches only partly) only defer the release and reduction to the end of backward. No
+count loses a gradient: what a reduction did not see is reduced at the end of backward
+(``GradReducePipeline.finish``).
 
 A bucket used by one unit only is not tracked here: it is released at that unit's
 post-forward and post-backward, as without coalescing.
@@ -50,8 +47,7 @@ _pending_backward = attrgetter("pending_backward")
 
 def backward_done(units: list[FSDPUnit]) -> bool:
     """Whether none of ``units`` has a forward call whose backward is still to come: the
-    one rule for releasing a shared bucket after backward and for marking a bucket
-    ready for reduction (``FSDPHooks._mark_ready_if_complete``)."""
+    rule for releasing (and reducing) a shared bucket after backward."""
     return not any(map(_pending_backward, units))  # C-level: no generator frame per unit
 
 

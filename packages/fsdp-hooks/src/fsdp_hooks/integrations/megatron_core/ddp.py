@@ -45,6 +45,7 @@ from torch import nn
 
 from fsdp_buffers import (
     GradReducePipeline,
+    GradStaging,
     MixedPrecisionPolicy,
     ParamAndGradBuffer,
     ShardingStrategy,
@@ -219,6 +220,8 @@ class DistributedDataParallel(InnerModuleAttributes):
             device=device,
             gradient_scaling_factor=1.0 if per_token else None,
             average_in_collective=cfg.average_in_collective,
+            # Megatron-Core's optimizers and fused wgrad read and write param.main_grad.
+            grad_staging=GradStaging.MAIN_GRAD,
         )
         self._weights_owner = WeightsOwner.UNCLAIMED
         self.buffers = GradBufferList(

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
+from fsdp_buffers import GradStaging, MixedPrecisionPolicy, ShardingStrategy
 from fsdp_hooks.integrations.megatron_core._common import (
     coerce_ddp_config,
     dist_index_over,
@@ -178,6 +178,8 @@ class FullyShardedDataParallel(InnerModuleAttributes):
             calculate_per_token_loss=bool(transformer_option(config, "calculate_per_token_loss")),
             init_model_with_meta_device=meta_init,
             mixed_precision_policy=mixed_precision_policy,
+            # Megatron-Core's layers add into param.main_grad themselves (fused wgrad).
+            grad_staging=GradStaging.MAIN_GRAD,
         )
         # Megatron-Core's DistributedOptimizer (use_megatron_fsdp) reads
         # parameter_groups and calls copy_main_weights_to_model_weights() on it.
