@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_buffers.collectives import CommStats
+from fsdp_buffers.comm_context import CommContext
 from fsdp_buffers.data_parallel_buffer import TemporaryBucketAllocator
 from fsdp_buffers.mixed_precision import MixedPrecisionPolicy
 
@@ -62,6 +63,7 @@ class BucketContext:
     device: torch.device
     average_in_collective: bool
     scratch: TemporaryBucketAllocator
+    comm: CommContext  # the streams and their order (Note [streams and frees])
     # Elements of whole-placed parameters each shard owns so far, per (expert, shards):
     # later buckets balance against it (Note [whole placement]).
     whole_loads: dict[tuple[bool, int], list[int]] = field(default_factory=dict)
