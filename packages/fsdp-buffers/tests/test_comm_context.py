@@ -28,7 +28,7 @@ def test_cpu_has_no_streams_and_every_order_is_a_no_op():
     assert comm.stream(GATHER) is None and comm.stream(COMPUTE) is None
     with comm.launch(GATHER, 0):
         x = torch.ones(3)
-    comm.free(GATHER, 0, "x")
+    comm.free(GATHER, COMPUTE, 0, "x")
     ran = []
     comm.wait(PendingCollective(None, lambda: ran.append(1)), "nothing", GATHER, 0)
     assert ran == [1] and x.sum().item() == 3
@@ -40,15 +40,19 @@ def _log(*ops: tuple) -> StreamRecorder:
     return rec
 
 
-_LAUNCH = [("wait_stream", GATHER, 0, "compute"), ("launch", GATHER, 0, "")]
+_LAUNCH = [("wait_stream", GATHER, 0, "", COMPUTE), ("launch", GATHER, 0)]
 _GOOD = [
     *_LAUNCH,
-    ("wait", COMPUTE, 0, "gather"),
+    ("wait", COMPUTE, 0, "", GATHER),
     ("read", COMPUTE, 0, "gather output"),
-    ("wait_event", GATHER, 0, "compute"),
-    ("free", GATHER, 0, "gather output"),
+    ("wait_event", GATHER, 0, "", COMPUTE),
+    ("free", GATHER, 0, "gather output", COMPUTE),
     ("read", COMPUTE, 0, "gathered bucket"),
-    ("free", COMPUTE, 0, "gathered bucket"),
+    ("free", COMPUTE, 0, "gathered bucket", COMPUTE),
+    ("wait_stream", REDUCE, 0, "", COMPUTE),
+    ("launch", REDUCE, 0),
+    ("wait", COMPUTE, 0, "", REDUCE),
+    ("free", COMPUTE, 0, "reduction input", REDUCE),
 ]
 
 
@@ -59,17 +63,27 @@ _GOOD = [
         (
             [
                 *_LAUNCH,
-                ("wait", COMPUTE, 0, "gather"),
+                ("wait", COMPUTE, 0, "", GATHER),
                 ("read", COMPUTE, 0, "x"),
-                ("free", GATHER, 0, "x"),
+                ("free", GATHER, 0, "x", COMPUTE),
             ],
             "freed before gather waited on compute's last read",
         ),
-        ([*_LAUNCH, ("free", COMPUTE, 0, "x")], "freed while collectives on"),
-        ([*_LAUNCH, ("free", GATHER, 0, "x")], "freed under its unwaited collective"),
-        ([("launch", REDUCE, 1, "")], "launched before its stream waited on compute"),
         (
-            [("wait_stream", GATHER, 1, "compute"), ("launch", REDUCE, 1, "")],
+            [
+                ("wait_stream", REDUCE, 0, "", COMPUTE),
+                ("launch", REDUCE, 0),
+                ("free", COMPUTE, 0, "x", REDUCE),
+            ],
+            "freed before compute waited on the reduce collective",
+        ),
+        (
+            [*_LAUNCH, ("wait_event", GATHER, 0, "", COMPUTE), ("free", GATHER, 0, "x", COMPUTE)],
+            "freed under its unwaited collective",
+        ),
+        ([("launch", REDUCE, 1)], "launched before its stream waited on compute"),
+        (
+            [("wait_stream", GATHER, 1, "", COMPUTE), ("launch", REDUCE, 1)],
             "launched before its stream waited on compute",
         ),
     ],
@@ -125,11 +139,11 @@ def test_a_gather_is_waited_before_read_and_ordered_before_free(double_buffer):
         gids = sorted({o.gid for o in ops})
         assert gids == [0, 1, 2], gids
         for gid in gids:
-            mine = [(o.op, o.stream, o.what) for o in ops if o.gid == gid]
-            launch = mine.index(("launch", GATHER, ""))
-            wait = mine.index(("wait", COMPUTE, "gather"))
-            read = mine.index(("read", COMPUTE, "gathered bucket"))
-            assert mine[launch - 1] == ("wait_stream", GATHER, "compute")
+            mine = [(o.op, o.stream, o.what, o.peer) for o in ops if o.gid == gid]
+            launch = mine.index(("launch", GATHER, "", None))
+            wait = mine.index(("wait", COMPUTE, "", GATHER))
+            read = mine.index(("read", COMPUTE, "gathered bucket", None))
+            assert mine[launch - 1] == ("wait_stream", GATHER, "", COMPUTE)
             assert launch < wait < read, mine
             freed = [i for i, m in enumerate(mine) if m[0] == "free"]
             assert freed and all(i > wait for i in freed), mine
@@ -150,6 +164,6 @@ def test_cuda_launch_runs_on_the_gather_stream_after_compute():
         assert torch.cuda.current_stream(device) == gather
         y = x * 3  # ordered after the mul_ on compute
     assert torch.cuda.current_stream(device) == compute
-    comm.free(GATHER, 0, "y")
+    comm.free(GATHER, COMPUTE, 0, "y")
     compute.wait_stream(gather)
     assert torch.equal(y, torch.full_like(x, 6.0))

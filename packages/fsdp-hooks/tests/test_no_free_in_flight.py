@@ -206,8 +206,8 @@ HYBRID = {
 class _FreeWithoutOrder(CommContext):
     """A context that forgets the free rule's wait (what the recorder must catch)."""
 
-    def free(self, allocated_on: StreamKind, gid: int, what: str) -> None:
-        self.note("free", allocated_on, gid, what)
+    def free(self, allocated_on: StreamKind, used_by: StreamKind, gid: int, what: str) -> None:
+        self.note("free", allocated_on, gid, what, used_by)
 
 
 def _train(kwargs: dict, hybrid: bool, context: type[CommContext] = CommContext) -> list[str]:

@@ -389,7 +389,7 @@ class Bucket(BucketGradients):
         with self._range_copy_out:
             comm.note("read", StreamKind.COMPUTE, self.gid, "gather output")
             self._copy_out_for(buf.fetch_bucket(), buf.coarse)(gathered)
-        comm.free(StreamKind.GATHER, self.gid, "gather output")
+        comm.free(StreamKind.GATHER, StreamKind.COMPUTE, self.gid, "gather output")
         del gathered
 
     def _copy_out_for(
@@ -420,7 +420,11 @@ class Bucket(BucketGradients):
         assert model is not None
         with self._range_release:
             if model.has_unsharded_data:
-                self.ctx.comm.free(self._bucket_stream, self.gid, "gathered bucket")
+                # Gathered in place: allocated on GATHER; else allocated on COMPUTE at
+                # copy-out, and only compute used it.
+                self.ctx.comm.free(
+                    self._bucket_stream, StreamKind.COMPUTE, self.gid, "gathered bucket"
+                )
             model.free_bucket()
         self.status = BucketStatus.EMPTY
 

@@ -79,7 +79,9 @@ class StreamOps:
     """How streams are made and ordered: this base is the null implementation (no
     streams; the host's order is the only order). ``DeviceStreams`` is CUDA's; a test's
     recorder logs the calls instead. ``note`` receives what the context does with each
-    bucket (for a recorder; the others ignore it)."""
+    bucket (for a recorder; the others ignore it): ``op`` on ``stream`` for bucket
+    ``gid``; ``what`` names the memory, ``peer`` the other stream (the one waited on,
+    or the one that used the memory freed)."""
 
     has_streams = False
 
@@ -101,7 +103,9 @@ class StreamOps:
     def wait_stream(self, stream: Any, other: Any) -> None:
         pass
 
-    def note(self, op: str, stream: StreamKind, gid: int, what: str) -> None:
+    def note(
+        self, op: str, stream: StreamKind, gid: int, what: str = "", peer: StreamKind | None = None
+    ) -> None:
         pass
 
 
@@ -169,23 +173,25 @@ class CommContext:
             return _NULL
         ops, stream = self.ops, self._streams[kind]
         ops.wait_stream(stream, ops.current())
-        ops.note("wait_stream", kind, gid, StreamKind.COMPUTE.value)
-        ops.note("launch", kind, gid, "")
+        ops.note("wait_stream", kind, gid, peer=StreamKind.COMPUTE)
+        ops.note("launch", kind, gid)
         return ops.use(stream)
 
     def wait(self, pending: PendingCollective, what: str, kind: StreamKind, gid: int) -> None:
         """COMPUTE (the current stream) waits on the collective ``pending`` launched on
         ``kind``'s stream, and runs its follow-up; before any read of its result."""
-        self.note("wait", StreamKind.COMPUTE, gid, kind.value)
+        self.note("wait", StreamKind.COMPUTE, gid, peer=kind)
         pending.wait(what)
 
-    def free(self, allocated_on: StreamKind, gid: int, what: str) -> None:
-        """Before memory allocated on ``allocated_on`` and read on COMPUTE is freed:
-        ``allocated_on`` waits on an event recorded on COMPUTE now (after its reads)."""
+    def free(self, allocated_on: StreamKind, used_by: StreamKind, gid: int, what: str) -> None:
+        """Before memory allocated on ``allocated_on`` and used on ``used_by`` is freed.
+        Allocated on a communication stream and read on COMPUTE: that stream waits on an
+        event recorded on COMPUTE now (after the reads). Allocated on COMPUTE and used by
+        a collective: COMPUTE already waited on it (``wait``); nothing to add."""
         if not self.has_streams:
             return
-        if allocated_on is not StreamKind.COMPUTE:
+        if allocated_on is not used_by and allocated_on is not StreamKind.COMPUTE:
             ops = self.ops
             ops.wait_event(self._streams[allocated_on], ops.record(ops.current()))
-            ops.note("wait_event", allocated_on, gid, StreamKind.COMPUTE.value)
-        self.note("free", allocated_on, gid, what)
+            ops.note("wait_event", allocated_on, gid, peer=used_by)
+        self.note("free", allocated_on, gid, what, used_by)

@@ -31,13 +31,14 @@ _COMPUTE = StreamKind.COMPUTE
 @dataclass(frozen=True)
 class Op:
     """One logged operation: ``op`` on ``stream`` for bucket ``gid``; ``what`` names
-    the memory (read, free), the stream waited on (wait_stream, wait_event), or the
-    kind of collective waited on (wait)."""
+    the memory read or freed, ``peer`` the other stream (the one waited on, or the one
+    that used the memory freed)."""
 
     op: str
     stream: StreamKind
     gid: int
-    what: str
+    what: str = ""
+    peer: StreamKind | None = None
 
 
 class StreamRecorder(StreamOps):
@@ -46,8 +47,10 @@ class StreamRecorder(StreamOps):
     def __init__(self) -> None:
         self.ops: list[Op] = []
 
-    def note(self, op: str, stream: StreamKind, gid: int, what: str) -> None:
-        self.ops.append(Op(op, stream, gid, what))
+    def note(
+        self, op: str, stream: StreamKind, gid: int, what: str = "", peer: StreamKind | None = None
+    ) -> None:
+        self.ops.append(Op(op, stream, gid, what, peer))
 
     # Streams are their kinds; the orders are the notes the context makes with them.
     def make(self, kind: StreamKind) -> Any:
@@ -67,25 +70,29 @@ class StreamRecorder(StreamOps):
         last_read: dict[int, int] = {}  # bucket -> index of COMPUTE's last read
         for i, o in enumerate(self.ops):
             where = f"operation {i} {o}"
-            if o.op == "wait_stream" or o.op == "wait_event":
-                if o.what == _COMPUTE.value:
+            if o.op in ("wait_stream", "wait_event"):
+                if o.peer is _COMPUTE:
                     ordered_at[o.stream] = i
             elif o.op == "launch":
-                if i == 0 or self.ops[i - 1] != Op("wait_stream", o.stream, o.gid, "compute"):
+                before = self.ops[i - 1] if i else None
+                if before != Op("wait_stream", o.stream, o.gid, peer=_COMPUTE):
                     raise AssertionError(f"{where}: launched before its stream waited on compute")
                 waited[(o.stream, o.gid)] = False
             elif o.op == "wait":
-                waited[(StreamKind(o.what), o.gid)] = True
+                assert o.peer is not None, where
+                waited[(o.peer, o.gid)] = True
             elif o.op == "read":
                 if not waited.get((StreamKind.GATHER, o.gid), True):
                     raise AssertionError(f"{where}: read before compute waited on its gather")
                 last_read[o.gid] = i
             elif o.op == "free":
-                if o.stream is _COMPUTE:
-                    late = [s for (s, g), w in waited.items() if g == o.gid and not w]
-                    if late:
+                if o.peer is None or o.peer is o.stream:
+                    continue  # used where it was allocated: the stream's own order
+                if o.stream is _COMPUTE:  # used by a collective on ``peer``
+                    if not waited.get((o.peer, o.gid), True):
                         raise AssertionError(
-                            f"{where}: freed while collectives on {late} using it are unwaited"
+                            f"{where}: freed before compute waited on the {o.peer.value} "
+                            "collective using it"
                         )
                 elif ordered_at.get(o.stream, -1) < last_read.get(o.gid, -1):
                     raise AssertionError(
