@@ -235,9 +235,11 @@ def _train(kwargs: dict, hybrid: bool, context: type[CommContext] = CommContext)
         with torch.no_grad():  # a forward with no backward releases what it gathered
             model(x[:M])
     streams.check()
-    if kwargs["zero_dp_strategy"] == 3:  # the recorder saw the gathers it checks
+    # The recorder saw the gathers and reductions it checks.
+    if kwargs["zero_dp_strategy"] == 3:
         assert streams.count("launch", StreamKind.GATHER) > 0, streams.ops[:5]
         assert streams.count("free", StreamKind.GATHER) > 0, streams.ops[:5]
+    assert streams.count("launch", StreamKind.REDUCE) > 0, streams.ops[:5]
     return sorted(names)
 
 

@@ -59,6 +59,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_buffers import collectives
 from fsdp_buffers.bucket_state import BucketContext, CommGroup, GradState, GroupSharding
 from fsdp_buffers.collectives import PendingCollective
+from fsdp_buffers.comm_context import StreamKind
 from fsdp_buffers.data_parallel_buffer import DataParallelBuffer, TemporaryBucketAllocator
 from fsdp_buffers.layout import StagingTargets
 from fsdp_buffers.param_group import ParameterGroup
@@ -374,7 +375,8 @@ class BucketGradients:
                 send = unsharded if comm_dtype == gbuf.dtype else unsharded.to(comm_dtype)
                 if factor != 1.0:
                     send.mul_(factor)
-                work = collectives.all_reduce(send, pg, op, stats, label)
+                with self.ctx.comm.launch(StreamKind.REDUCE, self.gid):
+                    work = collectives.all_reduce(send, pg, op, stats, label)
 
                 def finish_all_reduce() -> None:
                     if send is not unsharded:
@@ -406,9 +408,10 @@ class BucketGradients:
             out = torch.empty(
                 len(gbuf.owned_shards) * layout.shard_numel, dtype=comm_dtype, device=send.device
             )
-            work = collectives.reduce_scatter(
-                out, send, pg, op, stats, label, layout.padding_fraction
-            )
+            with self.ctx.comm.launch(StreamKind.REDUCE, self.gid):
+                work = collectives.reduce_scatter(
+                    out, send, pg, op, stats, label, layout.padding_fraction
+                )
             if self.sharding.grads:
 
                 def finish() -> None:
