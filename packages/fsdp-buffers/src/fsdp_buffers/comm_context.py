@@ -45,9 +45,11 @@ Gather outputs are allocated on GATHER (a rank-major bucket gathered in place, o
 rank-major output copied out to a parameter-major bucket, which is allocated on COMPUTE
 at copy-out and freed there). Reductions' inputs and outputs are allocated on COMPUTE
 and read by the communicator; COMPUTE waits on the collective before they are dropped
-(``PendingCollective`` keeps them until then). The watch of ``test_no_free_in_flight``
-checks the host side of the same rule: no storage is shrunk while an unwaited
-collective uses it.
+(``PendingCollective`` keeps them until then). While every launch orders GATHER after
+COMPUTE, a later gather would be ordered after the reads anyway; the free's own wait is
+what keeps frees right if launches are ordered less often (FSDP2's once per forward),
+and costs one event per free. The watch of ``test_no_free_in_flight`` checks the host
+side of the same rule: no storage is shrunk while an unwaited collective uses it.
 """
 
 from __future__ import annotations
