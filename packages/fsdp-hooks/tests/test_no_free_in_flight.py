@@ -14,6 +14,16 @@ completed). A storage that shrinks while a watched collective reads or writes it
 rank, naming the collective and where both calls came from. Training steps run under
 ZeRO-1/2/3, with unit coalescing, prefetch two deep, double buffering, gradients
 communicated in another dtype, microbatches, hybrid sharding and gradient clipping.
+
+On CUDA the same rule has a stream half (Note [streams and frees] in
+``fsdp_buffers.comm_context``): a collective runs on its own stream, so memory is free
+for reuse only once the stream that allocated it is ordered after every stream that
+reads it, and a gathered bucket is read on the compute stream only after that stream
+waited on its gather. The same training runs with a ``StreamRecorder`` as the buffer's
+stream operations (no streams here: it logs what the context orders), and
+``StreamRecorder.check`` fails the rank on the first read before its wait, free before
+its order, or launch before its stream waited on compute. A context that frees without
+ordering is caught (``test_a_free_without_its_stream_order_is_caught``).
 """
 
 from __future__ import annotations
@@ -29,6 +39,8 @@ from torch.nn import functional as F
 
 from fsdp_buffers import MixedPrecisionPolicy
 from fsdp_buffers.collectives import all_gather
+from fsdp_buffers.comm_context import CommContext, StreamKind
+from fsdp_buffers.stream_recorder import StreamRecorder
 from fsdp_hooks import fully_shard
 from fsdp_mesh import build_device_mesh
 from fsdp_mesh.testing import run_distributed
@@ -191,7 +203,14 @@ HYBRID = {
 }
 
 
-def _train(kwargs: dict, hybrid: bool) -> list[str]:
+class _FreeWithoutOrder(CommContext):
+    """A context that forgets the free rule's wait (what the recorder must catch)."""
+
+    def free(self, allocated_on: StreamKind, used_by: StreamKind, gid: int, what: str) -> None:
+        self.note("free", allocated_on, gid, what, used_by)
+
+
+def _train(kwargs: dict, hybrid: bool, context: type[CommContext] = CommContext) -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     module = GPT(CFG)
@@ -201,6 +220,8 @@ def _train(kwargs: dict, hybrid: bool) -> list[str]:
         kwargs["dp_shard_dim"], kwargs["dp_outer_dim"] = "dp_shard", "dp_outer"
     with watch_frees() as names:
         model, opt = fully_shard(module, torch.optim.AdamW(module.parameters(), lr=1e-2), **kwargs)
+        streams = StreamRecorder()
+        model.buffer.comm = context(model.buffer.device, streams)
         for step in range(3):
             x, y = token_batch(step, world * K * M, CFG.max_seq_len, CFG.vocab_size)
             for j in range(K):
@@ -213,6 +234,12 @@ def _train(kwargs: dict, hybrid: bool) -> list[str]:
             opt.zero_grad(set_to_none=step != 1)
         with torch.no_grad():  # a forward with no backward releases what it gathered
             model(x[:M])
+    streams.check()
+    # The recorder saw the gathers and reductions it checks.
+    if kwargs["zero_dp_strategy"] == 3:
+        assert streams.count("launch", StreamKind.GATHER) > 0, streams.ops[:5]
+        assert streams.count("free", StreamKind.GATHER) > 0, streams.ops[:5]
+    assert streams.count("launch", StreamKind.REDUCE) > 0, streams.ops[:5]
     return sorted(names)
 
 
@@ -232,3 +259,17 @@ def test_no_storage_is_freed_under_a_collective_in_flight(world, scenarios, hybr
                 name,
                 seen,
             )
+
+
+def _caught(kwargs: dict) -> str:
+    try:
+        _train(kwargs, False, _FreeWithoutOrder)
+    except AssertionError as err:
+        return str(err)
+    return ""
+
+
+@pytest.mark.parametrize("kwargs", [SCENARIOS["zero3"], SCENARIOS["zero3_double"]])
+def test_a_free_without_its_stream_order_is_caught(kwargs):
+    for message in run_distributed(_caught, 2, args=(kwargs,), timeout=60):
+        assert "before gather waited on compute's last read" in message, message

@@ -64,6 +64,7 @@ from fsdp_buffers.bucket_state import (
     GroupSharding,
 )
 from fsdp_buffers.collectives import PendingCollective
+from fsdp_buffers.comm_context import StreamKind
 from fsdp_buffers.data_parallel_buffer import (
     BucketAllocator,
     DataParallelBuffer,
@@ -140,6 +141,10 @@ class Bucket(BucketGradients):
         self.status = BucketStatus.READY_TO_USE
         self.grad_state = GradState.EMPTY
         self._gather: PendingCollective | None = None
+        # The rank-major output of the gather in flight when it is copied out after,
+        # and the stream the gathered bucket was allocated on (Note [streams and frees]).
+        self._gathered: torch.Tensor | None = None
+        self._bucket_stream = StreamKind.COMPUTE
         self._grad_views: list[torch.Tensor] = []
         self._chunk_cat: bool | None = None  # see ``_chunk_cat_applies``
         # The optimizer's gradients cast to the main weights' dtype, when the main
@@ -326,9 +331,10 @@ class Bucket(BucketGradients):
         return a.allocator is b.allocator and a.allocator.shares_slot(a, b)
 
     def start_gather(self) -> None:
-        """EMPTY -> GATHER_IN_PROGRESS: start the all-gather (the bucket is fetched when it
-        lands, or now when its memory is a shared slot). STALE -> GATHER_IN_PROGRESS:
-        start the install's all-gather (``start_install``)."""
+        """EMPTY -> GATHER_IN_PROGRESS: start the all-gather on the gather stream (the
+        bucket is fetched when it lands, or now when its memory is a shared slot).
+        STALE -> GATHER_IN_PROGRESS: start the install's all-gather (``start_install``;
+        on the current stream, waited on by ``_finish_gather`` like any gather)."""
         if self.status is BucketStatus.STALE:
             self._gather = self.start_install()
             self.status = BucketStatus.GATHER_IN_PROGRESS
@@ -340,30 +346,55 @@ class Bucket(BucketGradients):
         label = self._gather_label
         pg = self.shard.group
         pad = self._gather_padding
-        if self._gather_in_place:  # rank-major already: straight into the bucket
-            bucket = buf.fetch_bucket()
-            work = collectives.all_gather(bucket, buf.data, pg, self.ctx.stats, label, pad)
-            self._gather = PendingCollective(work, keepalive=(bucket,))
-        else:
-            # The parameter-major bucket is fetched when the gather lands, as FSDP2
-            # allocates its unsharded parameters at copy-out: while a gather is in
-            # flight (a prefetch spans the whole compute of the unit before), only
-            # its rank-major output exists. A shared slot is reserved now instead.
-            early = buf.fetch_bucket() if buf.allocator.shares_memory else None
-            gathered = torch.empty(buf.layout.total_numel, dtype=buf.dtype, device=buf.device)
-            work = collectives.all_gather(gathered, buf.data, pg, self.ctx.stats, label, pad)
-
-            def unpack() -> None:
-                # Rank-major pieces to parameter-major storage (Note [shard layout]).
-                # Neither tensor requires grad (both plain allocations; parameters are
-                # views, not the other way round), so autograd records nothing even with
-                # grad mode on: no no_grad context per gather.
-                with self._range_copy_out:
-                    bucket = early if early is not None else buf.fetch_bucket()
-                    self._copy_out_for(bucket, buf.coarse)(gathered)
-
-            self._gather = PendingCollective(work, unpack, keepalive=(gathered,))
+        ctx = self.ctx
+        # Allocated on the gather stream, freed after it waits on the reads (Note
+        # [streams and frees]): the bucket gathered in place, or the rank-major output.
+        with ctx.comm.launch(StreamKind.GATHER, self.gid):
+            if self._gather_in_place:  # rank-major already: straight into the bucket
+                out = buf.fetch_bucket()
+                self._gathered = None
+                self._bucket_stream = StreamKind.GATHER
+            else:
+                # The parameter-major bucket is fetched at copy-out, on the compute
+                # stream, as FSDP2 allocates its unsharded parameters: while a gather is
+                # in flight (a prefetch spans the whole compute of the unit before),
+                # only its rank-major output exists. A shared slot is reserved now.
+                if buf.allocator.shares_memory:
+                    buf.fetch_bucket()
+                out = self._gathered = torch.empty(
+                    buf.layout.total_numel, dtype=buf.dtype, device=buf.device
+                )
+                self._bucket_stream = StreamKind.COMPUTE
+            work = collectives.all_gather(out, buf.data, pg, ctx.stats, label, pad)
+        self._gather = PendingCollective(work, keepalive=(out,))
         self.status = BucketStatus.GATHER_IN_PROGRESS
+
+    @property
+    def gather_in_flight(self) -> bool:
+        """Whether an all-gather was started and not waited on yet."""
+        return self._gather is not None
+
+    def _finish_gather(self, what: str) -> None:
+        """The compute stream waits on the gather in flight, then copies the rank-major
+        output out to the parameter-major bucket (Note [shard layout]) and frees it."""
+        pending, self._gather = self._gather, None
+        if pending is None:
+            return
+        comm = self.ctx.comm
+        comm.wait(pending, what, StreamKind.GATHER, self.gid)
+        gathered, self._gathered = self._gathered, None
+        if gathered is None:
+            return
+        buf = self.group.model_weight_buffer
+        assert buf is not None
+        # Neither tensor requires grad (both plain allocations; parameters are views,
+        # not the other way round), so autograd records nothing even with grad mode on:
+        # no no_grad context per gather.
+        with self._range_copy_out:
+            comm.note("read", StreamKind.COMPUTE, self.gid, "gather output")
+            self._copy_out_for(buf.fetch_bucket(), buf.coarse)(gathered)
+        comm.free(StreamKind.GATHER, StreamKind.COMPUTE, self.gid, "gather output")
+        del gathered
 
     def _copy_out_for(
         self, pm: torch.Tensor, coarse: int | None = None
@@ -379,10 +410,9 @@ class Bucket(BucketGradients):
         """-> READY_TO_USE, gathering first if nothing is in flight."""
         if self.status is BucketStatus.EMPTY or self.status is BucketStatus.STALE:
             self.start_gather()
-        pending, self._gather = self._gather, None
-        if pending is not None:
-            pending.wait(what)
+        self._finish_gather(what)
         self.status = BucketStatus.READY_TO_USE
+        self.ctx.comm.note("read", StreamKind.COMPUTE, self.gid, "gathered bucket")
 
     def release(self, what: str) -> None:
         """-> EMPTY: free the gathered bucket (a gather in flight is finished first: its
@@ -392,11 +422,17 @@ class Bucket(BucketGradients):
             if self.status is BucketStatus.GATHER_IN_PROGRESS:
                 self.wait_gather(what)
             return
-        pending, self._gather = self._gather, None
-        if pending is not None:
-            pending.wait(what)
+        self._finish_gather(what)
+        model = self.group.model_weight_buffer
+        assert model is not None
         with self._range_release:
-            self.group.model_weight_buffer.free_bucket()  # type: ignore[union-attr]
+            if model.has_unsharded_data:
+                # Gathered in place: allocated on GATHER; else allocated on COMPUTE at
+                # copy-out, and only compute used it.
+                self.ctx.comm.free(
+                    self._bucket_stream, StreamKind.COMPUTE, self.gid, "gathered bucket"
+                )
+            model.free_bucket()
         self.status = BucketStatus.EMPTY
 
     # ---- main weights ---------------------------------------------------------------

@@ -55,6 +55,7 @@ from fsdp_buffers.bucket_state import (
     GroupSharding,
 )
 from fsdp_buffers.collectives import PendingCollective
+from fsdp_buffers.comm_context import StreamKind
 from fsdp_buffers.data_parallel_buffer import DataParallelBuffer
 from fsdp_buffers.param_group import ParameterGroup
 from fsdp_buffers.profiling import annotate
@@ -331,7 +332,8 @@ class BucketGradients:
                 send = unsharded if comm_dtype == gbuf.dtype else unsharded.to(comm_dtype)
                 if factor != 1.0:
                     send.mul_(factor)
-                work = collectives.all_reduce(send, pg, op, stats, label)
+                with self.ctx.comm.launch(StreamKind.REDUCE, self.gid):
+                    work = collectives.all_reduce(send, pg, op, stats, label)
 
                 def finish_all_reduce() -> None:
                     if send is not unsharded:
@@ -357,9 +359,10 @@ class BucketGradients:
             out = torch.empty(
                 len(gbuf.owned_shards) * layout.shard_numel, dtype=comm_dtype, device=send.device
             )
-            work = collectives.reduce_scatter(
-                out, send, pg, op, stats, label, layout.padding_fraction
-            )
+            with self.ctx.comm.launch(StreamKind.REDUCE, self.gid):
+                work = collectives.reduce_scatter(
+                    out, send, pg, op, stats, label, layout.padding_fraction
+                )
             if self.sharding.grads:
 
                 def finish() -> None:

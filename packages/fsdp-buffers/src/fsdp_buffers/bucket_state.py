@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_buffers.collectives import CommStats
+from fsdp_buffers.comm_context import CommContext
 from fsdp_buffers.data_parallel_buffer import TemporaryBucketAllocator
 from fsdp_buffers.mixed_precision import MixedPrecisionPolicy
 
@@ -99,6 +100,7 @@ class BucketContext:
     device: torch.device
     average_in_collective: bool
     scratch: TemporaryBucketAllocator
+    comm: CommContext  # the streams and their order (Note [streams and frees])
     grads: GradConfig = field(default_factory=GradConfig)
     # Elements of whole-placed parameters each shard owns so far, per (expert, shards):
     # later buckets balance against it (Note [whole placement]).

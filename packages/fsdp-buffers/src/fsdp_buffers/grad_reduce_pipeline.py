@@ -44,6 +44,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_buffers.bucket import GradState
 from fsdp_buffers.collectives import PendingCollective, describe_bucket
+from fsdp_buffers.comm_context import StreamKind
 from fsdp_buffers.param_and_grad_buffer import ParamAndGradBuffer
 from fsdp_buffers.profiling import annotate
 
@@ -77,8 +78,8 @@ class GradReducePipeline:
         # When False, buckets with replicated grads only accumulate (no_sync); sharded
         # grads are always reduced, as in Megatron-FSDP.
         self.sync_grads = True
-        # (what it is, for errors; the reduction)
-        self._inflight: deque[tuple[str, PendingCollective]] = deque()
+        # (bucket, what it is for errors, the reduction)
+        self._inflight: deque[tuple[int, str, PendingCollective]] = deque()
         self._what = {g: describe_bucket(buffer, g, "gradient reduction") for g in trainable}
         self._begin_backward()
 
@@ -140,7 +141,7 @@ class GradReducePipeline:
             bucket.stage_locally()  # accumulate only; reduce at the next sync
             return
         self._wait_for_room()
-        self._inflight.append((self._what[gid], bucket.start_reduce()))
+        self._inflight.append((gid, self._what[gid], bucket.start_reduce()))
 
     def finish(self, agree: Callable[[list[bool]], list[bool]] | None = None) -> None:
         """End of backward: launch every bucket not launched yet (zeros stand in for
@@ -187,7 +188,7 @@ class GradReducePipeline:
             bucket = self.buckets[gid]
             if bucket.grad_state is GradState.ACCUMULATING:
                 self._wait_for_room()
-                self._inflight.append((self._what[gid], bucket.start_reduce()))
+                self._inflight.append((gid, self._what[gid], bucket.start_reduce()))
                 reduced = True
         self.wait_all()
         return self.reduce_outer() or reduced
@@ -200,24 +201,31 @@ class GradReducePipeline:
             pending = self.buckets[gid].start_outer_reduce()
             if pending is not None:
                 self._wait_for_room()
-                self._inflight.append((f"outer {self._what[gid]}", pending))
+                self._inflight.append((gid, f"outer {self._what[gid]}", pending))
                 reduced = True
         self.wait_all()
         return reduced
 
     def _wait_for_room(self) -> None:
         while len(self._inflight) >= self.max_inflight:
-            what, pending = self._inflight.popleft()
-            pending.wait(what)
+            self._wait_oldest()
 
     def wait_all(self) -> None:
         while self._inflight:
-            what, pending = self._inflight.popleft()
-            pending.wait(what)
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        # The compute stream waits on the reduction before its follow-up reads the
+        # result, and before its input and output (allocated on compute) are dropped
+        # (Note [streams and frees]).
+        gid, what, pending = self._inflight.popleft()
+        comm = self.buffer.comm
+        comm.wait(pending, what, StreamKind.REDUCE, gid)
+        comm.free(StreamKind.COMPUTE, StreamKind.REDUCE, gid, "reduction input and output")
 
     @property
     def inflight(self) -> int:
-        return sum(1 for _w, p in self._inflight if not p.done)
+        return sum(1 for _g, _w, p in self._inflight if not p.done)
 
     def register_grad_hooks(self) -> list[RemovableHandle]:
         """Post-accumulate-grad hooks that feed every trainable parameter's gradient

@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_buffers import collectives
 from fsdp_buffers.collectives import PendingCollective
+from fsdp_buffers.comm_context import StreamKind
 from fsdp_buffers.data_parallel_buffer import DataParallelBuffer
 
 if TYPE_CHECKING:
@@ -157,7 +158,10 @@ class OuterSharding:
             if self.sharded:
                 send = gbuf.data if comm_dtype == gbuf.dtype else gbuf.data.to(comm_dtype)
                 out = torch.empty(self._piece, dtype=comm_dtype, device=send.device)
-                work = collectives.reduce_scatter(out, send, pg, dist.ReduceOp.SUM, stats, label)
+                with bucket.ctx.comm.launch(StreamKind.REDUCE, bucket.gid):
+                    work = collectives.reduce_scatter(
+                        out, send, pg, dist.ReduceOp.SUM, stats, label
+                    )
 
                 def finish_outer_rs() -> None:
                     gbuf.data.zero_()
@@ -171,7 +175,8 @@ class OuterSharding:
             sharded_rs = bucket.sharding.main_weights and not gbuf.is_data_distributed
             target = gbuf.copy_local_shard() if sharded_rs else gbuf.data
             send = target if comm_dtype == gbuf.dtype else target.to(comm_dtype)
-            work = collectives.all_reduce(send, pg, dist.ReduceOp.SUM, stats, label)
+            with bucket.ctx.comm.launch(StreamKind.REDUCE, bucket.gid):
+                work = collectives.all_reduce(send, pg, dist.ReduceOp.SUM, stats, label)
 
             def finish_outer_ar() -> None:
                 if sharded_rs:

@@ -33,6 +33,7 @@ from torch import nn
 from fsdp_buffers.bucket import Bucket, BucketContext, CommGroup, GradState
 from fsdp_buffers.bucket_state import GradConfig, GradStaging
 from fsdp_buffers.collectives import CommStats, PendingCollective, read_timeout_env
+from fsdp_buffers.comm_context import CommContext
 from fsdp_buffers.data_parallel_buffer import (
     BucketAllocator,
     DoubleBufferAllocator,
@@ -102,6 +103,7 @@ class ParamAndGradBuffer:
             average_in_collective=average_in_collective,
             scratch=TemporaryBucketAllocator(),
             grads=GradConfig(GradStaging.parse(grad_staging)),
+            comm=CommContext(self.device),
         )
         # The wrapper classifies the parameters for tp once, at its checks, and passes it.
         self.tp = (
@@ -248,6 +250,23 @@ class ParamAndGradBuffer:
     @property
     def stats(self) -> CommStats:
         return self._ctx.stats
+
+    @property
+    def comm(self) -> CommContext:
+        """The streams every bucket's collectives run on (Note [streams and frees])."""
+        return self._ctx.comm
+
+    @comm.setter
+    def comm(self, comm: CommContext) -> None:
+        # Another context (a test's recorder) only between steps: a collective launched
+        # under the old one would be waited on under the new one.
+        busy = [b.gid for b in self.buckets if b.gather_in_flight]
+        if busy:
+            raise RuntimeError(
+                f"cannot replace the communication context while the gathers of buckets "
+                f"{busy} are in flight; wait for them (or release the buckets) first"
+            )
+        self._ctx.comm = comm
 
     def group_of(self, param: nn.Parameter) -> tuple[int, int]:
         entry = self._index_by_id.get(id(param))

@@ -1,0 +1,102 @@
+"""``StreamRecorder``: a ``StreamOps`` that logs, for checking Note [streams and frees]
+on a machine without streams.
+
+Give it to a buffer (``buffer.comm = CommContext(buffer.device, StreamRecorder())``) and
+train: every stream operation the context makes and what it does with each bucket is
+logged as an ``Op`` (symbolic streams: the ``StreamKind``), and ``check()`` raises on the
+first operation that breaks a rule:
+
+- a read of a bucket's gathered data on COMPUTE (a copy-out, the model's use) before
+  COMPUTE waited on that bucket's latest gather;
+- a free of memory allocated on a communication stream before that stream waited on
+  COMPUTE after COMPUTE's last read of it, or of memory allocated on COMPUTE that a
+  collective used before COMPUTE waited on that collective;
+- a launch on a communication stream not preceded by that stream waiting on COMPUTE.
+
+The collectives themselves run for real (gloo); only the stream calls are recorded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fsdp_buffers.comm_context import StreamKind, StreamOps
+
+__all__ = ["Op", "StreamRecorder"]
+
+_COMPUTE = StreamKind.COMPUTE
+
+
+@dataclass(frozen=True)
+class Op:
+    """One logged operation: ``op`` on ``stream`` for bucket ``gid``; ``what`` names
+    the memory read or freed, ``peer`` the other stream (the one waited on, or the one
+    that used the memory freed)."""
+
+    op: str
+    stream: StreamKind
+    gid: int
+    what: str = ""
+    peer: StreamKind | None = None
+
+
+class StreamRecorder(StreamOps):
+    has_streams = True
+
+    def __init__(self) -> None:
+        self.ops: list[Op] = []
+
+    def note(
+        self, op: str, stream: StreamKind, gid: int, what: str = "", peer: StreamKind | None = None
+    ) -> None:
+        self.ops.append(Op(op, stream, gid, what, peer))
+
+    # Streams are their kinds; the orders are the notes the context makes with them.
+    def make(self, kind: StreamKind) -> Any:
+        return kind
+
+    def current(self) -> Any:
+        return _COMPUTE
+
+    def count(self, op: str, stream: StreamKind | None = None) -> int:
+        return sum(1 for o in self.ops if o.op == op and (stream is None or o.stream is stream))
+
+    def check(self) -> None:
+        """Raise ``AssertionError`` naming the first operation that breaks a rule."""
+        # Per (stream, bucket): whether COMPUTE waited on the latest collective launched.
+        waited: dict[tuple[StreamKind, int], bool] = {}
+        ordered_at: dict[StreamKind, int] = {}  # stream -> index it last waited on COMPUTE
+        last_read: dict[int, int] = {}  # bucket -> index of COMPUTE's last read
+        for i, o in enumerate(self.ops):
+            where = f"operation {i} {o}"
+            if o.op in ("wait_stream", "wait_event"):
+                if o.peer is _COMPUTE:
+                    ordered_at[o.stream] = i
+            elif o.op == "launch":
+                before = self.ops[i - 1] if i else None
+                if before != Op("wait_stream", o.stream, o.gid, peer=_COMPUTE):
+                    raise AssertionError(f"{where}: launched before its stream waited on compute")
+                waited[(o.stream, o.gid)] = False
+            elif o.op == "wait":
+                assert o.peer is not None, where
+                waited[(o.peer, o.gid)] = True
+            elif o.op == "read":
+                if not waited.get((StreamKind.GATHER, o.gid), True):
+                    raise AssertionError(f"{where}: read before compute waited on its gather")
+                last_read[o.gid] = i
+            elif o.op == "free":
+                if o.peer is None or o.peer is o.stream:
+                    continue  # used where it was allocated: the stream's own order
+                if o.stream is _COMPUTE:  # used by a collective on ``peer``
+                    if not waited.get((o.peer, o.gid), True):
+                        raise AssertionError(
+                            f"{where}: freed before compute waited on the {o.peer.value} "
+                            "collective using it"
+                        )
+                elif ordered_at.get(o.stream, -1) < last_read.get(o.gid, -1):
+                    raise AssertionError(
+                        f"{where}: freed before {o.stream.value} waited on compute's last read"
+                    )
+                elif not waited.get((o.stream, o.gid), True):
+                    raise AssertionError(f"{where}: freed under its unwaited collective")
