@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_buffers.dtensor_views import DTensorViews
 from fsdp_buffers.whole_param import inner_of
-
-if TYPE_CHECKING:
-    from fsdp_buffers.dtensor_views import DTensorViews
-    from fsdp_hooks.runtime.hooks import FSDPHooks
+from fsdp_hooks.runtime.hooks import FSDPHooks
 
 __all__ = ["register_whole_optimizer_state", "row_placed_whole_params"]
 

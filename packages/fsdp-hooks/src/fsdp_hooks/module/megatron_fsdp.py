@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -37,6 +38,7 @@ from fsdp_buffers import (
 from fsdp_buffers.mixed_precision import cast_floating
 from fsdp_buffers.param_group import resolve_communication_units
 from fsdp_hooks.diagnostics.activations import ActivationMeter, measured_forward
+from fsdp_hooks.diagnostics.memory_stats import measure_memory_stats
 from fsdp_hooks.diagnostics.summary import log_unit_summary
 from fsdp_hooks.features.expert_names import ExpertStateNames
 from fsdp_hooks.features.experts import resolve_is_expert_param
@@ -52,9 +54,11 @@ from fsdp_hooks.module.megatron_compat import (
 from fsdp_hooks.module.module_copies import DEEPCOPY_REFUSED, check_unchanged
 from fsdp_hooks.module.unused_options import options_set, warn_unused_options
 from fsdp_hooks.optim.grad_norm import clip_grad_norm_
+from fsdp_hooks.runtime.config import RuntimeCallbacks, RuntimeConfig
 from fsdp_hooks.runtime.hooks import FSDPHooks
 from fsdp_hooks.runtime.shared_buckets import warn_if_units_joined_widely
 from fsdp_hooks.runtime.training_state import TrainingState
+from fsdp_hooks.setup.meta_init import initialize_from_meta, prepare_meta_init
 from fsdp_hooks.setup.rollback import rollback_on_failure
 from fsdp_hooks.setup.validation import (
     broadcast_from_dp_rank0,
@@ -247,8 +251,6 @@ class MegatronFSDP(InnerModuleAttributes):
             keep_values=self.strategy is ShardingStrategy.OPTIM_GRADS_PARAMS,
         ):
             if init_model_with_meta_device:
-                from fsdp_hooks.setup.meta_init import prepare_meta_init
-
                 # Meta parameters get placeholders on self.device in place (see meta_init).
                 prepare_meta_init(module, self.device)
             unit_size, unit_max = resolve_communication_units(
@@ -295,12 +297,23 @@ class MegatronFSDP(InnerModuleAttributes):
                 self.buffer.views.grad_attr = "decoupled_grad"
             self.grad_reduce_pipeline = GradReducePipeline(self.buffer)
             if init_model_with_meta_device:
-                from fsdp_hooks.setup.meta_init import initialize_from_meta
-
                 initialize_from_meta(self)
             self.model_auto_sync = sync_model_each_microbatch
             self._sync_override: bool | None = None
-            self.hooks = FSDPHooks(self)
+            self.hooks = FSDPHooks(
+                self.buffer,
+                self.all_gather_pipeline,
+                self.grad_reduce_pipeline,
+                RuntimeConfig(
+                    module=self.module,
+                    dist_index=self.dist_index,
+                    overlap_grad_reduce=ddp_config.overlap_grad_reduce,
+                    overlap_param_gather=ddp_config.overlap_param_gather,
+                    regather_saved_weights=regather_saved_weights,
+                    experts_differ_across_ranks=self.experts_differ_across_ranks,
+                ),
+                self._runtime_callbacks(),
+            )
             self._replace_param_with_distributed_if_needed()
             optimizer_params = self.buffer.views.optimizer_named_parameters()
             # As in a fresh module: no gradient before the first backward.
@@ -325,6 +338,32 @@ class MegatronFSDP(InnerModuleAttributes):
         names = ExpertStateNames.build(self.module, experts, self.dist_index)
         names.tag(self.module)
         return names
+
+    def _runtime_callbacks(self) -> RuntimeCallbacks:
+        """What the runtime asks this wrapper, through weak references (the runtime
+        keeps no wrapper alive; a call after the wrapper is gone raises)."""
+        ref = weakref.ref(self)
+
+        def model() -> MegatronFSDP:
+            wrapper = ref()
+            if wrapper is None:
+                raise RuntimeError("the MegatronFSDP model of these hooks no longer exists")
+            return wrapper
+
+        def install_main_weights() -> None:
+            wrapper = model()
+            wrapper.install_optimized_model_weights(defer=wrapper.ddp_config.overlap_param_gather)
+
+        def backward_ended() -> None:
+            model().microbatch_count += 1
+
+        return RuntimeCallbacks(
+            sync_grads=lambda: model().sync_grads,
+            report_nan=lambda: model().report_nan_in_param_grad,
+            install_main_weights=install_main_weights,
+            backward_ended=backward_ended,
+            owner=ref,
+        )
 
     # ---- state ----------------------------------------------------------------------
     @property
@@ -682,8 +721,6 @@ class MegatronFSDP(InnerModuleAttributes):
         ``activations`` of the last forward run under ``measure_activations()`` (and
         ``peak`` on CUDA). The keys of ``fsdp.plan(...).per_rank``; see
         ``fsdp_hooks.diagnostics.memory_stats``."""
-        from fsdp_hooks.diagnostics.memory_stats import measure_memory_stats
-
         if optimizer is None:
             ref = self.__dict__.get("_fsdp_optimizer_ref")
             optimizer = ref() if ref is not None else None

@@ -80,32 +80,37 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_buffers import GradStaging, PrefetchOrder, annotate, module_is_fully_no_shard
+from fsdp_buffers import (
+    AllGatherPipeline,
+    GradReducePipeline,
+    GradStaging,
+    ParamAndGradBuffer,
+    PrefetchOrder,
+    annotate,
+    module_is_fully_no_shard,
+)
 from fsdp_hooks.runtime.backward import (
     in_backward,
     queue_end_of_backward_callback,
     register_pre_backward,
     wrap_inputs_for_post_backward,
 )
+from fsdp_hooks.runtime.config import RuntimeCallbacks, RuntimeConfig
 from fsdp_hooks.runtime.param_state import ParamState
 from fsdp_hooks.runtime.param_swap import ParamSwapping
 from fsdp_hooks.runtime.saved_weight_hooks import SavedWeightHooks
 from fsdp_hooks.runtime.schedule_check import Phase, ScheduleCheck, schedule_check_requested
 from fsdp_hooks.runtime.shared_buckets import SharedBuckets
 from fsdp_hooks.runtime.training_state import TrainingState
+from fsdp_hooks.runtime.unit import FSDPUnit
 from fsdp_mesh.device import control_device
-
-if TYPE_CHECKING:
-    from fsdp_hooks.module.megatron_fsdp import MegatronFSDP
 
 __all__ = ["FSDPHooks", "FSDPUnit"]
 
@@ -121,36 +126,23 @@ def _eager(hook: Any) -> Any:
     return torch.compiler.disable(hook, recursive=True, reason="fsdp's hooks run eagerly")
 
 
-@dataclass(eq=False)
-class FSDPUnit:
-    index: int
-    name: str
-    module: nn.Module
-    groups: list[int]  # buckets to gather for this unit, tied ones included
-    release_groups: list[int]  # of those, the ones this unit releases (not root buckets)
-    state: TrainingState = TrainingState.IDLE
-    # Forward calls of this step whose backward has not finished (see the module note).
-    pending_backward: int = 0
-    handles: list[Any] = field(default_factory=list)
-    # (module, attr, compute, distributed) of the parameters whose gathered bucket this
-    # unit releases: swapped to the DTensor shard while released (see the module note).
-    locations: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = field(default_factory=list)
-    # ``locations`` by module: (module, {attr: compute}, {attr: DTensor}).
-    swaps: list[tuple[nn.Module, dict, dict]] = field(default_factory=list)
-    # Its pre- and post-backward as callbacks, made once at wrap (not per forward call).
-    on_pre_backward: Any = None
-    on_post_backward: Any = None
-
-
 class FSDPHooks(ParamSwapping):
     """All hooks of one ``MegatronFSDP`` and the per-step state they share."""
 
-    def __init__(self, wrapper: MegatronFSDP) -> None:
-        self._wrapper = weakref.ref(wrapper)
-        buffer = wrapper.buffer
+    def __init__(
+        self,
+        buffer: ParamAndGradBuffer,
+        gather: AllGatherPipeline,
+        reduce: GradReducePipeline,
+        config: RuntimeConfig,
+        callbacks: RuntimeCallbacks,
+    ) -> None:
+        self.config = config
+        self._callbacks = callbacks
+        self._report_nan = callbacks.report_nan  # per gradient: one lookup less
         self.buffer = buffer
-        self.gather = wrapper.all_gather_pipeline
-        self.reduce = wrapper.grad_reduce_pipeline
+        self.gather = gather
+        self.reduce = reduce
         self._stages_main_grad = buffer.grad_staging is GradStaging.MAIN_GRAD
         self.root_state = TrainingState.IDLE
         # Unit calls per unit: of the root forward under way, and outside any root
@@ -169,7 +161,7 @@ class FSDPHooks(ParamSwapping):
         self.grads_published = False
         self._check_dropped = False
         self._nonfinite: list[tuple[str, torch.Tensor]] = []
-        self._param_names = {p: name for name, _g, _i, p in buffer.named_params()}
+        self.param_names = {p: name for name, _g, _i, p in buffer.named_params()}
         # The per-unit hooks' profiler ranges, made once (re-entrant; the hooks of one
         # model never run on two threads at once).
         self._range_pre_forward = annotate("fsdp.pre_forward")
@@ -177,13 +169,13 @@ class FSDPHooks(ParamSwapping):
         self._range_pre_backward = annotate("fsdp.pre_backward")
         self._range_post_backward = annotate("fsdp.post_backward")
 
-        module = wrapper.module
+        module = config.module
         root = set(self.root_groups)
         self.units: list[FSDPUnit] = []
         # Trainable bucket -> the hooked units that release it: the last of their
         # post-backwards marks it ready (module note). Others wait for the end of backward,
         # as all do without overlap_grad_reduce.
-        overlap = wrapper.ddp_config.overlap_grad_reduce
+        overlap = config.overlap_grad_reduce
         self._markers: dict[int, list[FSDPUnit]] = {}
         for index, name in enumerate(buffer.unit_names):
             unit_module = module.get_submodule(name)
@@ -231,31 +223,25 @@ class FSDPHooks(ParamSwapping):
 
         # Every place a parameter is reachable from, so tied weights swap together.
         distributed = dict(buffer.views.distributed_named_parameters())
-        by_param = {p: distributed[name] for p, name in self._param_names.items()}
+        by_param = {p: distributed[name] for p, name in self.param_names.items()}
         for dparam in distributed.values():
-            dparam._fsdp_model_ref = self._wrapper  # type: ignore[attr-defined]
+            dparam._fsdp_model_ref = callbacks.owner  # type: ignore[attr-defined]
         self._init_locations(module, by_param)
-        self.params = ParamState(self)
+        self.params = ParamState(buffer, self.distributed_by_compute, config)
         self._reached_add = self.params.reached.add  # per gradient (the set is kept)
         # Opt-in (FSDP_CHECK_SCHEDULE=1): ranks agree on each point that issues collectives.
         self.schedule: ScheduleCheck | None = None
         if schedule_check_requested() and dist.is_initialized():
             device = control_device(buffer.device)
             self.schedule = ScheduleCheck(
-                wrapper.dist_index.get_dp_group(), [u.name for u in self.units], device
+                config.dist_index.get_dp_group(), [u.name for u in self.units], device
             )
         # Reads of released unit weights: refused, copied or gathered again (their module).
-        self._saved_weights = SavedWeightHooks(self, wrapper.regather_saved_weights)
+        self._saved_weights = SavedWeightHooks(self, config.regather_saved_weights)
         # The wrapper's forward calls these: a compiled wrapper then breaks its graph at
         # these calls only, not at each Python step inside them.
         self.root_pre_forward = _eager(self.root_pre_forward)  # type: ignore[method-assign]
         self.root_post_forward = _eager(self.root_post_forward)  # type: ignore[method-assign]
-
-    @property
-    def wrapper(self) -> MegatronFSDP:
-        wrapper = self._wrapper()
-        assert wrapper is not None, "the MegatronFSDP wrapper was garbage-collected"
-        return wrapper
 
     # ---- weights saved for backward -------------------------------------------------
     def saved_weights_hooks(self) -> contextlib.AbstractContextManager:
@@ -276,10 +262,7 @@ class FSDPHooks(ParamSwapping):
                 self.params.sync_requires_grad()
                 if self.root_state is TrainingState.IDLE and self.params.main_weights_changed():
                     # In-place writes to the main weights since the last install.
-                    wrapper = self.wrapper
-                    wrapper.install_optimized_model_weights(
-                        defer=wrapper.ddp_config.overlap_param_gather
-                    )
+                    self._callbacks.install_main_weights()
                 self.root_state = TrainingState.FORWARD
             self.use_compute_params()
             self._hold_stale_units()  # ZeRO-1/2 after a step: Note [stale buckets]
@@ -310,7 +293,7 @@ class FSDPHooks(ParamSwapping):
         """The first gradient of a backward reached the output of a forward that made
         ``calls`` (per unit): they are the unit calls whose backward is to come."""
         self._saved_weights.check_double_backward(None)
-        self._begin_backward()
+        self.begin_backward()
         self.root_state = TrainingState.PRE_BACKWARD
         # Another graph's end of backward, or a forward without backward, may have reset
         # the counts since this forward (module note): its own calls are what is pending.
@@ -332,13 +315,13 @@ class FSDPHooks(ParamSwapping):
         for gid in self.root_groups:  # param.main_grad exists before any gradient
             self.reduce.prepare(gid)
 
-    def _begin_backward(self) -> None:
+    def begin_backward(self) -> None:
         if not self._callback_queued:
             if self._check_dropped:
                 self._forget_dropped_grads()
             self._callback_queued = True
             self.grads_published = False
-            self.reduce.sync_grads = self.wrapper.sync_grads
+            self.reduce.sync_grads = self._callbacks.sync_grads()
             queue_end_of_backward_callback(self._end_of_backward)
 
     # ---- units ----------------------------------------------------------------------
@@ -412,7 +395,7 @@ class FSDPHooks(ParamSwapping):
         recomputed tensors are read by the node that asked for them, next), and keep
         it until the end of that backward; the unit stays in PRE_BACKWARD so that its
         post-forward (if the checkpoint does not stop early) releases nothing."""
-        self._begin_backward()
+        self.begin_backward()
         unit.state = TrainingState.PRE_BACKWARD
         for gid in unit.groups:
             self.gather.gather_for_immediate_use(gid)
@@ -443,7 +426,7 @@ class FSDPHooks(ParamSwapping):
             if self.schedule is not None:
                 self.schedule.check(Phase.UNIT_BACKWARD, unit.index)
             self._saved_weights.check_double_backward(unit)
-            self._begin_backward()
+            self.begin_backward()
             self.root_state = TrainingState.PRE_BACKWARD
             unit.state = TrainingState.PRE_BACKWARD
             self.gather.all_gather_params(
@@ -489,14 +472,11 @@ class FSDPHooks(ParamSwapping):
         if not saved.regather_saved_weights:  # else there is nothing to check (the default)
             saved.check_side_path(param)  # type: ignore[arg-type]
         self._reached_add(id(param))  # ParamState.reached
-        wrapper = self._wrapper()  # per gradient: the property only to raise
-        if wrapper is None:
-            wrapper = self.wrapper
-        if wrapper.report_nan_in_param_grad and param.grad is not None:
+        if self._report_nan() and param.grad is not None:
             grad = param.grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad  # tp: no collective
             # Kept as a tensor: checking now would sync the device once per parameter.
-            self._nonfinite.append((self._param_names[param], torch.isfinite(local).all()))
+            self._nonfinite.append((self.param_names[param], torch.isfinite(local).all()))
         if self._stages_main_grad:  # else it stays on .grad (Note [gradient staging])
             self.reduce.accumulate(param)  # type: ignore[arg-type]
 
@@ -516,7 +496,7 @@ class FSDPHooks(ParamSwapping):
                 if self.reduce.sync_grads:
                     self.attach_grads(only_with_grads=False)
                     self.params.run_grad_hooks()
-                self.wrapper.microbatch_count += 1
+                self._callbacks.backward_ended()
                 self._callback_queued = False
                 self.root_state = TrainingState.IDLE
 
@@ -574,11 +554,11 @@ class FSDPHooks(ParamSwapping):
         """With ``check_for_nan_in_grad``/``report_nan_in_param_grad``: agree across
         the data-parallel group whether any rank saw a NaN/Inf gradient, and if so
         raise on every rank, naming the parameters and the ranks."""
-        if not self.wrapper.report_nan_in_param_grad:
+        if not self._report_nan():
             return
         bad = sorted({name for name, finite in self._nonfinite if not bool(finite)})
         self._nonfinite.clear()
-        group = self.wrapper.dist_index.get_dp_group()
+        group = self.config.dist_index.get_dp_group()
         device = control_device(self.buffer.device)
         flag = torch.tensor([1.0 if bad else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)

@@ -21,17 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from operator import attrgetter
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_buffers import ParamAndGradBuffer
 from fsdp_buffers.whole_param import inner_of, is_whole_parameter
+from fsdp_hooks.runtime.config import RuntimeConfig
 from fsdp_mesh.device import control_device
-
-if TYPE_CHECKING:
-    from fsdp_hooks.runtime.hooks import FSDPHooks
 
 __all__ = ["ParamState"]
 
@@ -47,14 +45,19 @@ def _counters(inner: Iterable, sharded: Iterable) -> tuple[list[int], list[int]]
 
 
 class ParamState:
-    def __init__(self, hooks: FSDPHooks) -> None:
-        buffer = hooks.buffer
-        self._hooks = hooks
+    def __init__(
+        self,
+        buffer: ParamAndGradBuffer,
+        distributed_by_compute: dict[nn.Parameter, nn.Parameter],
+        config: RuntimeConfig,
+    ) -> None:
+        self._buffer = buffer
+        self._config = config
         names = {p: name for name, _g, _i, p in buffer.named_params()}
         # (name, compute, DTensor parameter, trainable bucket) in a rank-independent order.
         self.entries: list[tuple[str, nn.Parameter, nn.Parameter, bool]] = []
         for name, gid, _i, compute in buffer.named_params():
-            dparam = hooks.distributed_by_compute[compute]
+            dparam = distributed_by_compute[compute]
             self.entries.append((name, compute, dparam, buffer.groups[gid].requires_grad))
         self._names = names
         self._trainable = [(c, d) for _n, c, d, t in self.entries if t]
@@ -127,14 +130,14 @@ class ParamState:
         )
         n = len(reached)
         if dist.is_initialized():
-            index = self._hooks.wrapper.dist_index
-            device = control_device(self._hooks.buffer.device)
+            index = self._config.dist_index
+            device = control_device(self._buffer.device)
             flags = torch.cat([reached, torch.tensor(late, dtype=torch.uint8)]).to(device)
             expert = torch.tensor(self._expert, dtype=torch.bool, device=device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=index.get_dp_group())
             late = [bool(x) for x in flags[n:].tolist()]
             flags = flags[:n]
-            if self._hooks.wrapper.experts_differ_across_ranks and bool(expert.any()):
+            if self._config.experts_differ_across_ranks and bool(expert.any()):
                 # Ranks hold different experts: agree over the expert group instead.
                 mine = reached.to(device)
                 dist.all_reduce(
@@ -161,4 +164,4 @@ class ParamState:
                     hook(dparam)
 
     def drop_unreached_grads(self) -> None:
-        self._hooks.buffer.views.drop_grads(self.unreached)
+        self._buffer.views.drop_grads(self.unreached)

@@ -16,16 +16,11 @@ released unit's do, so nothing computes with the weights of the step before.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import nn
 
-from fsdp_buffers import BucketStatus
-
-if TYPE_CHECKING:
-    from fsdp_buffers import ParamAndGradBuffer
-    from fsdp_hooks.runtime.hooks import FSDPUnit
-    from fsdp_hooks.runtime.saved_weight_hooks import SavedWeightHooks
+from fsdp_buffers import BucketStatus, ParamAndGradBuffer
+from fsdp_hooks.runtime.saved_weight_hooks import SavedWeightHooks
+from fsdp_hooks.runtime.unit import FSDPUnit
 
 __all__ = ["ParamSwapping"]
 

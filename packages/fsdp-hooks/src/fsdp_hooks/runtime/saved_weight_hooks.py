@@ -35,19 +35,30 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from fsdp_buffers import BucketStatus
+from fsdp_buffers import AllGatherPipeline, BucketStatus, ParamAndGradBuffer
 from fsdp_hooks.runtime.backward import flatten_tensors, map_tensors, storage_key
 from fsdp_hooks.runtime.saved_weights import unpacked_for_python
 from fsdp_hooks.runtime.training_state import TrainingState
+from fsdp_hooks.runtime.unit import FSDPUnit
 from fsdp_mesh.device import warn_once
 
-if TYPE_CHECKING:
-    from fsdp_hooks.runtime.hooks import FSDPHooks, FSDPUnit
+
+class _Owner(Protocol):
+    """What these hooks read of the ``FSDPHooks`` that owns them."""
+
+    buffer: ParamAndGradBuffer
+    gather: AllGatherPipeline
+    units: list[FSDPUnit]
+    root_groups: list[int]
+    param_names: dict[nn.Parameter, str]
+
+    def begin_backward(self) -> None: ...
+
 
 __all__ = ["SavedWeightHooks"]
 
@@ -76,7 +87,7 @@ class SavedWeightHooks:
     """The released unit weights of one ``FSDPHooks`` and what guards reads of them
     (see Note [released weights read later])."""
 
-    def __init__(self, hooks: FSDPHooks, regather: bool) -> None:
+    def __init__(self, hooks: _Owner, regather: bool) -> None:
         self._hooks = hooks
         self.regather_saved_weights = regather
         # id of each compute parameter a unit frees after its forward -> (bucket, unit).
@@ -166,7 +177,7 @@ class SavedWeightHooks:
         if hooks.buffer.buckets[gid].status is not BucketStatus.READY_TO_USE:
             # Every rank runs the same graph, so every rank gathers here; the end of
             # backward (queued now if no hook of this backward did) releases it.
-            hooks._begin_backward()
+            hooks.begin_backward()
             hooks.gather.gather_for_immediate_use(gid)
         return unpacked_for_python(packed.weight)
 
@@ -181,7 +192,7 @@ class SavedWeightHooks:
             return
         unit = entry[1]
         if unit.state is TrainingState.IDLE and unit.pending_backward > 0:
-            name = self._hooks._param_names[param]
+            name = self._hooks.param_names[param]
             raise RuntimeError(
                 f"fsdp: the gradient of {name!r} (FSDP unit {unit.name!r}) was computed by a "
                 "backward that reached the weight without going through the unit's outputs "

@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import warnings
 from operator import attrgetter
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from fsdp_buffers import ParamAndGradBuffer
-    from fsdp_hooks.runtime.hooks import FSDPUnit
+from fsdp_buffers import ParamAndGradBuffer
+from fsdp_hooks.runtime.unit import FSDPUnit
 
 # A communication unit holding more than this share of the units' parameters is reported
 # at wrap: its units are gathered and held together, which ZeRO-3 is meant to avoid.

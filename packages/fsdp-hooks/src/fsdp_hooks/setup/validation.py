@@ -10,18 +10,16 @@ import numbers
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_buffers import MixedPrecisionPolicy, ShardingStrategy
+from fsdp_buffers.tensor_parallel import TensorParallel, TPKind
 from fsdp_mesh import current_device
-
-if TYPE_CHECKING:
-    from fsdp_buffers import MixedPrecisionPolicy
-    from fsdp_buffers.tensor_parallel import TensorParallel
 
 __all__ = [
     "broadcast_from_dp_rank0",
@@ -188,8 +186,6 @@ def check_outer_strategy(
     main weights and optimizer state across it too), the latter only over an outer dim
     (``add_outer_dim`` says how to get one) and with ``optim_grads_params`` inside.
     Local information only: same on every rank. Every entry point checks with this."""
-    from fsdp_buffers import ShardingStrategy
-
     if outer not in (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM):
         raise ValueError(
             f"{where}: outer_dp_sharding_strategy={outer.megatron_name!r} is not supported "
@@ -214,8 +210,6 @@ def check_outer_strategy(
 def check_hybrid_index(dist_index, strategy, outer, init_model_with_meta_device: bool) -> None:
     """The wrapper's strategies against its ``FSDPDistributedIndex``, and the mesh
     features not implemented yet (a clear error rather than a wrong result)."""
-    from fsdp_buffers import ShardingStrategy
-
     check_outer_strategy(strategy, outer, dist_index.use_hybrid_fsdp, "MegatronFSDP")
     wants = outer is ShardingStrategy.OPTIM
     if wants != dist_index.hsdp_outer_dp_shard:
@@ -413,8 +407,6 @@ def check_tensor_parallel_replicas(module: nn.Module, dist_index) -> TensorParal
     float64 checksums per replicated parameter over the tp group. Returns the
     classification, for the buffer (``ParamAndGradBuffer(tensor_parallel=...)``): the
     parameters are classified once per wrap."""
-    from fsdp_buffers.tensor_parallel import TensorParallel, TPKind
-
     tp = TensorParallel(module, dist_index)
     specs = tp.specs
     if specs is None or dist_index.tp_size <= 1:
