@@ -201,8 +201,9 @@ def _reduce():
             for name in sorted(params):
                 params[name].grad = grads[rank][name].clone()
                 gr.mark_param_grad_ready(params[name])
-                assert params[name].grad is None  # taken into the buffer
             gr.finish()
+            # Taken into the buffer (autograd staging: when its bucket is packed).
+            assert all(p.grad is None for p in params.values())
             assert not gr._inflight
             divisor = world if scaling is None else 1
             case = (strategy, scaling, average)

@@ -118,8 +118,10 @@ class GradReducePipeline:
         self._launch_in_order()
 
     def mark_param_grad_ready(self, param: nn.Parameter) -> None:
-        """Take ``param``'s gradient into its bucket; mark the bucket ready once every
-        trainable parameter of it has reported."""
+        """Report ``param``'s gradient; mark the bucket ready once every trainable
+        parameter of it has reported. Under ``MAIN_GRAD`` staging the gradient is added
+        into the staging bucket now; under ``AUTOGRAD`` staging it stays on ``.grad``
+        until the bucket is packed for its reduction."""
         self.accumulate(param)
         gid, i = self.buffer.group_of(param)
         reported = self._reported.setdefault(gid, set())
