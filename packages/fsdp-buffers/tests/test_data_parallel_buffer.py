@@ -14,7 +14,7 @@ from fsdp_buffers.data_parallel_buffer import (
     DoubleBufferAllocator,
     TemporaryBucketAllocator,
 )
-from fsdp_buffers.layout import compute_layout
+from fsdp_buffers.slot_placement import compute_layout
 
 N = 4
 # Odd shapes: a weight cut across shards, 1-d and 0-d params, an empty param, a 3-d one.

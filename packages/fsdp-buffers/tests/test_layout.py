@@ -13,13 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor.placement_types import Shard
 
-from fsdp_buffers.layout import (
-    DEFAULT_ALIGNMENT,
-    FlatLayout,
-    ParamSlot,
-    assign_owners,
-    compute_layout,
-)
+from fsdp_buffers.layout import DEFAULT_ALIGNMENT, FlatLayout, ParamSlot
+from fsdp_buffers.slot_placement import assign_owners, compute_layout
 
 ALIGNMENTS = [1, 2, 3, 4, 8, 16, 64]
 

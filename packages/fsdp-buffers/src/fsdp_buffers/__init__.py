@@ -22,7 +22,7 @@ from fsdp_buffers.bucket import Bucket
 from fsdp_buffers.bucket_state import GradStaging
 from fsdp_buffers.data_parallel_buffer import DataParallelBuffer
 from fsdp_buffers.grad_reduce_pipeline import GradReducePipeline
-from fsdp_buffers.layout import FlatLayout, compute_layout
+from fsdp_buffers.layout import FlatLayout
 from fsdp_buffers.mixed_precision import MixedPrecisionPolicy
 from fsdp_buffers.no_shard import (
     fsdp_no_shard,
@@ -33,6 +33,7 @@ from fsdp_buffers.no_shard import (
 from fsdp_buffers.param_and_grad_buffer import ParamAndGradBuffer
 from fsdp_buffers.param_group import DEFAULT_BUCKET_SIZE, ParameterGroup
 from fsdp_buffers.profiling import annotate
+from fsdp_buffers.slot_placement import compute_layout
 from fsdp_buffers.strategy import ShardingStrategy
 
 __version__ = _version("fsdp-buffers")

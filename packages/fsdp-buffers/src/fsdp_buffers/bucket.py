@@ -71,10 +71,11 @@ from fsdp_buffers.data_parallel_buffer import (
     DoubleBufferAllocator,
 )
 from fsdp_buffers.hybrid_sharding import OuterSharding
-from fsdp_buffers.layout import FlatLayout, assign_owners, compute_layout
+from fsdp_buffers.layout import FlatLayout
 from fsdp_buffers.no_shard import FSDP_WHOLE_ATTR
 from fsdp_buffers.param_group import ParameterGroup
 from fsdp_buffers.profiling import annotate
+from fsdp_buffers.slot_placement import assign_owners, compute_layout
 from fsdp_buffers.strategy import ShardingStrategy
 
 if TYPE_CHECKING:

@@ -8,9 +8,11 @@ from the start of forward to the end of backward they are the compute parameters
 ``.data`` are views into gathered buckets. Tied parameters are swapped at every place
 they are reachable from, so they stay tied.
 
-Around it: wrap-time checks in ``validation``, the Megatron-FSDP/Megatron-Core surface
-(``param_and_grad_buffer``'s view, the policy-reset rule) in ``megatron_compat``, and
-``generate`` in ``pretrained``.
+Around it: what wrapping does before storage moves (arguments checked and resolved, the
+ranks agreed on the model) in ``wrap_checks``, the buffer built from ``ddp_config`` in
+``wrapper_buffer``, state dicts in ``state_dicts``, the Megatron-FSDP/Megatron-Core
+surface (``param_and_grad_buffer``'s view, the policy-reset rule) in ``megatron_compat``,
+and ``generate`` in ``transformers_model``.
 """
 
 from __future__ import annotations
@@ -18,60 +20,37 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdp_buffers import (
     AllGatherPipeline,
     GradReducePipeline,
     GradStaging,
     MixedPrecisionPolicy,
-    ParamAndGradBuffer,
     PrefetchOrder,
     ShardingStrategy,
 )
 from fsdp_buffers.mixed_precision import cast_floating
-from fsdp_buffers.param_group import resolve_communication_units
 from fsdp_hooks.diagnostics.activations import ActivationMeter, measured_forward
 from fsdp_hooks.diagnostics.memory_stats import measure_memory_stats
 from fsdp_hooks.diagnostics.summary import log_unit_summary
-from fsdp_hooks.features.expert_names import ExpertStateNames
-from fsdp_hooks.features.experts import resolve_is_expert_param
-from fsdp_hooks.features.whole_state import row_placed_whole_params
-from fsdp_hooks.module import transformers_model
+from fsdp_hooks.module import state_dicts, transformers_model
 from fsdp_hooks.module.config import DistributedDataParallelConfig
 from fsdp_hooks.module.inner_module import InnerModuleAttributes
-from fsdp_hooks.module.megatron_compat import (
-    MegatronParamAndGradBuffer,
-    default_ddp_config,
-    reset_policy,
-)
+from fsdp_hooks.module.megatron_compat import MegatronParamAndGradBuffer, reset_policy
 from fsdp_hooks.module.module_copies import DEEPCOPY_REFUSED, check_unchanged
-from fsdp_hooks.module.unused_options import options_set, warn_unused_options
+from fsdp_hooks.module.wrap_checks import check_and_resolve
+from fsdp_hooks.module.wrapper_buffer import build_buffer
 from fsdp_hooks.optim.grad_norm import clip_grad_norm_
 from fsdp_hooks.runtime.config import RuntimeCallbacks, RuntimeConfig
 from fsdp_hooks.runtime.hooks import FSDPHooks
-from fsdp_hooks.runtime.shared_buckets import warn_if_units_joined_widely
 from fsdp_hooks.runtime.training_state import TrainingState
 from fsdp_hooks.setup.meta_init import initialize_from_meta, prepare_meta_init
 from fsdp_hooks.setup.rollback import rollback_on_failure
-from fsdp_hooks.setup.validation import (
-    broadcast_from_dp_rank0,
-    check_argument_types,
-    check_hybrid_index,
-    check_no_meta_params,
-    check_not_wrapped,
-    check_option_types,
-    check_param_dtype,
-    check_same_model,
-    check_tensor_parallel_replicas,
-)
-from fsdp_mesh import current_device
 
 __all__ = ["MegatronFSDP"]
 
@@ -117,20 +96,13 @@ class MegatronFSDP(InnerModuleAttributes):
         grad_staging: GradStaging | str = GradStaging.AUTOGRAD,
     ) -> None:
         super().__init__()
-        check_argument_types(
-            "MegatronFSDP",
+        settings = check_and_resolve(
             module,
+            dist_index,
+            ddp_config,
+            mixed_precision_policy,
             fsdp_unit_modules,
-            mixed_precision_policy=(
-                mixed_precision_policy,
-                MixedPrecisionPolicy,
-                "MixedPrecisionPolicy(main_params_dtype=torch.float32)",
-            ),
-        )
-        check_option_types(  # Note [option types]: before any collective, alike on every rank
-            "MegatronFSDP",
-            MegatronFSDP.__init__,
-            {
+            {  # types checked first, alike on every rank (Note [option types])
                 "disable_bucketing": disable_bucketing,
                 "device": device,
                 "calculate_per_token_loss": calculate_per_token_loss,
@@ -148,49 +120,18 @@ class MegatronFSDP(InnerModuleAttributes):
                 "report_nan_in_param_grad": report_nan_in_param_grad,
                 "prefetch_depth": prefetch_depth,
             },
+            signature=MegatronFSDP.__init__,
+            fine_grained_recurse_module_types=fine_grained_recurse_module_types,
+            is_expert_param=is_expert_param,
+            regather_saved_weights=regather_saved_weights,
+            grad_staging=grad_staging,
         )
-        if ddp_config is not None:  # Megatron-Core's too, or one changed since it was built
-            DistributedDataParallelConfig.check_fields(ddp_config, "MegatronFSDP: ddp_config")
-        check_not_wrapped(module)
-        if type(regather_saved_weights) is not bool:
-            raise TypeError(
-                "MegatronFSDP: regather_saved_weights must be True or False; got "
-                f"{type(regather_saved_weights).__name__} {regather_saved_weights!r}"
-            )
-        grad_staging = GradStaging.parse(grad_staging)  # bad input: before anything changes
-        if ddp_config is None:
-            ddp_config = default_ddp_config(
-                keep_fp8_transpose_cache,
-                nccl_ub,
-                fsdp_double_buffer,
-                disable_symmetric_registration,
-            )
-        self.ddp_config = ddp_config
+        self.ddp_config = ddp_config = settings.ddp_config
         self.dist_index = dist_index
-        self.device = (
-            torch.device(device) if device is not None else current_device(dist_index.device_type)
-        )
-        warn_unused_options(
-            self.device,
-            "MegatronFSDP",
-            options_set(
-                ddp_config,
-                nccl_ub=nccl_ub,
-                disable_symmetric_registration=disable_symmetric_registration,
-                keep_fp8_transpose_cache=keep_fp8_transpose_cache,
-                fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
-                enable_fine_grained_param_gather_hook=enable_fine_grained_param_gather_hook,
-                enable_fine_grained_param_gather_backward_hook=(
-                    enable_fine_grained_param_gather_backward_hook
-                ),
-                fine_grained_recurse_module_types=fine_grained_recurse_module_types,
-            ),
-        )
-        self.strategy = ShardingStrategy.parse(ddp_config.data_parallel_sharding_strategy)
-        self.outer_strategy = ShardingStrategy.parse(ddp_config.outer_dp_sharding_strategy)
-        check_hybrid_index(
-            dist_index, self.strategy, self.outer_strategy, init_model_with_meta_device
-        )
+        self.device = settings.device
+        self.strategy = settings.strategy
+        self.outer_strategy = settings.outer_strategy
+        self.mixed_precision_policy = settings.mixed_precision_policy
         self.calculate_per_token_loss = calculate_per_token_loss
         self.init_model_with_meta_device = init_model_with_meta_device
         # Under ZeRO-3: gather a released unit weight again when a backward reads it
@@ -201,47 +142,6 @@ class MegatronFSDP(InnerModuleAttributes):
         # whether the caller flagged this microbatch as the last (it reduces everything).
         self.microbatch_count = 0
         self._is_last_microbatch = False
-        self.mixed_precision_policy = mixed_precision_policy or MixedPrecisionPolicy(
-            main_params_dtype=ddp_config.megatron_fsdp_main_params_dtype,
-            main_grads_dtype=ddp_config.megatron_fsdp_main_grads_dtype,
-            grad_comm_dtype=ddp_config.megatron_fsdp_grad_comm_dtype,
-        )
-        check_param_dtype(module, self.mixed_precision_policy)
-        if not init_model_with_meta_device:
-            check_no_meta_params(
-                module,
-                "MegatronFSDP",
-                "pass init_model_with_meta_device=True to materialize them shard by shard",
-            )
-        if not any(p.device.type == "meta" for p in module.parameters()):
-            module.to(self.device)
-        split_experts = dist_index.expt_dp_size != dist_index.dp_size
-        differ = check_same_model(
-            module,
-            dist_index,
-            {
-                "ddp_config": ddp_config,
-                "fsdp_unit_modules": fsdp_unit_modules,
-                "disable_bucketing": disable_bucketing,
-                "device": self.device.type,
-                "calculate_per_token_loss": calculate_per_token_loss,
-                "init_model_with_meta_device": init_model_with_meta_device,
-                "sync_model_each_microbatch": sync_model_each_microbatch,
-                "keep_fp8_transpose_cache": keep_fp8_transpose_cache,
-                "nccl_ub": nccl_ub,
-                "fsdp_double_buffer": fsdp_double_buffer,
-                "disable_symmetric_registration": disable_symmetric_registration,
-                "mixed_precision_policy": self.mixed_precision_policy,
-                "is_expert_param": is_expert_param,
-                "prefetch_depth": prefetch_depth,
-                "regather_saved_weights": regather_saved_weights,
-            },
-            # Experts differ across ranks on an expert-parallel mesh.
-            skip_values=resolve_is_expert_param(is_expert_param, True) if split_experts else None,
-        )
-        if differ:
-            broadcast_from_dp_rank0(module, differ, dist_index)
-        tensor_parallel = check_tensor_parallel_replicas(module, dist_index)
         self.module = module
         # From here storage moves into buffers: a failure on any rank restores the module
         # on every rank (agreed at the end); ZeRO-3 keeps the original values until then.
@@ -253,48 +153,26 @@ class MegatronFSDP(InnerModuleAttributes):
             if init_model_with_meta_device:
                 # Meta parameters get placeholders on self.device in place (see meta_init).
                 prepare_meta_init(module, self.device)
-            unit_size, unit_max = resolve_communication_units(
-                ddp_config.suggested_communication_unit_size,
-                self.strategy.shards_model_weights,
-            )
-            self.buffer = ParamAndGradBuffer(
+            self.buffer = build_buffer(
                 module,
                 dist_index,
+                ddp_config,
                 strategy=self.strategy,
                 mixed_precision_policy=self.mixed_precision_policy,
                 fsdp_unit_modules=fsdp_unit_modules,
-                bucket_size=ddp_config.bucket_size,
                 disable_bucketing=disable_bucketing,
                 device=self.device,
-                # NCCL user buffers need persistent double buffers; off CUDA nccl_ub is
-                # ignored (with a warning), and so is what it implies.
-                fsdp_double_buffer=fsdp_double_buffer
-                or ddp_config.fsdp_double_buffer
-                or ((nccl_ub or ddp_config.nccl_ub) and self.device.type == "cuda"),
-                # A per-token loss is normalized by the caller: sum, do not average.
-                gradient_scaling_factor=1.0 if calculate_per_token_loss else None,
-                expert_gradient_scaling_factor=1.0 if calculate_per_token_loss else None,
-                average_in_collective=ddp_config.average_in_collective,
-                is_expert_param=resolve_is_expert_param(
-                    is_expert_param, dist_index.has_expert_mesh
-                ),
+                fsdp_double_buffer=fsdp_double_buffer,
+                nccl_ub=nccl_ub,
+                calculate_per_token_loss=calculate_per_token_loss,
+                is_expert_param=is_expert_param,
                 allow_meta=init_model_with_meta_device,
-                tensor_parallel=tensor_parallel,
-                communication_unit_size=unit_size,
-                communication_unit_max_units=unit_max,
-                grad_staging=grad_staging,
+                tensor_parallel=settings.tensor_parallel,
+                grad_staging=settings.grad_staging,
             )
-            if ddp_config.suggested_communication_unit_size:
-                warn_if_units_joined_widely(
-                    self.buffer, ddp_config.suggested_communication_unit_size
-                )
             self.all_gather_pipeline = AllGatherPipeline(
                 self.buffer, follow_observed_order=True, prefetch_depth=prefetch_depth
             )
-            if ddp_config.megatron_fsdp_use_decoupled_grad:
-                # Megatron-FSDP's precision-aware path: the reduced gradient shard goes
-                # to .decoupled_grad in the main grads' dtype, .grad stays None.
-                self.buffer.views.grad_attr = "decoupled_grad"
             self.grad_reduce_pipeline = GradReducePipeline(self.buffer)
             if init_model_with_meta_device:
                 initialize_from_meta(self)
@@ -322,22 +200,14 @@ class MegatronFSDP(InnerModuleAttributes):
                 # Megatron-FSDP's marker: Megatron-Core's optimizers then read the local
                 # shard of .grad for the gradient norm (a DTensor grad otherwise).
                 dparam.__fsdp_param__ = True
-            self._state_names = self._expert_state_names()
+            self._state_names = state_dicts.expert_state_names(
+                self.buffer, self.module, self.dist_index, self.experts_differ_across_ranks
+            )
             # Megatron-FSDP's flag, recorded: its preprocessing measures where uneven pieces
             # lie; fsdp's pieces are DTensor's torch.chunk ones, so DCP's own metadata is
             # already exact and nothing (no collective) is done per state_dict().
             self.preproc_state_dict_for_dcp_ckpt = False
             log_unit_summary(self)
-
-    def _expert_state_names(self) -> ExpertStateNames:
-        """Local <-> global expert names for state dicts when experts differ across
-        ranks (see ``expert_names``); a collective then, as wrapping is."""
-        experts = [n for g in self.buffer.groups if g.is_expert_param for n in g.names]
-        if not self.experts_differ_across_ranks or not experts:
-            return ExpertStateNames()
-        names = ExpertStateNames.build(self.module, experts, self.dist_index)
-        names.tag(self.module)
-        return names
 
     def _runtime_callbacks(self) -> RuntimeCallbacks:
         """What the runtime asks this wrapper, through weak references (the runtime
@@ -629,57 +499,21 @@ class MegatronFSDP(InnerModuleAttributes):
         """The wrapped module's state dict, under its own names (no ``module.``
         prefix) with experts under their global index (see ``expert_names``):
         DTensors holding this rank's shard of the main weights."""
-        self._check_checkpointable()
-        self.hooks.use_distributed_params()
-        with row_placed_whole_params(self.hooks, load=False):
-            sd = self.module.state_dict(*args, **kwargs)
-        if self._state_names.ids:
-            prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
-            items = list(sd.items())
-            sd.clear()  # renamed in place: a parent's state_dict passes its own dict
-            for key, value in items:
-                if key.startswith(prefix):
-                    key = prefix + self._state_names.to_global(key[len(prefix) :])
-                sd[key] = value
-        return sd
+        return state_dicts.state_dict(self.hooks, self.module, self._state_names, args, kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load into the main weights (DTensors of the same placement), then refresh the
         compute weights from them. Experts are named as ``state_dict()`` names them;
         other ranks' experts are unexpected keys."""
-        self._check_checkpointable()
-        self.hooks.use_distributed_params()
-        names = self._state_names
-        if not names.ids:
-            with row_placed_whole_params(self.hooks, load=True):
-                result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-            self.install_optimized_model_weights()
-            return result
-        local: dict[str, Any] = OrderedDict()
-        foreign: list[str] = []
-        for key, value in state_dict.items():
-            mine = names.to_local(key)
-            if mine is None:
-                foreign.append(key)
-            else:
-                local[mine] = value
-        local._metadata = getattr(state_dict, "_metadata", None)  # type: ignore[attr-defined]
-        with row_placed_whole_params(self.hooks, load=True):
-            result = self.module.load_state_dict(local, strict=False, assign=assign)
-        missing = [names.to_global(k) for k in result.missing_keys]
-        unexpected = [*result.unexpected_keys, *foreign]
-        if strict and (missing or unexpected):
-            raise RuntimeError(
-                f"Error(s) in loading state_dict for {type(self.module).__name__}: "
-                f"missing keys {missing}, unexpected keys {unexpected} (experts under their "
-                f"global index; this rank holds {names.ids})"
-            )
-        self.install_optimized_model_weights()
-        return _IncompatibleKeys(missing, unexpected)
-
-    def _check_checkpointable(self) -> None:
-        if self._state_names.error is not None:
-            raise type(self._state_names.error)(*self._state_names.error.args)
+        return state_dicts.load_state_dict(
+            self.hooks,
+            self.module,
+            self._state_names,
+            state_dict,
+            strict,
+            assign,
+            self.install_optimized_model_weights,
+        )
 
     # ---- copies and casts (see module_copies) --------------------------------------------
     def __deepcopy__(self, memo: dict[int, Any]) -> MegatronFSDP:
