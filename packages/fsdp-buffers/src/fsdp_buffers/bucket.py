@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -77,9 +76,7 @@ from fsdp_buffers.param_group import ParameterGroup
 from fsdp_buffers.profiling import annotate
 from fsdp_buffers.slot_placement import assign_owners, compute_layout
 from fsdp_buffers.strategy import ShardingStrategy
-
-if TYPE_CHECKING:
-    from fsdp_buffers.tensor_parallel import TensorParallel
+from fsdp_buffers.tensor_parallel import TensorParallel
 
 __all__ = ["Bucket", "BucketContext", "BucketStatus", "CommGroup", "GradState", "GroupSharding"]
 
@@ -138,7 +135,13 @@ class Bucket(BucketGradients):
         pieces = shard.size * (outer.size if outer_sharded and outer is not None else 1)
         owners = self._whole_owners(pieces, outer_sharded)
         self.layout: FlatLayout = compute_layout(shapes, pieces, alignment, owners)
-        self.outer = OuterSharding(outer, outer_sharded) if outer is not None else None
+        self.outer = (
+            OuterSharding(
+                outer, outer_sharded, gid=gid, group=group, ctx=ctx, sharding=self.sharding
+            )
+            if outer is not None
+            else None
+        )
         self.status = BucketStatus.READY_TO_USE
         self.grad_state = GradState.EMPTY
         self._gather: PendingCollective | None = None
@@ -153,7 +156,7 @@ class Bucket(BucketGradients):
         self._grads_cast: DataParallelBuffer | None = None
         self._build_buffers(allocator, slot_keys, load)
         if self.outer is not None:
-            self.outer.build_fine_buffers(self, load)
+            self.outer.build_fine_buffers(self.layout, shard, tp.local_source, load)
         # Whether the compute weights are sharded (so gathered before use); fixed at
         # construction, and read on every prefetch walk.
         self.is_distributed: bool = self.model.is_data_distributed
@@ -316,7 +319,7 @@ class Bucket(BucketGradients):
         )
         total = sum(b.nbytes for b in bufs if b is not None)
         if self.outer is not None:
-            total += self.outer.own_bytes(self)
+            total += self.outer.own_bytes()
         return total
 
     # ---- compute weights ------------------------------------------------------------
@@ -479,7 +482,7 @@ class Bucket(BucketGradients):
         model = self.model
         self.release("a stale gathered bucket")  # any gathered copy is now stale
         if self.outer is not None and self.outer.sharded:
-            return self.outer.start_param_gather(self)
+            return self.outer.start_param_gather()
         main = self.group.main_weight_buffer
         if main is not None:
             model.copy_shard_from(main)
@@ -561,4 +564,4 @@ class Bucket(BucketGradients):
         if main is not None and main.is_data_distributed and not model.is_data_distributed:
             main.copy_shard_from(model)
         if self.outer is not None:
-            self.outer.broadcast(self)
+            self.outer.broadcast()

@@ -39,8 +39,6 @@ Replicated gradients (strategies 0 and 1) keep one persistent buffer, as DDP doe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -57,12 +55,10 @@ from fsdp_buffers.bucket_state import (
 from fsdp_buffers.collectives import PendingCollective
 from fsdp_buffers.comm_context import StreamKind
 from fsdp_buffers.data_parallel_buffer import DataParallelBuffer
+from fsdp_buffers.hybrid_sharding import OuterSharding
 from fsdp_buffers.param_group import ParameterGroup
 from fsdp_buffers.profiling import annotate
-
-if TYPE_CHECKING:
-    from fsdp_buffers.hybrid_sharding import OuterSharding
-    from fsdp_buffers.tensor_parallel import TensorParallel
+from fsdp_buffers.tensor_parallel import TensorParallel
 
 __all__ = ["BucketGradients"]
 
@@ -174,7 +170,7 @@ class BucketGradients:
         state = self.grad_state
         if state is not GradState.ACCUMULATING:
             if state is GradState.REDUCED and self.outer is not None:
-                self.outer.rebase(self)
+                self.outer.rebase()
             if state is not GradState.EMPTY and not gbuf.is_data_distributed:
                 self._rebase_shard()
             self.grad_state = GradState.ACCUMULATING
@@ -389,7 +385,7 @@ class BucketGradients:
         if self.grad_state is not GradState.SHARD_REDUCED:
             return None
         assert self.outer is not None
-        return self.outer.start_grad_reduce(self)
+        return self.outer.start_grad_reduce(self.outer_reduced)
 
     def scale_grads(self, factor: float) -> None:
         """Multiply the main grads, and the optimizer's cast copy of them, by ``factor``."""

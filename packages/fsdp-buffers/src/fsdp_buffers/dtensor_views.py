@@ -38,8 +38,8 @@ Tensor parallelism: the views live on the 2-D mesh (dp_shard, tp) and carry
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Iterator
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,20 +47,32 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_buffers import collectives
+from fsdp_buffers.bucket import Bucket
+from fsdp_buffers.data_parallel_buffer import DataParallelBuffer
+from fsdp_buffers.tensor_parallel import TensorParallel
 from fsdp_buffers.whole_param import WholeParameter
 
-if TYPE_CHECKING:
-    from fsdp_buffers.bucket import Bucket
-    from fsdp_buffers.data_parallel_buffer import DataParallelBuffer
-    from fsdp_buffers.param_and_grad_buffer import ParamAndGradBuffer
+__all__ = ["DTensorViews", "ViewedBuffer"]
 
-__all__ = ["DTensorViews"]
+
+class ViewedBuffer(Protocol):
+    """What ``DTensorViews`` reads of its buffer (a ``ParamAndGradBuffer``, which owns
+    the views and so is above this module): its buckets, its tensor parallelism, its
+    ``FSDPDistributedIndex`` and its parameters in order."""
+
+    buckets: list[Bucket]
+    tp: TensorParallel
+    dist_index: Any  # fsdp_mesh.FSDPDistributedIndex
+
+    def named_params(self) -> Iterator[tuple[str, int, int, nn.Parameter]]:
+        """(name, bucket, position in the bucket, parameter) of every parameter."""
+        ...
 
 
 class DTensorViews:
     """DTensor views of one buffer's parameters, made once and cached."""
 
-    def __init__(self, buffer: ParamAndGradBuffer) -> None:
+    def __init__(self, buffer: ViewedBuffer) -> None:
         self._buffer = buffer
         self._optimizer_params: list[tuple[str, nn.Parameter]] | None = None
         self._distributed_params: list[tuple[str, nn.Parameter]] | None = None

@@ -30,87 +30,125 @@ compute weights the fine main weights are a view of that slice (no extra copy).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_buffers import collectives
+from fsdp_buffers.bucket_state import BucketContext, CommGroup, GroupSharding
 from fsdp_buffers.collectives import PendingCollective
 from fsdp_buffers.comm_context import StreamKind
 from fsdp_buffers.data_parallel_buffer import DataParallelBuffer
-
-if TYPE_CHECKING:
-    from fsdp_buffers.bucket import Bucket, CommGroup
+from fsdp_buffers.layout import FlatLayout
+from fsdp_buffers.param_group import ParameterGroup
 
 __all__ = ["OuterSharding", "hybrid_mesh"]
 
 
 class OuterSharding:
     """A bucket's outer group and, when its main weights are sharded over shard x
-    outer (``sharded``), the fine main-weight buffer and the outer collectives."""
+    outer (``sharded``), the fine main-weight buffer and the outer collectives.
 
-    def __init__(self, comm: CommGroup, sharded: bool) -> None:
+    It holds what it reads of its bucket, not the ``Bucket`` (which owns it): the
+    bucket's id, its ``ParameterGroup`` (where the buffers live), the buffer's shared
+    ``BucketContext`` and which buffers are sharded over the shard group."""
+
+    def __init__(
+        self,
+        comm: CommGroup,
+        sharded: bool,
+        *,
+        gid: int,
+        group: ParameterGroup,
+        ctx: BucketContext,
+        sharding: GroupSharding,
+    ) -> None:
         self.comm = comm
         self.sharded = sharded
         self.fine_main: DataParallelBuffer | None = None
         self._piece = 0  # elements of one piece of the shard x outer layout
+        self._gid = gid
+        self._group = group
+        self._ctx = ctx
+        self._sharding = sharding
 
-    def build_fine_buffers(self, bucket: Bucket, load: bool) -> None:
+    @property
+    def _model(self) -> DataParallelBuffer:
+        buf = self._group.model_weight_buffer
+        assert buf is not None
+        return buf
+
+    @property
+    def _main_grads(self) -> DataParallelBuffer:
+        buf = self._group.main_grad_buffer
+        if buf is None:
+            raise RuntimeError(f"bucket {self._gid} ({self._group.names[:3]}...) has no gradients")
+        return buf
+
+    def build_fine_buffers(
+        self,
+        layout: FlatLayout,
+        shard: CommGroup,
+        local_source: Callable[[torch.Tensor], torch.Tensor],
+        load: bool,
+    ) -> None:
         """Fully sharded: the fine main weights (a view of this outer rank's slice of
         the coarse compute shard when the dtypes agree) and ``hsdp_gbuf``
-        (Megatron-FSDP's name), the fine slice of the coarse main grads."""
+        (Megatron-FSDP's name), the fine slice of the coarse main grads. ``layout``:
+        the bucket's shard x outer layout; ``shard``: its shard group;
+        ``local_source``: a parameter's local values to load (tensor parallelism)."""
         if not self.sharded:
             return
-        group = bucket.group
-        self._piece = bucket.layout.shard_numel
-        logical = self.comm.rank * bucket.shard.size + bucket.shard.rank
+        group, ctx = self._group, self._ctx
+        self._piece = layout.shard_numel
+        logical = self.comm.rank * shard.size + shard.rank
 
         def fine(dtype: torch.dtype, kind: str) -> DataParallelBuffer:
             return DataParallelBuffer(
-                bucket.layout,
+                layout,
                 dtype=dtype,
-                device=bucket.ctx.device,
+                device=ctx.device,
                 is_data_distributed=True,
                 shard_rank=logical,
-                allocator=bucket.ctx.scratch,
-                name=f"group{bucket.gid}.{kind}",
+                allocator=ctx.scratch,
+                name=f"group{self._gid}.{kind}",
             )
 
-        main_dtype = bucket.ctx.policy.main_params_dtype_for(group.dtype)
+        model = self._model
+        main_dtype = ctx.policy.main_params_dtype_for(group.dtype)
         self.fine_main = fine(main_dtype, "outer_main_weight")
-        if main_dtype == bucket.model.dtype:
-            self.fine_main.data = self.fine_slice(bucket.model.data)
+        if main_dtype == model.dtype:
+            self.fine_main.data = self.fine_slice(model.data)
         elif load:
-            self.fine_main.load_params([bucket.tp.local_source(p) for p in group.params])
-        grad_dtype = bucket.ctx.policy.main_grads_dtype_for(group.dtype)
+            self.fine_main.load_params([local_source(p) for p in group.params])
+        grad_dtype = ctx.policy.main_grads_dtype_for(group.dtype)
         group.hsdp_gbuf = fine(grad_dtype, "outer_main_grad")
         # A view that follows the coarse main grads' storage (released between steps).
-        group.hsdp_gbuf.follow(bucket.main_grads, self.fine_slice)
+        group.hsdp_gbuf.follow(self._main_grads, self.fine_slice)
 
     def fine_slice(self, coarse_shard: torch.Tensor) -> torch.Tensor:
         """This outer rank's fine chunk inside a coarse (shard-group) shard."""
         s, o = self._piece, self.comm.rank
         return coarse_shard[o * s : (o + 1) * s]
 
-    def own_bytes(self, bucket: Bucket) -> int:
+    def own_bytes(self) -> int:
         """Bytes of the fine main weights that are not a view of the compute shard."""
         fine = self.fine_main
         if fine is None:
             return 0
-        aliased = fine.data.data_ptr() == self.fine_slice(bucket.model.data).data_ptr()
+        aliased = fine.data.data_ptr() == self.fine_slice(self._model.data).data_ptr()
         return 0 if aliased else fine.nbytes
 
-    def broadcast(self, bucket: Bucket) -> None:
+    def broadcast(self) -> None:
         """Make the shard group's replicas across the outer group equal to outer rank
         0's (after the shard group was synced)."""
-        group = bucket.group
-        model, main = bucket.model, group.main_weight_buffer
+        model, main = self._model, self._group.main_weight_buffer
         src_outer = dist.get_global_rank(self.comm.group, 0)
         for buf in (model, main):
             if buf is not None:
-                bucket.ctx.stats.record(
+                self._ctx.stats.record(
                     collectives.CollectiveKind.BROADCAST,
                     buf.data.numel(),
                     buf.element_size,
@@ -122,10 +160,10 @@ class OuterSharding:
             if self.fine_main.data.data_ptr() != piece.data_ptr():
                 self.fine_main.data.copy_(piece)
 
-    def start_param_gather(self, bucket: Bucket) -> PendingCollective:
+    def start_param_gather(self) -> PendingCollective:
         """Fully sharded: put the fine main weights into their slice of the coarse
         compute shard and all-gather the slices across the outer group."""
-        model, main = bucket.model, self.fine_main
+        model, main = self._model, self.fine_main
         assert main is not None
         piece = self.fine_slice(model.data)
         if main.data.data_ptr() != piece.data_ptr():
@@ -135,30 +173,32 @@ class OuterSharding:
             model.data,
             send,
             self.comm.group,
-            bucket.ctx.stats,
-            label=f"fsdp.outer_param_sync.{bucket.gid}",
+            self._ctx.stats,
+            label=f"fsdp.outer_param_sync.{self._gid}",
         )
         return PendingCollective(work, keepalive=(send,))
 
-    def rebase(self, bucket: Bucket) -> None:
+    def rebase(self) -> None:
         """Undo the outer reduction of R: R/outer on every outer rank after an
         all-reduce; nothing after the fully-sharded reduce-scatter, which left R in
         this rank's chunk and zeros elsewhere."""
         if not self.sharded:
             with torch.no_grad():
-                bucket.main_grads.data.div_(self.comm.size)
+                self._main_grads.data.div_(self.comm.size)
 
-    def start_grad_reduce(self, bucket: Bucket) -> PendingCollective:
-        """Reduce the bucket's shard-reduced gradients across the outer group."""
-        gbuf = bucket.main_grads
+    def start_grad_reduce(self, on_reduced: Callable[[], None]) -> PendingCollective:
+        """Reduce the bucket's shard-reduced gradients across the outer group;
+        ``on_reduced`` is called when the reduction has landed."""
+        gbuf = self._main_grads
         pg = self.comm.group
-        comm_dtype = bucket.ctx.policy.grad_comm_dtype_for(bucket.group.dtype)
-        stats, label = bucket.ctx.stats, f"fsdp.outer_reduce.{bucket.gid}"
+        ctx, gid = self._ctx, self._gid
+        comm_dtype = ctx.policy.grad_comm_dtype_for(self._group.dtype)
+        stats, label = ctx.stats, f"fsdp.outer_reduce.{gid}"
         with torch.no_grad():
             if self.sharded:
                 send = gbuf.data if comm_dtype == gbuf.dtype else gbuf.data.to(comm_dtype)
                 out = torch.empty(self._piece, dtype=comm_dtype, device=send.device)
-                with bucket.ctx.comm.launch(StreamKind.REDUCE, bucket.gid):
+                with ctx.comm.launch(StreamKind.REDUCE, gid):
                     work = collectives.reduce_scatter(
                         out, send, pg, dist.ReduceOp.SUM, stats, label
                     )
@@ -166,16 +206,16 @@ class OuterSharding:
                 def finish_outer_rs() -> None:
                     gbuf.data.zero_()
                     self.fine_slice(gbuf.data).copy_(out)
-                    bucket.outer_reduced()
+                    on_reduced()
 
                 return PendingCollective(work, finish_outer_rs, keepalive=(send, out))
             # The part the optimizer reads: the shard after a reduce-scatter (the rest
             # is zeros; packed out of the parameter-major buffer and back), all of it
             # after an all-reduce.
-            sharded_rs = bucket.sharding.main_weights and not gbuf.is_data_distributed
+            sharded_rs = self._sharding.main_weights and not gbuf.is_data_distributed
             target = gbuf.copy_local_shard() if sharded_rs else gbuf.data
             send = target if comm_dtype == gbuf.dtype else target.to(comm_dtype)
-            with bucket.ctx.comm.launch(StreamKind.REDUCE, bucket.gid):
+            with ctx.comm.launch(StreamKind.REDUCE, gid):
                 work = collectives.all_reduce(send, pg, dist.ReduceOp.SUM, stats, label)
 
             def finish_outer_ar() -> None:
@@ -183,7 +223,7 @@ class OuterSharding:
                     gbuf.set_local_shard(send)
                 elif send is not target:
                     target.copy_(send)
-                bucket.outer_reduced()
+                on_reduced()
 
             return PendingCollective(work, finish_outer_ar, keepalive=(send,))
 

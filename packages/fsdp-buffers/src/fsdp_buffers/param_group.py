@@ -18,15 +18,12 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from fsdp_buffers.data_parallel_buffer import DataParallelBuffer
 from fsdp_buffers.no_shard import is_fsdp_no_shard
-
-if TYPE_CHECKING:
-    from fsdp_buffers.data_parallel_buffer import DataParallelBuffer
 
 # Megatron-Core's DDP default: buckets of 40M elements.
 DEFAULT_BUCKET_SIZE = 40_000_000
