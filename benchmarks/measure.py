@@ -230,8 +230,10 @@ def expected_fsdp_elements(model: Any) -> dict[str, int]:
     the optimizer step. Every trainable bucket is reduce-scattered (sharded grads or main
     weights) or all-reduced (replicated). After every backward, one all-reduce of a
     byte per trainable parameter agrees on which ones got a gradient on some rank (the
-    others keep ``.grad`` None, as in plain PyTorch); ``reached_flags`` says how many of
-    the all-reduced elements are those (``comm_stats()`` leaves them out)."""
+    others keep ``.grad`` None, as in plain PyTorch), and, in the same collective, a byte
+    per trainable bucket on which ones some rank holds gradients for that came after
+    their reduction; ``reached_flags`` says how many of the all-reduced elements are
+    those (``comm_stats()`` leaves them out)."""
     buffer = model.buffer
     root = set(model.hooks.root_groups)
     out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
@@ -251,7 +253,8 @@ def expected_fsdp_elements(model: Any) -> dict[str, int]:
                 out["reduce_scatter"] += total
             elif buffer.buckets[gid].shard.size > 1:
                 out["all_reduce"] += total
-    flags = sum(len(g.params) for g in buffer.groups if g.requires_grad)
+    trainable = [g for g in buffer.groups if g.requires_grad]
+    flags = sum(len(g.params) for g in trainable) + len(trainable)
     out["all_reduce"] += flags
     out["reached_flags"] = flags
     return out

@@ -194,6 +194,7 @@ def bench_rank(
     result["theory_elements"] = 0.0 if impl == "floor" else theory
     result["theory_formula"] = formula
     if options is not None:
+        result["trainable_buckets"] = sum(g.requires_grad for g in model.buffer.groups)
         stats = model.comm_stats()
         result["comm_stats"] = {
             k: {f: v / steps for f, v in fields.items()} for k, fields in stats.items()

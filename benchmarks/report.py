@@ -84,6 +84,7 @@ def aggregate(
             if impl.partition("@")[0] == "fsdp":
                 row["expected_elements"] = r0["expected_elements"]
                 row["comm_stats"] = r0["comm_stats"]
+                row["trainable_buckets"] = r0["trainable_buckets"]
             stats[impl] = row
         ref = stats.get("fsdp2")
         for row in stats.values():

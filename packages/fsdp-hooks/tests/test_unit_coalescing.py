@@ -327,7 +327,7 @@ def test_bad_prefetch_depth_is_refused_on_every_rank():
     results = run_distributed(_bad_depth, 2, timeout=60)
     for messages in results:
         assert "prefetch_depth must be >= 0" in messages[0], messages
-        assert "prefetch_depth must be an int" in messages[1], messages
+        assert "prefetch_depth must be int" in messages[1], messages
         assert "non-negative number of elements" in messages[2], messages
 
 

@@ -77,9 +77,11 @@ def _world_2():
     assert _ranks(hsdp.get_dp_group()) == [0, 1] and hsdp.dp_size == 2
     assert (hsdp.outer_size, hsdp.outer_rank) == (2, rank)
     assert hsdp.get_logical_hybrid_fsdp_rank() == rank
-    # An explicitly given hybrid group is used as is (no flattening).
+    # An explicitly given hybrid group is used as is (no flattening); the dim flattened
+    # earlier with the same ranks in the same order is its mesh (for tp's DTensors).
     given = FSDPDistributedIndex(**meshes.fsdp_kwargs(), hybrid_fsdp_group=hsdp.outer_fsdp_group)
-    assert given.hybrid_fsdp_group is hsdp.outer_fsdp_group and given.hybrid_fsdp_mesh is None
+    assert given.hybrid_fsdp_group is hsdp.outer_fsdp_group
+    assert given.hybrid_fsdp_mesh is hsdp.hybrid_fsdp_mesh is not None
 
     # Expert parallelism 2 carved out of the shard dim.
     ep = build_device_mesh(dp_shard=2, expert_parallel=2, device_type="cpu")
