@@ -265,3 +265,48 @@ def test_gradient_penalty_under_zero3_raises_on_every_rank():
             assert message.startswith("fsdp: a backward with create_graph=True"), where
             assert "double backward" in message and "'blocks.2'" in message, where
             assert "zero_dp_strategy=2" in message, where
+
+
+# ---- a view of a root parameter returned by the model --------------------------------
+
+
+class RootViewModel(nn.Module):
+    """A positional table at the root (outside every unit), returned as a view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pe = nn.Parameter(torch.randn(2 * SEQ, DIM))
+        self.blocks = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(2))
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pe = self.pe[: h.shape[1]]
+        h = h + pe
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return h, pe
+
+
+def _root_view_job(double_buffer: bool):
+    torch.manual_seed(0)
+    net = RootViewModel()
+    want = net.pe.detach()[:SEQ].clone()
+    model, _opt = fully_shard(
+        net,
+        torch.optim.SGD(net.parameters(), lr=LR),
+        fsdp_unit_modules=[nn.Linear],
+        zero_dp_strategy=3,
+        fsdp_double_buffer=double_buffer,
+    )
+    model.eval()
+    with torch.no_grad():
+        _h, kept = model(torch.randn(BATCH, SEQ, DIM))
+        # The root bucket is released after this forward and gathered again by the next,
+        # whose memory may take its place: the kept view must still hold its values.
+        for _ in range(3):
+            model(torch.randn(BATCH, SEQ, DIM))
+    return torch.equal(kept, want)
+
+
+def test_a_view_of_a_root_parameter_keeps_its_values():
+    for double_buffer in (False, True):
+        assert run_distributed(_root_view_job, WORLD, args=(double_buffer,)) == [True] * WORLD

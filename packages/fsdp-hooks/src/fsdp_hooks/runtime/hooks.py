@@ -270,6 +270,8 @@ class FSDPHooks(ParamSwapping):
         return args, kwargs
 
     def root_post_forward(self, output: Any) -> Any:
+        # Outputs that view a root bucket are copied: it is released at the step's end.
+        output = self._saved_weights.copy_out_root_views(output)
         if self.root_state is TrainingState.PRE_BACKWARD:
             return output  # recompute inside backward: the backward goes on
         with annotate("fsdp.root_post_forward"):

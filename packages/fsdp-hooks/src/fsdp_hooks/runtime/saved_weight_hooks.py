@@ -114,9 +114,14 @@ class SavedWeightHooks:
         for unit in hooks.units:
             self.hide(unit)
         self._units_released = [unit.name for unit in hooks.units if self._weights[unit.index]]
-        self._root_released = any(
-            hooks.buffer.buckets[gid].is_distributed for gid in hooks.root_groups
+        # One compute parameter of each root bucket released at the end of a step
+        # (ZeRO-3: its storage is the bucket's), for outputs that view it.
+        self._root_reps = tuple(
+            hooks.buffer.groups[gid].params[0]
+            for gid in hooks.root_groups
+            if hooks.buffer.buckets[gid].is_distributed and hooks.buffer.groups[gid].params
         )
+        self._root_released = bool(self._root_reps)
         if _REGATHER_ENV in os.environ:
             warn_once(
                 "fsdp.regather_env",
@@ -209,15 +214,13 @@ class SavedWeightHooks:
         expand of its parameter) replaced by a copy: the buckets are released next, and
         the view would read freed memory, or another unit's weights in a double-buffer
         slot. The copy is differentiable (the gradient reaches the parameter)."""
-        reps = self._bucket_reps[unit.index]
-        if not reps:
-            return output
-        keys = {storage_key(p) for p in reps}
-        if isinstance(output, torch.Tensor):  # the usual unit output: no pytree walk
-            return output.clone() if storage_key(output) in keys else output
-        if not any(storage_key(t) in keys for t in flatten_tensors(output)):
-            return output
-        return map_tensors(output, lambda t: t.clone() if storage_key(t) in keys else t)
+        return _copy_views(self._bucket_reps[unit.index], output)
+
+    def copy_out_root_views(self, output: Any) -> Any:
+        """The same for the model's output and the root buckets, released at the end of
+        the step (a root-level ``self.pe[:T]`` returned from an eval forward, or kept
+        past the backward)."""
+        return _copy_views(self._root_reps, output)
 
     # ---- 3. graphs built by a backward -----------------------------------------------
     def check_double_backward(self, unit: FSDPUnit | None) -> None:
@@ -250,3 +253,16 @@ class SavedWeightHooks:
             "zero_dp_strategy=2 (optim_grads: the weights stay gathered) for a model "
             "trained with a double backward"
         )
+
+
+def _copy_views(reps: tuple[nn.Parameter, ...], output: Any) -> Any:
+    """``output`` with every tensor sharing the storage of one of ``reps`` copied (the
+    copy is differentiable: the gradient reaches the parameter)."""
+    if not reps:
+        return output
+    keys = {storage_key(p) for p in reps}
+    if isinstance(output, torch.Tensor):  # the usual output: no pytree walk
+        return output.clone() if storage_key(output) in keys else output
+    if not any(storage_key(t) in keys for t in flatten_tensors(output)):
+        return output
+    return map_tensors(output, lambda t: t.clone() if storage_key(t) in keys else t)
