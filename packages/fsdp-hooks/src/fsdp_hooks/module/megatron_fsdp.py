@@ -188,6 +188,7 @@ class MegatronFSDP(InnerModuleAttributes):
                     overlap_grad_reduce=ddp_config.overlap_grad_reduce,
                     overlap_param_gather=ddp_config.overlap_param_gather,
                     regather_saved_weights=regather_saved_weights,
+                    report_nan=self.report_nan_in_param_grad,
                     experts_differ_across_ranks=self.experts_differ_across_ranks,
                 ),
                 self._runtime_callbacks(),
@@ -229,13 +230,25 @@ class MegatronFSDP(InnerModuleAttributes):
 
         return RuntimeCallbacks(
             sync_grads=lambda: model().sync_grads,
-            report_nan=lambda: model().report_nan_in_param_grad,
             install_main_weights=install_main_weights,
             backward_ended=backward_ended,
             owner=ref,
         )
 
     # ---- state ----------------------------------------------------------------------
+    @property
+    def report_nan_in_param_grad(self) -> bool:
+        """Check every gradient for NaN/Inf, agreed across ranks at the sync (Megatron-
+        FSDP's attribute; settable at any time)."""
+        return self.__dict__["_report_nan_in_param_grad"]
+
+    @report_nan_in_param_grad.setter
+    def report_nan_in_param_grad(self, value: bool) -> None:
+        self.__dict__["_report_nan_in_param_grad"] = value
+        hooks = self.__dict__.get("hooks")
+        if hooks is not None:  # the runtime reads its own flag once per gradient
+            hooks.report_nan = value
+
     @property
     def experts_differ_across_ranks(self) -> bool:
         """Expert parallelism: an expert mesh whose data-parallel size differs from the

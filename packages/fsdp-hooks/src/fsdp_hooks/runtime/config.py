@@ -3,8 +3,7 @@ and explicit callbacks, never the wrapper itself (the runtime imports nothing ab
 
 ``RuntimeConfig`` holds what is decided at wrap and never changes. ``RuntimeCallbacks``
 holds the few questions and notices whose answers live in the front end: whether the
-backward beginning now syncs (``no_sync``/``is_last_microbatch``, Megatron-FSDP's rule),
-whether gradients are checked for NaN/Inf (a wrapper attribute users may set), the
+backward beginning now syncs (``no_sync``/``is_last_microbatch``, Megatron-FSDP's rule), the
 install of main weights written in place between steps, and the end of a backward (the
 wrapper counts microbatches). The front end passes weak callables, so the runtime keeps
 no wrapper alive.
@@ -31,6 +30,9 @@ class RuntimeConfig:
     overlap_grad_reduce: bool  # units mark their buckets ready at their post-backward
     overlap_param_gather: bool  # an install after in-place writes leaves buckets stale
     regather_saved_weights: bool  # Note [released weights read later]
+    # Check each gradient for NaN/Inf at first (``FSDPHooks.report_nan`` follows the
+    # wrapper's attribute after that).
+    report_nan: bool
     # Ranks hold different experts under the same local names (expert parallelism).
     experts_differ_across_ranks: bool
 
@@ -40,7 +42,6 @@ class RuntimeCallbacks:
     """The front end's answers, asked when needed."""
 
     sync_grads: Callable[[], bool]  # at a backward's start: does it reduce every gradient
-    report_nan: Callable[[], bool]  # check each gradient for NaN/Inf
     install_main_weights: Callable[[], None]  # main weights written in place since
     backward_ended: Callable[[], None]  # after a backward's end (microbatch counting)
     # What the DTensor parameters point back to (``fully_shard``'s optimizer lookup).

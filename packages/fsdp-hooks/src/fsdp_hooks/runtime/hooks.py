@@ -112,7 +112,28 @@ from fsdp_hooks.runtime.training_state import TrainingState
 from fsdp_hooks.runtime.unit import FSDPUnit
 from fsdp_mesh.device import control_device
 
-__all__ = ["FSDPHooks", "FSDPUnit"]
+__all__ = ["FSDPHooks", "FSDPUnit", "raise_if_nonfinite_on_any_rank"]
+
+
+def raise_if_nonfinite_on_any_rank(
+    checked: list[tuple[str, torch.Tensor]], group: Any, device: torch.device, option: str
+) -> None:
+    """``checked``: (parameter name, "its local gradient is finite" as a 0-d tensor, kept
+    unread so that checking cost no device sync per gradient). Agree across ``group``
+    whether any rank saw a NaN/Inf; if one did, raise on every rank naming the
+    parameters and the ranks. Empties ``checked``."""
+    bad = sorted({name for name, finite in checked if not bool(finite)})
+    checked.clear()
+    flag = torch.tensor([1.0 if bad else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item() == 0:
+        return
+    reports: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, (dist.get_rank(), bad), group=group)
+    lines = [f"rank {rank}: {names}" for rank, names in reports if names]
+    raise RuntimeError(
+        f"NaN or Inf found in local gradients ({option}) of parameters:\n" + "\n".join(lines)
+    )
 
 
 def _eager(hook: Any) -> Any:
@@ -139,7 +160,9 @@ class FSDPHooks(ParamSwapping):
     ) -> None:
         self.config = config
         self._callbacks = callbacks
-        self._report_nan = callbacks.report_nan  # per gradient: one lookup less
+        # Whether each gradient is checked for NaN/Inf: read per gradient, so a plain
+        # attribute (the wrapper's ``report_nan_in_param_grad`` sets it).
+        self.report_nan = config.report_nan
         self.buffer = buffer
         self.gather = gather
         self.reduce = reduce
@@ -474,7 +497,7 @@ class FSDPHooks(ParamSwapping):
         if not saved.regather_saved_weights:  # else there is nothing to check (the default)
             saved.check_side_path(param)  # type: ignore[arg-type]
         self._reached_add(id(param))  # ParamState.reached
-        if self._report_nan() and param.grad is not None:
+        if self.report_nan and param.grad is not None:
             grad = param.grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad  # tp: no collective
             # Kept as a tensor: checking now would sync the device once per parameter.
@@ -556,20 +579,11 @@ class FSDPHooks(ParamSwapping):
         """With ``check_for_nan_in_grad``/``report_nan_in_param_grad``: agree across
         the data-parallel group whether any rank saw a NaN/Inf gradient, and if so
         raise on every rank, naming the parameters and the ranks."""
-        if not self._report_nan():
+        if not self.report_nan:
             return
-        bad = sorted({name for name, finite in self._nonfinite if not bool(finite)})
-        self._nonfinite.clear()
-        group = self.config.dist_index.get_dp_group()
-        device = control_device(self.buffer.device)
-        flag = torch.tensor([1.0 if bad else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if flag.item() == 0:
-            return
-        reports: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(reports, (dist.get_rank(), bad), group=group)
-        lines = [f"rank {rank}: {names}" for rank, names in reports if names]
-        raise RuntimeError(
-            "NaN or Inf found in local gradients (report_nan_in_param_grad / "
-            "check_for_nan_in_grad) of parameters:\n" + "\n".join(lines)
+        raise_if_nonfinite_on_any_rank(
+            self._nonfinite,
+            self.config.dist_index.get_dp_group(),
+            control_device(self.buffer.device),
+            "report_nan_in_param_grad / check_for_nan_in_grad",
         )

@@ -14,13 +14,14 @@ not reduce, gradients stay accumulated for ``finish_grad_sync``.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from fsdp_buffers import GradReducePipeline, ParamAndGradBuffer
 from fsdp_hooks.runtime.backward import queue_end_of_backward_callback
+from fsdp_hooks.runtime.hooks import raise_if_nonfinite_on_any_rank
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -88,18 +89,8 @@ class DDPGradHooks:
         the last call; if one did, raise on every rank naming the parameters and ranks."""
         if not self.check_for_nan_in_grad:
             return
-        bad = sorted({name for name, finite in self._nonfinite if not bool(finite)})
-        self._nonfinite.clear()
-        flag = torch.tensor([1.0 if bad else 0.0], device=self.buffer.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if flag.item() == 0:
-            return
-        reports: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(reports, (dist.get_rank(), bad), group=group)
-        lines = [f"rank {rank}: {names}" for rank, names in reports if names]
-        raise RuntimeError(
-            "NaN or Inf found in local gradients (check_for_nan_in_grad) of parameters:\n"
-            + "\n".join(lines)
+        raise_if_nonfinite_on_any_rank(
+            self._nonfinite, group, self.buffer.device, "check_for_nan_in_grad"
         )
 
     def remove(self) -> None:
