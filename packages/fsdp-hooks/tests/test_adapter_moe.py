@@ -10,9 +10,6 @@ and ``test_expert``'s MoE trains like one process. A dense config gets no expert
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -21,20 +18,9 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from fsdp_hooks import FullyShardedDataParallel, fully_shard_optimizer
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import load_sibling, run_distributed
 
-
-def _load(file: str):
-    name = f"_fsdp_adapter_moe_{file.removesuffix('.py')}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(file))
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-toy = _load("test_expert.py")
+toy = load_sibling(__file__, "test_expert.py")
 WORLD = 2
 
 

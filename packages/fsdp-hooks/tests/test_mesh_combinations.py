@@ -20,10 +20,6 @@ Plain ``dcp.save``/``dcp.load`` round trips of these: ``test_plain_dcp_meshes.py
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -34,22 +30,12 @@ from torch.nn import functional as F
 from fsdp_buffers import MixedPrecisionPolicy
 from fsdp_hooks import DistributedDataParallelConfig, MegatronFSDP, fully_shard
 from fsdp_mesh import FSDPDistributedIndex, build_device_mesh
-from fsdp_mesh.testing import mean_over_ranks, run_distributed
+from fsdp_mesh.testing import load_sibling, mean_over_ranks, run_distributed
 
 WORLD = 4
 
 
-def _load(file: str):
-    name = f"_fsdp_mesh_combinations_{file.removesuffix('.py')}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(file))
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-tp = _load("test_tensor_parallel.py")
+tp = load_sibling(__file__, "test_tensor_parallel.py")
 
 
 # ---- tensor parallelism with hybrid sharding -------------------------------------------
@@ -237,7 +223,7 @@ def test_tp_with_hybrid_sharding_bad_input():
 
 # ---- meta-device initialization with fully-sharded HSDP ----------------------------------
 
-hybrid = _load("test_hybrid.py")
+hybrid = load_sibling(__file__, "test_hybrid.py")
 
 
 def _hybrid_gpt(meta: bool, dtype: torch.dtype):
@@ -496,7 +482,7 @@ def test_meta_init_with_tensor_parallelism(outer, world):
 
 # ---- expert parallelism with hybrid sharding ------------------------------------------------
 
-toy = _load("test_expert.py")
+toy = load_sibling(__file__, "test_expert.py")
 
 
 def wrap_expert_hybrid(outer: str, strategy: int = 3):

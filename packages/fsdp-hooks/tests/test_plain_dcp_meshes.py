@@ -7,10 +7,6 @@ Megatron-Core style), also with HSDP, at 4 ranks. Their DTensors keep DTensor's 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,17 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from fsdp_mesh.testing import run_distributed
-
-
-def _load(file: str):
-    name = f"_fsdp_plain_dcp_{file.removesuffix('.py')}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(file))
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
+from fsdp_mesh.testing import load_sibling, run_distributed
 
 
 def _full(value):
@@ -77,7 +63,7 @@ def _step(model, opt, loss_fn) -> None:
 
 
 def _hybrid(path: str, scenario: str) -> None:
-    hybrid = _load("test_hybrid.py")
+    hybrid = load_sibling(__file__, "test_hybrid.py")
     model, opt, _kind, _sync = hybrid._build(scenario)
     x, y = hybrid._global_batch(0)
     b = x.shape[0] // dist.get_world_size()
@@ -93,7 +79,7 @@ def _hybrid(path: str, scenario: str) -> None:
 
 
 def _expert(path: str, strategy: int) -> None:
-    ckpt = _load("test_expert_checkpoint.py")
+    ckpt = load_sibling(__file__, "test_expert_checkpoint.py")
     toy = ckpt.toy
     model, opt, _ids = ckpt._model(toy.EP, strategy, 0)
     ckpt._steps(model, opt, 0, 1)
@@ -104,7 +90,7 @@ def _expert(path: str, strategy: int) -> None:
 
 
 def _expert_optimizer_refused(path: str) -> str:
-    ckpt = _load("test_expert_checkpoint.py")
+    ckpt = load_sibling(__file__, "test_expert_checkpoint.py")
     model, opt, _ids = ckpt._model(ckpt.toy.EP, 3, 0)
     ckpt._steps(model, opt, 0, 1)
     # torch.save-style use still sees ordinary DTensors...
@@ -123,21 +109,21 @@ def _expert_optimizer_refused(path: str) -> str:
 
 
 def _tensor_parallel(path: str, kind: str, strategy: int) -> None:
-    tp = _load("test_tensor_parallel.py")
+    tp = load_sibling(__file__, "test_tensor_parallel.py")
     model, opt = tp._wrap(kind, strategy)
     tp._train(model, opt, 0, 1)
     _round_trip(model, opt, path)
 
 
 def _tp_hybrid(path: str, kind: str, outer: str) -> None:
-    combos = _load("test_mesh_combinations.py")
+    combos = load_sibling(__file__, "test_mesh_combinations.py")
     model, opt = combos.wrap_tp_hybrid(kind, outer)
     combos.train_tp(model, opt, 0, 1)
     _round_trip(model, opt, path)
 
 
 def _meta_fully_sharded(path: str) -> None:
-    combos = _load("test_mesh_combinations.py")
+    combos = load_sibling(__file__, "test_mesh_combinations.py")
     model, opt = combos.wrap_hybrid(meta=True, outer="optim")
     combos.train_hybrid(model, opt, 0, 1)
     _round_trip(model, opt, path)
@@ -173,7 +159,7 @@ def test_meta_init_fully_sharded_hsdp_round_trip(tmp_path):
 
 
 def _meta_tensor_parallel(path: str) -> None:
-    combos = _load("test_mesh_combinations.py")
+    combos = load_sibling(__file__, "test_mesh_combinations.py")
     model, opt = combos.wrap_tp_meta(meta=True, outer=None)
     combos.train_tp(model, opt, 0, 1)
     _round_trip(model, opt, path)
@@ -185,7 +171,7 @@ def test_meta_init_tensor_parallel_round_trip(tmp_path):
 
 
 def _expert_hybrid(path: str, outer: str) -> None:
-    combos = _load("test_mesh_combinations.py")
+    combos = load_sibling(__file__, "test_mesh_combinations.py")
     model, opt, _ids = combos.wrap_expert_hybrid(outer)
     combos.train_expert(model, opt, 0, 1)
     _round_trip(model, None, path)  # model state only, as for _expert

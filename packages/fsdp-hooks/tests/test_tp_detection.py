@@ -13,29 +13,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 from torch import nn
 
 from fsdp_hooks import FullyShardedDataParallel, fully_shard_optimizer
 from fsdp_mesh import FSDPDistributedIndex
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import load_sibling, run_distributed
 
-
-def _load(file: str):
-    name = f"_fsdp_tp_detection_{file.removesuffix('.py')}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(file))
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-tp = _load("test_tensor_parallel.py")
+tp = load_sibling(__file__, "test_tensor_parallel.py")
 
 
 def _named(cls_name: str, **attrs) -> nn.Module:

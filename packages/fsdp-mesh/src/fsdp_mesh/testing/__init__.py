@@ -27,6 +27,7 @@ from fsdp_mesh.testing.checks import (
     gather_rows,
     mean_over_ranks,
 )
+from fsdp_mesh.testing.siblings import load_sibling
 
 __all__ = [
     "TEST_DEVICE_ENV",
@@ -39,6 +40,7 @@ __all__ = [
     "gather_rows",
     "harness_device",
     "harness_device_type",
+    "load_sibling",
     "mean_over_ranks",
     "run_distributed",
     "world_sizes",
