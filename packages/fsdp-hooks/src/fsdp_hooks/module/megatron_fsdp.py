@@ -119,11 +119,11 @@ class MegatronFSDP(InnerModuleAttributes):
                 ),
                 "report_nan_in_param_grad": report_nan_in_param_grad,
                 "prefetch_depth": prefetch_depth,
+                "regather_saved_weights": regather_saved_weights,
             },
             signature=MegatronFSDP.__init__,
             fine_grained_recurse_module_types=fine_grained_recurse_module_types,
             is_expert_param=is_expert_param,
-            regather_saved_weights=regather_saved_weights,
             grad_staging=grad_staging,
         )
         self.ddp_config = ddp_config = settings.ddp_config

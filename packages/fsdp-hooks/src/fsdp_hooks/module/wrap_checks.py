@@ -60,7 +60,6 @@ def check_and_resolve(
     signature: Callable[..., Any],
     fine_grained_recurse_module_types: tuple[type[nn.Module], ...] | None,
     is_expert_param: Callable[[str, nn.Parameter], bool] | str | None,
-    regather_saved_weights: bool,
     grad_staging: GradStaging | str,
 ) -> WrapSettings:
     """Check ``MegatronFSDP``'s arguments, resolve its settings, move ``module`` to the
@@ -81,11 +80,6 @@ def check_and_resolve(
     if ddp_config is not None:  # Megatron-Core's too, or one changed since it was built
         DistributedDataParallelConfig.check_fields(ddp_config, "MegatronFSDP: ddp_config")
     check_not_wrapped(module)
-    if type(regather_saved_weights) is not bool:
-        raise TypeError(
-            "MegatronFSDP: regather_saved_weights must be True or False; got "
-            f"{type(regather_saved_weights).__name__} {regather_saved_weights!r}"
-        )
     grad_staging = GradStaging.parse(grad_staging)  # bad input: before anything changes
     if ddp_config is None:
         ddp_config = default_ddp_config(
@@ -153,7 +147,7 @@ def check_and_resolve(
             "mixed_precision_policy": policy,
             "is_expert_param": is_expert_param,
             "prefetch_depth": options["prefetch_depth"],
-            "regather_saved_weights": regather_saved_weights,
+            "regather_saved_weights": options["regather_saved_weights"],
         },
         # Experts differ across ranks on an expert-parallel mesh.
         skip_values=resolve_is_expert_param(is_expert_param, True) if split_experts else None,
