@@ -10,9 +10,9 @@ Each also under activation recompute (``torch.utils.checkpoint`` around every un
 call, reentrant and not). Under every strategy, world size 2, AdamW steps on rank r's
 slice of a global batch must reproduce a single process trained on the whole batch:
 losses and final parameters within 1e-5 relative. A shared unit's weights get the sum
-of both calls' gradients, so a reduction launched after the first call's gradient only
-(or a unit released while the other call's backward still needs it) shows up here as a
-wrong gradient, a wrong loss, or a crash.
+of both calls' gradients, so a reduction that misses one call's gradient (or a unit
+released while the other call's backward still needs it) shows up here as a wrong
+gradient, a wrong loss, or a crash.
 """
 
 from __future__ import annotations
@@ -121,11 +121,13 @@ def _train(configs: tuple[tuple[str, str], ...]) -> dict:
                 loss = F.mse_loss(model(x[mine]), y[mine])
                 model.comm_stats(reset=True)
                 loss.backward()
-                # Every bucket reduced once per backward (fully_shard syncs each one),
-                # the shared unit's too: not once per call.
+                # Every bucket reduced in each backward (fully_shard syncs each one),
+                # and at most once per pass of its unit group (Note [unit groups]): the
+                # shared unit's second call may start a second pass of its group (the
+                # ``list`` layout; FSDP2 reduces at each call's post-backward too).
                 stats = model.comm_stats(reset=True)
                 reduced = stats["reduce_scatter"]["calls"] + stats["all_reduce"]["calls"]
-                assert reduced == trainable, (reduced, trainable)
+                assert trainable <= reduced <= trainable + 1, (reduced, trainable)
                 assert model.training_state is TrainingState.IDLE
                 assert all(u.state is TrainingState.IDLE for u in model.hooks.units)
                 assert model.all_gather_pipeline.gathered_buckets() == []

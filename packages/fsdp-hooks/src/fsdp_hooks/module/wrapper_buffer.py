@@ -4,6 +4,7 @@ buffers, per-token loss scaling, communication units, decoupled gradients)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -14,9 +15,12 @@ from fsdp_buffers.param_group import resolve_communication_units
 from fsdp_buffers.tensor_parallel import TensorParallel
 from fsdp_hooks.features.experts import resolve_is_expert_param
 from fsdp_hooks.module.config import DistributedDataParallelConfig
-from fsdp_hooks.runtime.shared_buckets import warn_if_units_joined_widely
 
 __all__ = ["build_buffer"]
+
+# A communication unit holding more than this share of the units' parameters is reported
+# at wrap: its units are gathered and held together, which ZeRO-3 is meant to avoid.
+_WIDE_GROUP_SHARE = 0.5
 
 
 def build_buffer(
@@ -75,3 +79,35 @@ def build_buffer(
         # to .decoupled_grad in the main grads' dtype, .grad stays None.
         buffer.views.grad_attr = "decoupled_grad"
     return buffer
+
+
+def warn_if_units_joined_widely(buffer: ParamAndGradBuffer, size: int) -> None:
+    """Warn (the same on every rank) when ``suggested_communication_unit_size=size``
+    joined several units into a communication unit holding more than half of the
+    parameters in units: under ZeRO-3 they are gathered and held together. Megatron-FSDP
+    sizes its prefetch with the same option, so a value tuned for it (hundreds of
+    millions) makes one group of the whole model here."""
+    per_unit: dict[int, int] = {}
+    members: dict[int, int] = {}
+    for group in buffer.groups:
+        if group.fsdp_unit_id is None:
+            continue
+        n = sum(p.numel() for p in group.params)
+        per_unit[group.fsdp_unit_id] = per_unit.get(group.fsdp_unit_id, 0) + n
+        members[group.fsdp_unit_id] = len(group.coalesced_unit_ids)
+    total = sum(per_unit.values())
+    wide = {u: n for u, n in per_unit.items() if members[u] > 1 and n > _WIDE_GROUP_SHARE * total}
+    if not wide:
+        return
+    unit, numel = next(iter(wide.items()))
+    warnings.warn(
+        f"fsdp: suggested_communication_unit_size={size} joins {members[unit]} FSDP units "
+        f"into one communication unit of {numel:,} of the units' {total:,} parameter "
+        "elements: they are gathered, held and reduced together, so under ZeRO-3 the "
+        "gathered peak is that group's, not one unit's. fsdp uses this option to coalesce "
+        "small units (Megatron-FSDP uses it to size its prefetch); pass 0 for one "
+        "collective per unit, or None for the default (under ZeRO-3, pairs of units under "
+        "65,536 elements)",
+        UserWarning,
+        stacklevel=4,
+    )

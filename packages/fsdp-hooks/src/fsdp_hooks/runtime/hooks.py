@@ -38,7 +38,7 @@ prefetches in backward order and puts the unit in PRE_BACKWARD; its post-forward
 PRE_BACKWARD, keeps them for the backward that follows, so a recomputed unit is gathered
 once for both. The engine's own "is a backward running" query is asked in two places
 only: at a unit's pre-forward when the root is not in PRE_BACKWARD (a forward run by a
-backward that reached no unit's outputs, ``_side_recompute``), and to tell a backward
+backward that reached no unit's outputs, ``UnitGroup.side_recompute``), and to tell a backward
 that raised (its end-of-backward callback never ran, the root is left in PRE_BACKWARD)
 from one still under way (``recover_if_backward_aborted``).
 
@@ -64,11 +64,9 @@ each call's post-backward, as FSDP2 does: reduction is linear, so the reductions
 arrived between them add up to the whole gradient (a gradient that autograd adds over
 both calls arrives once, and the other call reduces zeros).
 
-Coalesced units (``suggested_communication_unit_size``) share buckets: a shared
-bucket is released, and reduced, once all the units sharing it are done
-(``shared_buckets``: counts of the unit calls whose backward is to come, set from each
-graph's record at its root pre-backward, since graphs in flight, two forwards then two
-backwards or a ``no_grad`` forward in between, reset them at their end).
+Coalesced units (``suggested_communication_unit_size``) share buckets: the hooks of
+each unit call its ``UnitGroup``, which owns the gathers, releases and reductions of the
+communication unit as one (Note [unit groups] in ``unit_group``).
 
 A unit that is entirely ``fsdp_no_shard`` gets no gathering hooks (seed 002: nothing
 to gather, and no per-module dispatch for a frozen encoder's many layers): two forward
@@ -92,7 +90,6 @@ from fsdp_buffers import (
     GradReducePipeline,
     GradStaging,
     ParamAndGradBuffer,
-    PrefetchOrder,
     annotate,
     module_is_fully_no_shard,
 )
@@ -107,9 +104,9 @@ from fsdp_hooks.runtime.param_state import ParamState
 from fsdp_hooks.runtime.param_swap import ParamSwapping
 from fsdp_hooks.runtime.saved_weight_hooks import SavedWeightHooks
 from fsdp_hooks.runtime.schedule_check import Phase, ScheduleCheck, schedule_check_requested
-from fsdp_hooks.runtime.shared_buckets import SharedBuckets
 from fsdp_hooks.runtime.training_state import TrainingState
 from fsdp_hooks.runtime.unit import FSDPUnit
+from fsdp_hooks.runtime.unit_group import UnitGroup, group_units
 from fsdp_mesh.device import control_device
 
 __all__ = ["FSDPHooks", "FSDPUnit", "raise_if_nonfinite_on_any_rank"]
@@ -168,12 +165,6 @@ class FSDPHooks(ParamSwapping):
         self.reduce = reduce
         self._stages_main_grad = buffer.grad_staging is GradStaging.MAIN_GRAD
         self.root_state = TrainingState.IDLE
-        # Unit calls per unit: of the root forward under way, and outside any root
-        # forward since the last end of backward; whether the counts of the backward
-        # under way were set from a graph's record (module note).
-        self._forward_calls = [0] * len(buffer.unit_names)
-        self._outside_calls = [0] * len(buffer.unit_names)
-        self._counts_from_graph = False
         # Root buckets (ParamAndGradBuffer.root_groups: outside every unit, or tied to
         # a module outside every unit): gathered at the root pre-forward and kept until
         # the end of backward, as no unit hook runs around them.
@@ -190,16 +181,11 @@ class FSDPHooks(ParamSwapping):
         self._range_pre_forward = annotate("fsdp.pre_forward")
         self._range_post_forward = annotate("fsdp.post_forward")
         self._range_pre_backward = annotate("fsdp.pre_backward")
-        self._range_post_backward = annotate("fsdp.post_backward")
 
         module = config.module
         root = set(self.root_groups)
         self.units: list[FSDPUnit] = []
-        # Trainable bucket -> the hooked units that release it: the last of their
-        # post-backwards marks it ready (module note). Others wait for the end of backward,
-        # as all do without overlap_grad_reduce.
-        overlap = config.overlap_grad_reduce
-        self._markers: dict[int, list[FSDPUnit]] = {}
+        hooked: list[FSDPUnit] = []
         for index, name in enumerate(buffer.unit_names):
             unit_module = module.get_submodule(name)
             groups: list[int] = []
@@ -213,25 +199,36 @@ class FSDPHooks(ParamSwapping):
                 # Replicated: nothing to gather or release; hooks that keep its state.
                 self._register_state_hooks(unit)
                 continue
-            unit.on_pre_backward = functools.partial(self._unit_pre_backward, unit)
-            unit.on_post_backward = functools.partial(self._unit_post_backward, unit)
-            for gid in unit.release_groups:
-                if overlap and buffer.groups[gid].requires_grad:
-                    self._markers.setdefault(gid, []).append(unit)
-            unit.handles.append(
-                unit_module.register_forward_pre_hook(
-                    _eager(functools.partial(self._unit_pre_forward, unit)),
-                    prepend=True,
-                    with_kwargs=True,
-                )
+            unit.hooked = True
+            hooked.append(unit)
+        # One owner of gathers, releases and reductions per communication unit (Note
+        # [unit groups]); each member's hooks call it.
+        self.unit_groups: list[UnitGroup] = []
+        for members in group_units(buffer, hooked):
+            group = UnitGroup(
+                members,
+                buffer,
+                gather,
+                reduce,
+                self._unit_use,
+                overlap_grad_reduce=config.overlap_grad_reduce,
+                stages_main_grad=self._stages_main_grad,
             )
-            unit.handles.append(
-                unit_module.register_forward_hook(
-                    _eager(functools.partial(self._unit_post_forward, unit))
+            group.on_pre_backward = functools.partial(self._group_pre_backward, group)
+            self.unit_groups.append(group)
+            for unit in members:
+                unit.handles.append(
+                    unit.module.register_forward_pre_hook(
+                        _eager(functools.partial(self._unit_pre_forward, group, unit)),
+                        prepend=True,
+                        with_kwargs=True,
+                    )
                 )
-            )
-
-        self._shared = SharedBuckets(buffer, self.units)  # coalesced units' buckets
+                unit.handles.append(
+                    unit.module.register_forward_hook(
+                        _eager(functools.partial(self._unit_post_forward, group, unit))
+                    )
+                )
 
         self._grad_handles = [
             p.register_post_accumulate_grad_hook(self._on_param_grad)
@@ -281,7 +278,8 @@ class FSDPHooks(ParamSwapping):
             if self.root_state is not TrainingState.PRE_BACKWARD:
                 if self.schedule is not None:
                     self.schedule.check(Phase.FORWARD)
-                self._forward_calls = [0] * len(self.units)
+                for group in self.unit_groups:
+                    group.finish_skipped(None)  # a forward that raised left a pass open
                 self.params.sync_requires_grad()
                 if self.root_state is TrainingState.IDLE and self.params.main_weights_changed():
                     # In-place writes to the main weights since the last install.
@@ -299,35 +297,24 @@ class FSDPHooks(ParamSwapping):
             return output  # recompute inside backward: the backward goes on
         with annotate("fsdp.root_post_forward"):
             self.gather.land_stale()  # buckets no unit of this forward used
-            for gid in self._shared.take_partly_run():  # a unit sharing it was skipped
-                self.gather.release_bucket(gid)
+            for group in self.unit_groups:  # members this forward skipped
+                group.finish_skipped(output)
             self.gather.commit_observed_order()
-            calls = tuple(self._forward_calls)
             backward_pending = torch.is_grad_enabled() and register_pre_backward(
-                output, functools.partial(self._root_pre_backward, calls)
+                output, self._root_pre_backward
             )
             if not backward_pending:
                 # No backward will follow (eval, no_grad): nothing to keep gathered.
                 self._release_all()
-                self._reset_call_counts()
                 self.use_distributed_params()
             self.root_state = TrainingState.IDLE
         return output
 
-    def _root_pre_backward(self, calls: tuple[int, ...]) -> None:
-        """The first gradient of a backward reached the output of a forward that made
-        ``calls`` (per unit): they are the unit calls whose backward is to come."""
+    def _root_pre_backward(self) -> None:
+        """The first gradient of a backward reached the output of a root forward."""
         self._saved_weights.check_double_backward(None)
         self.begin_backward()
         self.root_state = TrainingState.PRE_BACKWARD
-        # Another graph's end of backward, or a forward without backward, may have reset
-        # the counts since this forward (module note): its own calls are what is pending.
-        if not self._counts_from_graph:
-            self._counts_from_graph = True
-            for unit in self.units:
-                unit.pending_backward = self._outside_calls[unit.index]
-        for unit, n in zip(self.units, calls, strict=True):
-            unit.pending_backward += n
         if not self._using_compute:
             # Another graph's end of backward, or a forward without backward (eval
             # under no_grad), ran since this graph's forward and released everything:
@@ -385,102 +372,41 @@ class FSDPHooks(ParamSwapping):
         )
         unit.handles.append(unit.module.register_forward_hook(_eager(post_forward)))
 
-    def _unit_pre_forward(self, unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict):
+    def _unit_pre_forward(
+        self, group: UnitGroup, unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict
+    ):
         with self._range_pre_forward:
             # A forward inside this model's backward is a recompute (activation
             # checkpointing): the unit is in PRE_BACKWARD even when no pre-backward hook
             # of its own fired (a reentrant checkpoint ran its forward under no_grad).
             recompute = self.root_state is TrainingState.PRE_BACKWARD
             if not recompute and torch._C._current_graph_task_id() != -1:  # in_backward()
-                self._side_recompute(unit)
+                self.begin_backward()
+                group.side_recompute(unit)
                 return args, kwargs
-            unit.state = TrainingState.PRE_BACKWARD if recompute else TrainingState.FORWARD
             if not recompute and self.schedule is not None:
                 self.schedule.check(Phase.UNIT_FORWARD, unit.index)
-            if not recompute:
-                # Counted under no_grad too: a reentrant checkpoint's first forward is one
-                # call, whose backward comes with its recompute.
-                unit.pending_backward += 1
-                in_root = self.root_state is TrainingState.FORWARD
-                (self._forward_calls if in_root else self._outside_calls)[unit.index] += 1
-            order = (
-                PrefetchOrder.BACKWARD_PASS_ORDER if recompute else PrefetchOrder.FORWARD_PASS_ORDER
-            )
-            self.gather.all_gather_params(unit.groups, prefetch=True, prefetch_order=order)
-            self._unit_use(unit, compute=True)
-            if torch.is_grad_enabled():
-                args, kwargs = wrap_inputs_for_post_backward(unit.on_post_backward, args, kwargs)
-        return args, kwargs
+            return group.pre_forward(unit, recompute, args, kwargs)
 
-    def _side_recompute(self, unit: FSDPUnit) -> None:
-        """A unit's forward run by a backward that reached no unit's outputs (an aux loss
-        backpropagated on its own, whose saved tensors a checkpoint recomputes): no
-        pre- or post-backward of the unit will come. Gather for immediate use, as an
-        unpacked saved weight is (evictable by the next double-buffer gather: the
-        recomputed tensors are read by the node that asked for them, next), and keep
-        it until the end of that backward; the unit stays in PRE_BACKWARD so that its
-        post-forward (if the checkpoint does not stop early) releases nothing."""
-        self.begin_backward()
-        unit.state = TrainingState.PRE_BACKWARD
-        for gid in unit.groups:
-            self.gather.gather_for_immediate_use(gid)
-        self._unit_use(unit, compute=True)
-
-    def _unit_post_forward(self, unit: FSDPUnit, module: nn.Module, args: tuple, output: Any):
+    def _unit_post_forward(
+        self, group: UnitGroup, unit: FSDPUnit, module: nn.Module, args: tuple, output: Any
+    ):
         # Outputs that view the unit's buckets are copied before any release (recompute
         # too: the same ops as the first forward).
         output = self._saved_weights.copy_out_views(unit, output)
-        if unit.state is TrainingState.PRE_BACKWARD:
-            return output  # recompute: the backward that follows needs the buckets
         with self._range_post_forward:
-            for gid in unit.release_groups:
-                if self._shared.release_after_forward(unit, gid):
-                    self.gather.release_bucket(gid)
-            self._unit_use(unit, compute=False)
-            unit.state = TrainingState.IDLE
-            if torch.is_grad_enabled():
-                # Autograd on, yet no output needs a gradient (a frozen unit): no
-                # backward will gather it, so none should prefetch it. (Under no_grad,
-                # a reentrant checkpoint's first forward, its recompute will.)
-                expected = register_pre_backward(output, unit.on_pre_backward)
-                self.gather.record_backward(unit.release_groups, expected)
+            group.post_forward(unit, output)
         return output
 
-    def _unit_pre_backward(self, unit: FSDPUnit) -> None:
+    def _group_pre_backward(self, group: UnitGroup, last: bool) -> None:
         with self._range_pre_backward:
             if self.schedule is not None:
-                self.schedule.check(Phase.UNIT_BACKWARD, unit.index)
-            self._saved_weights.check_double_backward(unit)
+                self.schedule.check(Phase.UNIT_BACKWARD, group.members[0].index)
+            for unit in group.members:
+                self._saved_weights.check_double_backward(unit)
             self.begin_backward()
             self.root_state = TrainingState.PRE_BACKWARD
-            unit.state = TrainingState.PRE_BACKWARD
-            self.gather.all_gather_params(
-                unit.groups, prefetch=True, prefetch_order=PrefetchOrder.BACKWARD_PASS_ORDER
-            )
-            self._unit_use(unit, compute=True)
-            for gid in unit.groups:
-                self.reduce.prepare(gid)
-
-    def _unit_post_backward(self, unit: FSDPUnit) -> None:
-        with self._range_post_backward:
-            unit.state = TrainingState.POST_BACKWARD
-            unit.pending_backward = max(0, unit.pending_backward - 1)
-            for gid in unit.release_groups:
-                if not self._shared.release_after_backward(gid):
-                    continue  # a coalesced bucket another unit's backward still needs
-                if unit in self._markers.get(gid, ()):
-                    # Every call: what arrived since the last reduction (Note [gradient
-                    # staging]); later gradients are reduced at the end of backward.
-                    self.reduce.mark_bucket_ready(gid)
-                    if unit.pending_backward and self._stages_main_grad:
-                        self.reduce.prepare(gid)  # another call's main_grad writes come
-                self.gather.release_bucket(gid)
-            self._unit_use(unit, compute=False)
-
-    def _reset_call_counts(self) -> None:
-        self._counts_from_graph = False
-        for unit in self.units:
-            unit.pending_backward = 0
+            group.pre_backward(last)
 
     # ---- gradients ------------------------------------------------------------------
     def _forget_dropped_grads(self) -> None:
@@ -541,17 +467,16 @@ class FSDPHooks(ParamSwapping):
         return True
 
     def _reset_after_backward(self) -> None:
-        """A backward ended (or was abandoned): nothing gathered, no calls pending, every
+        """A backward ended (or was abandoned): nothing gathered, no pass under way, every
         unit idle, the DTensor parameters in place."""
         self._release_all()
-        self._reset_call_counts()
-        self._outside_calls = [0] * len(self.units)
         for unit in self.units:
             unit.state = TrainingState.IDLE
         self.use_distributed_params()
 
     def _release_all(self) -> None:
-        self._shared.clear()
+        for group in self.unit_groups:
+            group.reset()
         self.gather.reset()
 
     def attach_grads(self, only_with_grads: bool) -> None:

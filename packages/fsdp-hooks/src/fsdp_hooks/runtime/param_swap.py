@@ -87,7 +87,7 @@ class ParamSwapping:
             unit = owner.get(module)
             if (
                 unit is None
-                or unit.on_pre_backward is None  # no gathering hooks
+                or not unit.hooked  # no gathering hooks
                 or gid not in unit.release_groups
                 or not (bucket.is_distributed or bucket.can_be_stale)
             ):

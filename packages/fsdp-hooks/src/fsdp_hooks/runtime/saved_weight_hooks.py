@@ -196,7 +196,7 @@ class SavedWeightHooks:
         if entry is None:
             return
         unit = entry[1]
-        if unit.state is TrainingState.IDLE and unit.pending_backward > 0:
+        if unit.state is TrainingState.IDLE:  # no pre-backward of its group reached it
             name = self._hooks.param_names[param]
             raise RuntimeError(
                 f"fsdp: the gradient of {name!r} (FSDP unit {unit.name!r}) was computed by a "

@@ -1,5 +1,5 @@
-"""``FSDPUnit``: one hooked module and the per-step state its hooks keep (the module
-note of ``hooks`` says how a step uses it)."""
+"""``FSDPUnit``: one FSDP unit module and its per-step state; its ``UnitGroup`` (Note
+[unit groups]) gathers, releases and reduces its buckets."""
 
 from __future__ import annotations
 
@@ -21,14 +21,11 @@ class FSDPUnit:
     groups: list[int]  # buckets to gather for this unit, tied ones included
     release_groups: list[int]  # of those, the ones this unit releases (not root buckets)
     state: TrainingState = TrainingState.IDLE
-    # Forward calls of this step whose backward has not finished (see the module note).
-    pending_backward: int = 0
+    # Whether it has gathering hooks (its ``UnitGroup``'s); not if entirely fsdp_no_shard.
+    hooked: bool = False
     handles: list[Any] = field(default_factory=list)
     # (module, attr, compute, distributed) of the parameters whose gathered bucket this
     # unit releases: swapped to the DTensor shard while released (see the module note).
     locations: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = field(default_factory=list)
     # ``locations`` by module: (module, {attr: compute}, {attr: DTensor}).
     swaps: list[tuple[nn.Module, dict, dict]] = field(default_factory=list)
-    # Its pre- and post-backward as callbacks, made once at wrap (not per forward call).
-    on_pre_backward: Any = None
-    on_post_backward: Any = None
