@@ -190,7 +190,7 @@ def test_hook_cpu_counts_every_hook_call_of_the_timed_steps():
     want = {
         "FSDPHooks._unit_pre_forward": n_units,
         "FSDPHooks._unit_post_forward": n_units,
-        "FSDPHooks._unit_pre_backward": n_units,
+        "FSDPHooks._group_pre_backward": n_units,  # each member's output carries one
         "FSDPHooks._on_param_grad": n_units * params_per_unit,
         "FSDPHooks._end_of_backward": 1,
         "FSDPHooks.root_pre_forward": 1,

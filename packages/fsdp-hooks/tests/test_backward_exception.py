@@ -8,11 +8,14 @@ plain tensors and the weights drifted. Here every rank raises inside the backwar
 middle block at step ``FAIL_STEP`` (a custom autograd Function), catches it, calls
 ``zero_grad`` and goes on: under every strategy the losses and final weights must equal a
 one-process run that skipped that batch, and the wrapper must be back to its idle state.
+The same for an exception inside the middle block's forward (after the first block ran,
+so its unit group's pass is left open, with its buckets gathered).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import pytest
 import torch
@@ -30,6 +33,7 @@ ROWS = 4  # per rank
 DIM = 8
 LR = 1e-2
 CONFIGS = ((0, False), (1, False), (2, False), (3, False), (3, True))  # (strategy, double buffer)
+WHERE = ("backward", "forward")  # where the middle block raises at FAIL_STEP
 
 
 class SkipBatch(Exception):
@@ -54,11 +58,13 @@ class Block(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(DIM, 2 * DIM)
         self.fc2 = nn.Linear(2 * DIM, DIM)
-        self.fail = False
+        self.fail: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail == "forward":
+            raise SkipBatch("out of memory in forward (simulated)")
         h = F.gelu(self.fc1(x))
-        h = MaybeRaise.apply(h, self.fail)
+        h = MaybeRaise.apply(h, self.fail == "backward")
         return x + self.fc2(h)
 
 
@@ -89,7 +95,7 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _train() -> dict:
     rank = dist.get_rank()
     out = {}
-    for strategy, double_buffer in CONFIGS:
+    for (strategy, double_buffer), where in itertools.product(CONFIGS, WHERE):
         module = build()
         optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
         model, optimizer = fully_shard(
@@ -102,9 +108,9 @@ def _train() -> dict:
         losses = []
         for step in range(STEPS):
             x, y = batch(step, rank)
-            model.module.blocks[1].fail = step == FAIL_STEP
-            loss = F.mse_loss(model(x), y)
+            model.module.blocks[1].fail = where if step == FAIL_STEP else None
             try:
+                loss = F.mse_loss(model(x), y)
                 loss.backward()
             except SkipBatch:
                 assert step == FAIL_STEP
@@ -117,7 +123,7 @@ def _train() -> dict:
         assert all(u.state is TrainingState.IDLE for u in model.hooks.units)
         assert model.all_gather_pipeline.gathered_buckets() == []
         params = model.buffer.views.full_parameters()
-        out[(strategy, double_buffer)] = {"losses": losses, "params": params}
+        out[(strategy, double_buffer, where)] = {"losses": losses, "params": params}
     return out if rank == 0 else {}
 
 
@@ -146,8 +152,9 @@ def trained() -> dict:
     return run_distributed(_train, WORLD, timeout=120)[0]
 
 
+@pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"zero{c[0]}-double{int(c[1])}")
-def test_exception_in_backward_skips_the_batch(trained, config):
+def test_exception_skips_the_batch(trained, config, where):
     ref = reference()
-    got = trained[config]
-    assert_same_training(got, ref, where=f"zero{config[0]}")
+    got = trained[(*config, where)]
+    assert_same_training(got, ref, where=f"zero{config[0]} raised in {where}")

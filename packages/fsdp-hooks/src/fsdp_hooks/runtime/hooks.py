@@ -279,7 +279,7 @@ class FSDPHooks(ParamSwapping):
                 if self.schedule is not None:
                     self.schedule.check(Phase.FORWARD)
                 for group in self.unit_groups:
-                    group.finish_skipped(None)  # a forward that raised left a pass open
+                    group.abandon_pass()  # a forward that raised left it open
                 self.params.sync_requires_grad()
                 if self.root_state is TrainingState.IDLE and self.params.main_weights_changed():
                     # In-place writes to the main weights since the last install.

@@ -159,6 +159,14 @@ class UnitGroup:
             self._to_run.clear()
             self._finish_forward(output)
 
+    def abandon_pass(self) -> None:
+        """Root pre-forward of a new step: a pass the last forward left open (it raised
+        before the root post-forward) is over."""
+        if self._to_run:
+            self._to_run.clear()
+            for gid in self.release_groups:
+                self.gather.release_bucket(gid)
+
     def _finish_forward(self, output: Any) -> None:
         for gid in self.release_groups:
             self.gather.release_bucket(gid)
