@@ -60,11 +60,11 @@ correctly, with all those units materialized at once, and warned about.
 What cannot be reproduced is refused, never left as zeros: a meta parameter or buffer
 that no ``reset_parameters()`` of its module or of a module above it can initialize
 (values set in ``__init__`` are not recorded on the meta device) raises ``ValueError``
-before any work, naming them (but for meta buffers under a root module with
-``init_weights()``, left to it: Note [the model's init_weights]); a parameter or floating buffer that the resets left
-untouched (they are filled with NaN beforehand, a value no initializer writes) raises
-after the reset. Every rank runs the same checks on the same model, so every rank
-raises. The random generators of the data-parallel ranks must be in the same state
+before any work, naming them (but meta buffers under a root module with
+``init_weights()`` are left to it: Note [the model's init_weights]); a parameter or
+floating buffer that the resets left untouched (they are filled with NaN beforehand, a
+value no initializer writes) raises after the reset. Every rank runs the same checks on
+the same model, so every rank raises. The random generators of the data-parallel ranks must be in the same state
 (``torch.manual_seed(s)`` on every rank before wrapping): this is checked with one
 small collective.
 """
