@@ -64,9 +64,9 @@ before any work, naming them (but meta buffers under a root module with
 ``init_weights()`` are left to it: Note [the model's init_weights]); a parameter or
 floating buffer that the resets left untouched (they are filled with NaN beforehand, a
 value no initializer writes) raises after the reset. Every rank runs the same checks on
-the same model, so every rank raises. The random generators of the data-parallel ranks must be in the same state
-(``torch.manual_seed(s)`` on every rank before wrapping): this is checked with one
-small collective.
+the same model, so every rank raises. The random generators of the data-parallel
+ranks must be in the same state (``torch.manual_seed(s)`` on every rank before
+wrapping): this is checked with one small collective.
 """
 
 from __future__ import annotations
