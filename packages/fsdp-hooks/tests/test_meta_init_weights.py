@@ -13,7 +13,8 @@ must end with exactly the one-process weights.
 - the flag route (``init_model_with_meta_device=True``): the modules' resets run, then
   fsdp calls the root's ``init_weights()`` for the buffer no reset reaches.
 
-Both then train three steps at parity with the one-process model (losses, weights).
+Both then train three steps at parity with the one-process model (losses, weights). An
+``init_weights()`` that leaves the buffer uninitialized is refused on every rank.
 """
 
 from __future__ import annotations
@@ -165,3 +166,28 @@ def test_torchtitan_meta_init_matches_one_process(route, strategy):
         torch.tensor(got["losses"]), torch.stack(ref["losses"]), rtol=1e-5, atol=1e-6
     )
     assert_tensors_close(got["final"], ref["final"], where=f"{where} after {STEPS} steps")
+
+
+class Forgetful(TitanLike):
+    """An ``init_weights()`` that forgets the cache buffer."""
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        with torch.no_grad():
+            for p in self.parameters():
+                p.zero_()
+
+
+def _forgetful() -> str:
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        module = Forgetful()
+    try:
+        fully_shard(module, _optimizer(module.parameters()), init_model_with_meta_device=True)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_flag_route_refuses_a_buffer_init_weights_leaves_uninitialized():
+    for rank, message in enumerate(run_distributed(_forgetful, WORLD, timeout=60)):
+        assert "['freqs']" in message and "uninitialized" in message, f"rank {rank}: {message}"
