@@ -88,6 +88,7 @@ class DTensorViews:
         self.grad_attr = "grad"
 
     def _view(self, b: Bucket, index: int, local: torch.Tensor, placement, mesh) -> DTensor:
+        local = storage_from_start(local)  # Note [picklable views]
         return self._buffer.tp.view_dtensor(b.group.params[index], local, placement, mesh)
 
     @staticmethod
@@ -511,6 +512,28 @@ class _GradView:
         self.grad, self.local, self.buffer, self.data = grad, local, buffer, data
         self.offset, self.size, self.stride = offset, local.size(), local.stride()
         self.zero_stride = (0,) * local.dim()  # parked: every element the one zero
+
+
+# Note [picklable views]
+# A DTensor's wrapper carries its local tensor's storage offset (torch >= 2.10), and
+# torch's pickler (``Tensor._reduce_ex_internal``, also ``__deepcopy__``) tells a wrapper
+# subclass from a tensor with data by ``data_ptr() == 0``: a wrapper at a nonzero offset
+# has a nonzero data pointer over no storage, so ``torch.save`` raises "invalid python
+# storage". FSDP2's DTensors pickle because each parameter owns its storage (offset 0);
+# ours are views into a bucket's flat buffer. So the local tensor of every DTensor view
+# of a buffer is the same memory under a storage of its own that begins at its first
+# element (a DLPack alias: it keeps the buffer's storage alive, and writes through it
+# reach the buffer). Every DTensor derived from it (``detach()`` in ``state_dict``,
+# ``.data``, optimizer state made ``*_like`` it) then has offset 0, and ``torch.save``
+# writes only the parameter's bytes. The buffers these views are made over are never
+# resized in place (only the gather buffers of ``TemporaryBucketAllocator`` are, and no
+# DTensor is made over those), so the alias never outlives its memory.
+def storage_from_start(view: torch.Tensor) -> torch.Tensor:
+    """``view``'s memory (detached) under a storage that begins at its first element
+    (Note [picklable views]); meta tensors, which have no memory, are returned as they are."""
+    if view.is_meta:
+        return view.detach()
+    return torch.from_dlpack(view.detach())
 
 
 def _own(view: torch.Tensor) -> torch.Tensor:

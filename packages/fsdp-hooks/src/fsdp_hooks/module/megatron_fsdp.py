@@ -42,14 +42,23 @@ from fsdp_hooks.module import state_dicts, transformers_model
 from fsdp_hooks.module.config import DistributedDataParallelConfig
 from fsdp_hooks.module.inner_module import InnerModuleAttributes
 from fsdp_hooks.module.megatron_compat import MegatronParamAndGradBuffer, reset_policy
-from fsdp_hooks.module.module_copies import DEEPCOPY_REFUSED, check_unchanged
+from fsdp_hooks.module.module_copies import (
+    DEEPCOPY_REFUSED,
+    check_unchanged,
+    materialize_meta_buffers,
+)
 from fsdp_hooks.module.wrap_checks import check_and_resolve
 from fsdp_hooks.module.wrapper_buffer import build_buffer
 from fsdp_hooks.optim.grad_norm import clip_grad_norm_
 from fsdp_hooks.runtime.config import RuntimeCallbacks, RuntimeConfig
 from fsdp_hooks.runtime.hooks import FSDPHooks
 from fsdp_hooks.runtime.training_state import TrainingState
-from fsdp_hooks.setup.meta_init import initialize_from_meta, prepare_meta_init
+from fsdp_hooks.setup.meta_init import (
+    defer_meta_init,
+    initialize_from_meta,
+    prepare_meta_init,
+    run_model_init_weights,
+)
 from fsdp_hooks.setup.rollback import rollback_on_failure
 
 __all__ = ["MegatronFSDP"]
@@ -150,7 +159,13 @@ class MegatronFSDP(InnerModuleAttributes):
             dist_index.get_dp_group() if torch.distributed.is_initialized() else None,
             keep_values=self.strategy is ShardingStrategy.OPTIM_GRADS_PARAMS,
         ):
-            if init_model_with_meta_device:
+            # Meta parameters without the flag: FSDP2's route, the user's init_weights()
+            # after wrapping (Note [the model's init_weights] in meta_init).
+            deferred_init = not init_model_with_meta_device and any(
+                p.is_meta for p in module.parameters()
+            )
+            left_to_init_weights: list[tuple[nn.Module, str, str]] = []
+            if init_model_with_meta_device or deferred_init:
                 # Meta parameters get placeholders on self.device in place (see meta_init).
                 prepare_meta_init(module, self.device)
             self.buffer = build_buffer(
@@ -166,7 +181,7 @@ class MegatronFSDP(InnerModuleAttributes):
                 nccl_ub=nccl_ub,
                 calculate_per_token_loss=calculate_per_token_loss,
                 is_expert_param=is_expert_param,
-                allow_meta=init_model_with_meta_device,
+                allow_meta=init_model_with_meta_device or deferred_init,
                 tensor_parallel=settings.tensor_parallel,
                 grad_staging=settings.grad_staging,
             )
@@ -175,7 +190,9 @@ class MegatronFSDP(InnerModuleAttributes):
             )
             self.grad_reduce_pipeline = GradReducePipeline(self.buffer)
             if init_model_with_meta_device:
-                initialize_from_meta(self)
+                left_to_init_weights = initialize_from_meta(self)
+            elif deferred_init:
+                defer_meta_init(self)
             self.model_auto_sync = sync_model_each_microbatch
             self._sync_override: bool | None = None
             self.hooks = FSDPHooks(
@@ -208,6 +225,11 @@ class MegatronFSDP(InnerModuleAttributes):
             # lie; fsdp's pieces are DTensor's torch.chunk ones, so DCP's own metadata is
             # already exact and nothing (no collective) is done per state_dict().
             self.preproc_state_dict_for_dcp_ckpt = False
+            # Meta buffers no reset_parameters() reaches: the model's own init_weights(),
+            # on the wrapped model, as its user would call it on FSDP2's.
+            if left_to_init_weights:
+                run_model_init_weights(module, self.device, left_to_init_weights)
+                self.install_optimized_model_weights()  # its writes, into the compute weights
             log_unit_summary(self)
 
     def _runtime_callbacks(self) -> RuntimeCallbacks:
@@ -533,6 +555,7 @@ class MegatronFSDP(InnerModuleAttributes):
         raise TypeError(DEEPCOPY_REFUSED)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        materialize_meta_buffers(self.module, fn)  # to_empty after FSDP2's meta route
         check_unchanged(self, fn)  # a cast or a move is refused before anything changes
         return self  # nothing would change: a no-op (super() would replace the DTensors)
 

@@ -8,7 +8,10 @@ same way). A cast or a move to another device is refused at the call, before any
 tensor changes (converting the buffers consistently is not implemented); a move to the
 device the model is on and a cast to the dtypes it already has change nothing, and
 are no-ops (``nn.Module._apply`` would otherwise replace the DTensor parameters by
-new ones without fsdp's attributes).
+new ones without fsdp's attributes). One exception: ``model.to_empty(device=...)`` after
+wrapping a meta model (FSDP2's route, Note [the model's init_weights] in ``meta_init``)
+materializes the module buffers still on the meta device; the parameters are in fsdp's
+buffers already.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["DEEPCOPY_REFUSED", "check_unchanged"]
+__all__ = ["DEEPCOPY_REFUSED", "check_unchanged", "materialize_meta_buffers"]
 
 DEEPCOPY_REFUSED = (
     "fsdp: copy.deepcopy of an fsdp-wrapped model is not supported (its parameters are "
@@ -57,3 +60,22 @@ def check_unchanged(model: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]
             "MixedPrecisionPolicy(param_dtype=...) for the compute dtype. Nothing was "
             "changed"
         )
+
+
+def materialize_meta_buffers(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Replace each buffer of ``module`` on the meta device by ``fn`` of it (shared ones
+    once) where ``fn`` gives a tensor off the meta device in the same dtype (``to_empty``
+    does); a cast, or a move that cannot take a meta tensor, is left to
+    ``check_unchanged`` and torch."""
+    made: dict[int, torch.Tensor] = {}
+    for mod in module.modules():
+        for attr, b in mod._buffers.items():
+            if b is None or not b.is_meta:
+                continue
+            new = made.get(id(b))
+            if new is None:
+                new = fn(b)
+                if not isinstance(new, torch.Tensor) or new.is_meta or new.dtype != b.dtype:
+                    return
+                made[id(b)] = new
+            mod._buffers[attr] = new

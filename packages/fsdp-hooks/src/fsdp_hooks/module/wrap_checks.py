@@ -24,7 +24,6 @@ from fsdp_hooks.setup.validation import (
     broadcast_from_dp_rank0,
     check_argument_types,
     check_hybrid_index,
-    check_no_meta_params,
     check_not_wrapped,
     check_option_types,
     check_param_dtype,
@@ -120,12 +119,8 @@ def check_and_resolve(
         grad_comm_dtype=ddp_config.megatron_fsdp_grad_comm_dtype,
     )
     check_param_dtype(module, policy)
-    if not meta_init:
-        check_no_meta_params(
-            module,
-            "MegatronFSDP",
-            "pass init_model_with_meta_device=True to materialize them shard by shard",
-        )
+    # Meta parameters without init_model_with_meta_device: FSDP2's route, the model's
+    # own init after wrapping (Note [the model's init_weights] in meta_init).
     if not any(p.device.type == "meta" for p in module.parameters()):
         module.to(device)
     split_experts = dist_index.expt_dp_size != dist_index.dp_size

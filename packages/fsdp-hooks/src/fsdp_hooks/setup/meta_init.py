@@ -60,12 +60,13 @@ correctly, with all those units materialized at once, and warned about.
 What cannot be reproduced is refused, never left as zeros: a meta parameter or buffer
 that no ``reset_parameters()`` of its module or of a module above it can initialize
 (values set in ``__init__`` are not recorded on the meta device) raises ``ValueError``
-before any work, naming them; a parameter or floating buffer that the resets left
-untouched (they are filled with NaN beforehand, a value no initializer writes) raises
-after the reset. Every rank runs the same checks on the same model, so every rank
-raises. The random generators of the data-parallel ranks must be in the same state
-(``torch.manual_seed(s)`` on every rank before wrapping): this is checked with one
-small collective.
+before any work, naming them (but meta buffers under a root module with
+``init_weights()`` are left to it: Note [the model's init_weights]); a parameter or
+floating buffer that the resets left untouched (they are filled with NaN beforehand, a
+value no initializer writes) raises after the reset. Every rank runs the same checks on
+the same model, so every rank raises. The random generators of the data-parallel
+ranks must be in the same state (``torch.manual_seed(s)`` on every rank before
+wrapping): this is checked with one small collective.
 """
 
 from __future__ import annotations
@@ -98,9 +99,11 @@ class _Wrapper(Protocol):
 
 __all__ = [
     "META_INIT_PENDING_ATTR",
+    "defer_meta_init",
     "initialize_from_meta",
     "local_of",
     "prepare_meta_init",
+    "run_model_init_weights",
     "set_local",
 ]
 
@@ -219,7 +222,9 @@ class _Materializer:
                     views[p].fill_(float("nan"))  # "not initialized", checked on close
         self.open[gid] = _OpenGroup(gid, flat, views, bucket_views)
 
-    def close_group(self, gid: int) -> None:
+    def close_group(self, gid: int, check: bool = True) -> None:
+        """Copy open group ``gid`` into its buffers; with ``check``, first refuse a pending
+        parameter its resets left NaN (without: the model's own init fills it later)."""
         og = self.open.pop(gid)
         group = self.buffer.groups[gid]
         buf = group.model_weight_buffer
@@ -229,7 +234,7 @@ class _Materializer:
                 value = getattr(p, _VALUE_ATTR, None)
                 if value is not None:
                     og.views[p].copy_(value)
-            if og.flat.dtype.is_floating_point or og.flat.dtype.is_complex:
+            if check and (og.flat.dtype.is_floating_point or og.flat.dtype.is_complex):
                 bad = [
                     self.plan.param_names.get(p, "?")
                     for p in group.params
@@ -338,11 +343,13 @@ def _any_nan(t: torch.Tensor) -> bool:
 
 
 # ---- the entry point ----------------------------------------------------------------------
-def initialize_from_meta(wrapper: _Wrapper) -> None:
+def initialize_from_meta(wrapper: _Wrapper) -> list[tuple[nn.Module, str, str]]:
     """Initialize ``wrapper.module``'s meta parameters and buffers by running
     ``reset_parameters()``, one FSDP unit at a time, into this rank's shards (see the
     module note). Called by ``MegatronFSDP`` after its buffers exist, when
-    ``init_model_with_meta_device=True``; ``prepare_meta_init`` must have run first."""
+    ``init_model_with_meta_device=True``; ``prepare_meta_init`` must have run first.
+    Returns the meta buffers left to the model's ``init_weights()`` (Note [the model's
+    init_weights]), which ``run_model_init_weights`` fills once the model is wrapped."""
     buffer: ParamAndGradBuffer = wrapper.buffer
     module = wrapper.module
     params = list(buffer.param_index)
@@ -352,14 +359,79 @@ def initialize_from_meta(wrapper: _Wrapper) -> None:
             plan = make_plan(module, pending)
             if plan.resets:
                 _check_same_rng_state(wrapper)
-            _materialize_buffers(module, plan, buffer.device)
+            _materialize_buffers(module, buffer.device, meta=True)
             _run(buffer, plan)
-            _check_buffers(plan)
+            _check_buffers(plan.meta_buffers, plan.left_to_init_weights)
     finally:
-        for p in params:
-            for attr in (META_INIT_PENDING_ATTR, _VALUE_ATTR):
-                if hasattr(p, attr):
-                    delattr(p, attr)
+        _clear_marks(params)
+    return plan.left_to_init_weights
+
+
+# Note [the model's init_weights]
+# torchtitan's models (and FSDP2's meta-device recipe) initialize through the root
+# module's ``init_weights()``: build on the meta device, ``fully_shard``, then
+# ``model.to_empty(device=...)`` and ``model.init_weights()``, which writes the sharded
+# DTensor parameters in place and recomputes buffers such as the RoPE cache
+# (``freqs_cis``), on modules with no ``reset_parameters()``. Both routes work here:
+# - without ``init_model_with_meta_device`` (FSDP2's way, ``defer_meta_init``): the meta
+#   parameters' shards are allocated filled with NaN (an init the user forgets shows
+#   as NaN at once, never as plausible zeros), the meta buffers stay on the meta device
+#   until ``to_empty`` (``MegatronFSDP._apply``), and the user's ``init_weights()``
+#   writes through the DTensors (the runtime carries the writes to the compute weights
+#   at the next forward, as for any write between steps);
+# - with it, per-module ``reset_parameters()`` initialize what they reach, one unit at a
+#   time, and meta buffers that none reaches are left, when the root module defines
+#   ``init_weights()``, to one call of it once the model is wrapped (as the user would
+#   call it on FSDP2's model): the recipe torchtitan users already have, instead of a
+#   new option to pass an init function. Those buffers must be initialized then (checked:
+#   not NaN, not meta), or the wrap raises naming them. ``init_weights()`` re-initializes
+#   the parameters it writes too, as it does on FSDP2's model.
+# On CPU a random init of a sharded DTensor draws each rank's shard from its own
+# generator (as on FSDP2's model), so it equals one process's only where the init is
+# deterministic per parameter; on CUDA DTensor's offset-based generator makes it equal.
+def defer_meta_init(wrapper: _Wrapper) -> None:
+    """FSDP2's meta route (Note [the model's init_weights]): the meta parameters' shards,
+    allocated by the buffers, are filled with NaN for the model's own init after
+    wrapping; real parameters keep their values; meta buffers stay on the meta device
+    for ``to_empty``, real ones move to the device. ``prepare_meta_init`` ran first."""
+    buffer: ParamAndGradBuffer = wrapper.buffer
+    params = list(buffer.param_index)
+    try:
+        with annotate("fsdp.meta_init"):
+            _materialize_buffers(wrapper.module, buffer.device, meta=False)
+            mat = _Materializer(buffer, Plan())
+            for gid in range(len(buffer.groups)):
+                mat.open_group(gid)
+                mat.close_group(gid, check=False)
+    finally:
+        _clear_marks(params)
+
+
+def run_model_init_weights(
+    module: nn.Module, device: torch.device, buffers: list[tuple[nn.Module, str, str]]
+) -> None:
+    """Call the wrapped ``module``'s own ``init_weights()`` for the meta ``buffers`` no
+    ``reset_parameters()`` reaches (Note [the model's init_weights]), then refuse any of
+    them it left uninitialized."""
+    if not buffers:
+        return
+    try:
+        with torch.no_grad(), torch.device(device):
+            module.init_weights()  # type: ignore[operator]
+    except Exception as e:
+        raise RuntimeError(
+            f"meta-device initialization: {type(module).__name__}.init_weights(), called to "
+            f"initialize the buffers {[full for _m, _a, full in buffers][:5]} that no "
+            f"reset_parameters() reaches, failed: {e}"
+        ) from e
+    _check_buffers(buffers, [])
+
+
+def _clear_marks(params: list[nn.Parameter]) -> None:
+    for p in params:
+        for attr in (META_INIT_PENDING_ATTR, _VALUE_ATTR):
+            if hasattr(p, attr):
+                delattr(p, attr)
 
 
 def _run(buffer: ParamAndGradBuffer, plan: Plan) -> None:
@@ -407,15 +479,18 @@ def _run(buffer: ParamAndGradBuffer, plan: Plan) -> None:
     )
 
 
-def _materialize_buffers(module: nn.Module, plan: Plan, device: torch.device) -> None:
-    """Meta buffers get (NaN-filled) storage on ``device``, shared ones once; real
-    buffers move to ``device`` like ``module.to(device)`` would move them."""
+def _materialize_buffers(module: nn.Module, device: torch.device, meta: bool) -> None:
+    """With ``meta``, meta buffers get (NaN-filled) storage on ``device``, shared ones
+    once (without, they stay for ``to_empty``); real buffers move to ``device`` like
+    ``module.to(device)`` would move them."""
     made: dict[int, torch.Tensor] = {}
     for mod in module.modules():
         for attr, b in mod._buffers.items():
             if b is None:
                 continue
             if b.is_meta:
+                if not meta:
+                    continue
                 new = made.get(id(b))
                 if new is None:
                     new = torch.empty(b.shape, dtype=b.dtype, device=device)
@@ -429,20 +504,25 @@ def _materialize_buffers(module: nn.Module, plan: Plan, device: torch.device) ->
                 mod._buffers[attr] = made.setdefault(id(b), b.to(device))
 
 
-def _check_buffers(plan: Plan) -> None:
+def _check_buffers(
+    buffers: list[tuple[nn.Module, str, str]], skip: list[tuple[nn.Module, str, str]]
+) -> None:
+    """Refuse a buffer of ``buffers`` (not in ``skip``) left on the meta device or NaN."""
+    skipped = {(id(mod), attr) for mod, attr, _full in skip}
     bad = [
         full
-        for mod, attr, full in plan.meta_buffers
-        if (b := mod._buffers.get(attr)) is not None
-        and (b.is_floating_point() or b.is_complex())
-        and _any_nan(b)
+        for mod, attr, full in buffers
+        if (id(mod), attr) not in skipped
+        and (b := mod._buffers.get(attr)) is not None
+        and (b.is_meta or ((b.is_floating_point() or b.is_complex()) and _any_nan(b)))
     ]
     if bad:
         raise ValueError(
-            f"meta-device initialization: reset_parameters() ran but left buffer(s) "
-            f"{bad} uninitialized (values computed in __init__ are not recorded on the "
-            f"meta device). Compute them in reset_parameters(), or create those buffers "
-            f"on a real device before wrapping."
+            f"meta-device initialization: reset_parameters() (or the model's "
+            f"init_weights()) ran but left buffer(s) {bad} uninitialized (values computed "
+            f"in __init__ are not recorded on the meta device). Compute them in "
+            f"reset_parameters() or the root module's init_weights(), or create those "
+            f"buffers on a real device before wrapping."
         )
 
 

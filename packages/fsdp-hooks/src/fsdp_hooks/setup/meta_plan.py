@@ -1,8 +1,10 @@
 """The plan of meta-device initialization (the note on meta initialization in ``meta_init``):
 which initializer (a module's own ``reset_parameters``/``_reset_parameters``, or a
 Hugging Face model's ``_init_weights``) writes which pending parameter, in the post-order
-``nn.Module.apply`` would run them; what no initializer can reach is refused by name
-before any work."""
+``nn.Module.apply`` would run them; meta buffers none reaches are left to the root
+module's ``init_weights()`` where it defines one (Note [the model's init_weights] in
+``meta_init``); anything else no initializer can reach is refused by name before any
+work."""
 
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ class Plan:
     resets: list[Reset] = field(default_factory=list)
     param_names: dict[nn.Parameter, str] = field(default_factory=dict)
     meta_buffers: list[tuple[nn.Module, str, str]] = field(default_factory=list)
+    # Meta buffers no reset reaches, left to the root module's init_weights() once the
+    # model is wrapped (Note [the model's init_weights] in meta_init).
+    left_to_init_weights: list[tuple[nn.Module, str, str]] = field(default_factory=list)
 
 
 def _post_order(module: nn.Module) -> list[tuple[str, nn.Module, int]]:
@@ -163,11 +168,11 @@ def make_plan(module: nn.Module, pending: set[nn.Parameter]) -> Plan:
         for p in plan.param_names
         if p not in covered
     ]
-    missing += [
-        f"{full} (buffer of {type(mod).__name__})"
-        for mod, _attr, full in plan.meta_buffers
-        if id(mod) not in covered_buffer_modules
-    ]
+    unreached = [entry for entry in plan.meta_buffers if id(entry[0]) not in covered_buffer_modules]
+    if callable(getattr(module, "init_weights", None)):
+        plan.left_to_init_weights = unreached
+    else:
+        missing += [f"{full} (buffer of {type(mod).__name__})" for mod, _attr, full in unreached]
     if missing:
         raise ValueError(
             f"meta-device initialization cannot initialize {missing[:10]}"
@@ -178,6 +183,9 @@ def make_plan(module: nn.Module, pending: set[nn.Parameter]) -> Plan:
             f"PyTorch FSDP does), then a Hugging Face model's _init_weights(module); values set in __init__ (nn.Parameter(torch.ones(n)), "
             f"torch.randn(...)) are not recorded on the meta device. Define "
             f"reset_parameters() on those modules to initialize them, or build them on a "
-            f"real device before wrapping (tensors not on the meta device keep their values)."
+            f"real device before wrapping (tensors not on the meta device keep their values). "
+            f"Or, as on FSDP2's model, wrap without init_model_with_meta_device, then "
+            f"model.to_empty(device=...) and run the model's own init (init_weights()); "
+            f"meta buffers are left to the root module's init_weights() when it has one."
         )
     return plan
