@@ -20,6 +20,7 @@ import torch
 from fsdp.demo.cli import main
 from fsdp.demo.options import CHECKPOINT_DIR, parse_args
 from fsdp.demo.plot import PLOT_FILE
+from fsdp.demo.summary import SUMMARY_FIELDS, comm_bound_bytes, summary_lines
 from fsdp.demo.train import METRICS_FILE
 
 STEPS = 5
@@ -66,6 +67,17 @@ def test_demo_trains_checkpoints_and_plots(first_run):
         assert h["tokens_per_s"] > 0
     comm = [h["comm_mb"] for h in history]
     assert comm == sorted(comm) and comm[0] > 0, comm  # ZeRO-3 communicates every step
+    assert all(h["step_ms"] > 0 for h in history)
+    assert sum(h["comm_step_mb"] for h in history) == pytest.approx(comm[-1])
+    # Root parameters (embeddings, final norm) are gathered once a step, not twice, so a
+    # ZeRO-3 step sends less than 3Ψ(N−1)/N; the blocks' gathers and every reduction
+    # still send most of it.
+    last = history[-1]
+    assert last["comm_bound_passes"] == 3
+    assert 0.5 * last["comm_bound_mb"] < last["comm_step_mb"] <= last["comm_bound_mb"], last
+    for label in ("loss", "step time", "memory", "bytes sent", "metrics"):
+        assert f"\n  {label}:" in stdout, (label, stdout)
+    assert "x the bound 3Ψ(N−1)/N" in stdout, stdout
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT_S)
@@ -78,6 +90,38 @@ def test_demo_resumes_at_another_strategy(first_run):
     assert [h["step"] for h in history] == list(range(1, STEPS + RESUME_STEPS + 1))
     assert history[:STEPS] == before
     assert all(math.isfinite(h["loss"]) for h in history)
+
+
+def test_summary_lines_label_each_field_and_skip_what_a_run_lacks():
+    """One line per field, labels aligned; a history from an older checkpoint (no step
+    time, no per-step bytes) leaves those lines out instead of failing."""
+    old = {"step": 1, "loss": 4.0, "tokens_per_s": 1e3, "memory_mb": [10.0, 12.0]}
+    new = {
+        **old,
+        "step": 2,
+        "loss": 3.5,
+        "step_ms": 20.0,
+        "memory_mb": [11.0, 13.0],
+        "comm_step_mb": 1.5,
+        "comm_bound_mb": 2.0,
+        "comm_bound_passes": 3,
+    }
+    summary = {"history": [old, new], "memory_kind": "RSS"}
+    lines = summary_lines(summary, [("plot", "x.png")])
+    assert len(lines) == len(SUMMARY_FIELDS) + 1
+    assert lines[0] == "  loss:       4.000 at step 1 -> 3.500 at step 2"
+    assert lines[-1] == "  plot:       x.png"
+    assert "1.50 MB per rank a step = 0.750 x the bound 3Ψ(N−1)/N = 2.00 MB" in lines[3]
+    assert "11/13 MB per rank" in lines[2] and "at most 13 MB" in lines[2]
+    summary["history"] = [old]
+    assert [ln.split(":")[0].strip() for ln in summary_lines(summary)] == ["loss", "memory"]
+
+
+def test_comm_bound_is_three_passes_under_zero3_else_two():
+    assert comm_bound_bytes("optim_grads_params", 1000, 4) == 3 * 1000 * 3 / 4
+    for strategy in ("optim_grads", "optim", "no_shard"):
+        assert comm_bound_bytes(strategy, 1000, 4) == 2 * 1000 * 3 / 4
+    assert comm_bound_bytes("optim_grads_params", 1000, 1) == 0
 
 
 def test_resume_takes_the_checkpoints_seq_len_and_refuses_another(first_run, capsys):

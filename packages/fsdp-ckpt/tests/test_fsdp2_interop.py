@@ -114,7 +114,7 @@ def _fsdp2_save(model, opt, path: Path, torchtitan: bool) -> None:
 
 
 def _fsdp2_load(model, opt, path: Path) -> None:
-    """What an FSDP2 user writes to load our checkpoint (layout in the README)."""
+    """What an FSDP2 user writes to load our checkpoint (layout in docs/guide/checkpoints.md)."""
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=path)

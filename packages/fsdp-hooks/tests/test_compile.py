@@ -2,7 +2,7 @@
 reduction) run with dynamo skipping their frames, so they stay outside the graph and
 break nothing, whether a unit's ``forward`` is compiled
 (``block.forward = torch.compile(block.forward)``) or the unit module is
-(``block.compile()``, the README's pattern, which compiles ``_call_impl``, hooks included).
+(``block.compile()``, docs/guide/compile.md's pattern, which compiles ``_call_impl``, hooks included).
 
 Checked at world size 2: ``torch._dynamo.explain`` of a unit's forward, run while the unit
 is gathered, reports zero graph breaks and one graph (ZeRO-3); with ``unit.compile()``

@@ -1,9 +1,9 @@
 """Peak gathered bytes under unit coalescing (``suggested_communication_unit_size``) and
 ``prefetch_depth``, measured on the real wrapped model (``GatheredMeter`` of
 ``test_plan_gathered_peak``: every storage holding gathered weights right after each
-all-gather), against the README's bound and against ``plan()``.
+all-gather), against the bound of docs/guide/coalescing.md and against ``plan()``.
 
-The bound (README, "Unit coalescing and prefetch depth"), ZeRO-3 without double buffer:
+The bound (docs/guide/coalescing.md, "Unit coalescing and prefetch depth"), ZeRO-3 without double buffer:
 ``peak ≤ R + (c + d) · G``, where ``R`` is the root buckets' unsharded bytes, ``G``
 the largest communication unit's (an FSDP unit, or the units coalesced into one),
 ``d`` the prefetch depth and ``c`` 2 when an all-gather writes a rank-major copy before

@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from fsdp.demo.plot import PLOT_FILE, plot_run
+    from fsdp.demo.summary import summary_lines
     from fsdp.demo.train import METRICS_FILE
 
     began = time.perf_counter()
@@ -45,13 +46,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0  # not rank 0: rank 0 reports
     plot = plot_run(summary, options.out / PLOT_FILE)
     history = summary["history"]
-    first, last = history[0]["loss"], history[-1]["loss"]
+    files = [
+        ("checkpoint", summary["checkpoint"]),
+        ("plot", plot),
+        ("metrics", options.out / METRICS_FILE),
+    ]
     print(
-        f"fsdp-demo: {len(history)} steps in total; loss {first:.3f} at step "
-        f"{history[0]['step']} -> {last:.3f} at step {history[-1]['step']} "
-        f"({time.perf_counter() - began:.0f} s for this run)\n"
-        f"  checkpoint: {summary['checkpoint']}\n"
-        f"  plot:       {plot}\n"
-        f"  metrics:    {options.out / METRICS_FILE}"
+        f"fsdp-demo: {len(history)} steps in total, {summary['world_size']} rank(s), "
+        f"{summary['strategy']} ({time.perf_counter() - began:.0f} s for this run)",
+        *summary_lines(summary, files),
+        sep="\n",
     )
     return 0

@@ -26,6 +26,7 @@ from fsdp.demo.data import Corpus
 from fsdp.demo.metrics import comm_bytes, memory_bytes, memory_kind
 from fsdp.demo.model import Block, build_model, model_config
 from fsdp.demo.options import DemoOptions
+from fsdp.demo.summary import comm_bound_bytes, comm_bound_passes
 from fsdp_ckpt import load_checkpoint, save_checkpoint
 from fsdp_hooks import fully_shard
 
@@ -88,6 +89,10 @@ def _train(o: DemoOptions, device: torch.device) -> dict[str, Any] | None:
     cfg = model_config(corpus.vocab_size, o.seq_len)
     module = build_model(cfg, o.seed).to(device)
     n_params = sum(p.numel() for p in module.parameters())
+    trainable_bytes = sum(
+        p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
+    )
+    bound_mb = comm_bound_bytes(o.strategy, trainable_bytes, world) / MB
     optimizer = torch.optim.AdamW(module.parameters(), lr=o.lr, betas=(0.9, 0.95))
     model, optimizer = fully_shard(
         module, optimizer, fsdp_unit_modules=[Block], zero_dp_strategy=o.strategy
@@ -125,7 +130,8 @@ def _train(o: DemoOptions, device: torch.device) -> dict[str, Any] | None:
         optimizer.zero_grad()
         mean_loss = _global_mean(loss)  # also waits for this step's work on every rank
         elapsed = time.perf_counter() - began
-        total_comm += comm_bytes(model.comm_stats(reset=True))
+        step_comm = comm_bytes(model.comm_stats(reset=True))
+        total_comm += step_comm
         memory = _per_rank(memory_bytes(device) / MB, device)
         rank_sequences = [int(n) for n in _per_rank(sequences, device)]
         if not math.isfinite(mean_loss):
@@ -136,16 +142,21 @@ def _train(o: DemoOptions, device: torch.device) -> dict[str, Any] | None:
             {
                 "step": step + 1,
                 "loss": mean_loss,
+                "step_ms": elapsed * 1e3,
                 "tokens_per_s": sum(rank_sequences) * o.seq_len / elapsed,
                 "sequences_per_rank": rank_sequences,
                 "memory_mb": memory,
-                "comm_mb": total_comm / MB,
+                "comm_mb": total_comm / MB,  # since the first step, resumed runs included
+                "comm_step_mb": step_comm / MB,
+                # The bound of this step's strategy and world size (a resumed run may differ).
+                "comm_bound_mb": bound_mb,
+                "comm_bound_passes": comm_bound_passes(o.strategy),
             }
         )
         bar.set_postfix_str(
             f"loss {mean_loss:.3f}, {history[-1]['tokens_per_s'] / 1e3:.1f}k tok/s, "
             f"{memory_kind(device)} {'/'.join(f'{m:.0f}' for m in memory)} MB, "
-            f"comm {total_comm / MB:.0f} MB/rank",
+            f"sent {step_comm / MB:.1f} MB/rank a step",
             refresh=False,
         )
         bar.update()
