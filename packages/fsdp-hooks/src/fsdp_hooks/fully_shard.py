@@ -159,12 +159,12 @@ def fully_shard_model(
     131,072 below it; 0: off) gathers and reduces consecutive FSDP units
     as one collective until each group holds at least that many parameter elements;
     ``prefetch_depth`` (default 1) is how many units (groups) are gathered ahead of the
-    one in use, 0 for none. Peak gathered memory grows with both (README, "Unit
-    coalescing and prefetch depth"). ``regather_saved_weights`` (default False; ZeRO-3)
+    one in use, 0 for none. Peak gathered memory grows with both
+    (``docs/guide/coalescing.md``). ``regather_saved_weights`` (default False; ZeRO-3)
     gathers a unit's released weights again when a backward reads them outside the
     unit's own backward (an auxiliary loss on the weights backpropagated on its own);
-    by default such a backward raises (README, "Gradient paths that bypass a unit's
-    outputs"). ``grad_staging`` (``"autograd"``, the default, or ``"main_grad"``) is
+    by default such a backward raises (``docs/guide/faults.md``, "Gradient paths that
+    bypass a unit's outputs"). ``grad_staging`` (``"autograd"``, the default, or ``"main_grad"``) is
     where a backward's gradients wait for their reduction: autograd's ``.grad``, or a
     staging buffer that ``param.main_grad`` views, for layers that add into
     ``main_grad`` themselves (fused wgrad, ``grad_added_to_main_grad``); Note [gradient

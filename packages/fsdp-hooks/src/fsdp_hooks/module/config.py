@@ -53,7 +53,7 @@ class DistributedDataParallelConfig:
     four units under 131,072, ``fsdp_buffers.param_group.resolve_communication_units``;
     0: one collective per
     unit). Megatron-FSDP sizes its prefetch and reduce queue
-    with it instead; see the README's "Unit coalescing"."""
+    with it instead; see ``docs/guide/coalescing.md``."""
     keep_fp8_transpose_cache: bool = False
     """CUDA-only; no FP8 weights in fsdp yet, so nothing to cache."""
     nccl_ub: bool = False
