@@ -398,15 +398,15 @@ class FSDPHooks(ParamSwapping):
             group.post_forward(unit, output)
         return output
 
-    def _group_pre_backward(self, group: UnitGroup, last: bool) -> None:
+    def _group_pre_backward(self, group: UnitGroup, unit: FSDPUnit | None, last: bool) -> None:
         with self._range_pre_backward:
             if self.schedule is not None:
-                self.schedule.check(Phase.UNIT_BACKWARD, group.members[0].index)
-            for unit in group.members:
-                self._saved_weights.check_double_backward(unit)
+                self.schedule.check(Phase.UNIT_BACKWARD, (unit or group.members[0]).index)
+            for member in group.members if unit is None else (unit,):
+                self._saved_weights.check_double_backward(member)
             self.begin_backward()
             self.root_state = TrainingState.PRE_BACKWARD
-            group.pre_backward(last)
+            group.pre_backward(unit, last)
 
     # ---- gradients ------------------------------------------------------------------
     def _forget_dropped_grads(self) -> None:

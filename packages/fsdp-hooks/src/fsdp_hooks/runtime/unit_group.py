@@ -17,8 +17,9 @@ counts who still needs a shared bucket.
   run again within the pass changes nothing; members the forward skipped are finished
   at the root post-forward, whose output then carries the group's pre-backward (FSDP2's
   ``_force_complete_incomplete_states``).
-- Backward: the pre-backward (the first gradient at any member's output: a backward
-  from a loss on an inner member's output reaches no later one) gathers; the
+- Backward: each member's pre-backward (the first gradient at its output: a backward
+  from a loss on an inner member's output reaches no later one) gathers that member's
+  buckets (a frozen member's output needs no gradient: its bucket stays released); the
   post-backward (the gradients of the first member's inputs, so after every member's
   backward) marks the buckets ready and releases them.
 - Activation recompute inside backward gathers as a pre-forward does, and routes the
@@ -77,9 +78,9 @@ def group_units(buffer: ParamAndGradBuffer, units: list[FSDPUnit]) -> list[list[
 class UnitGroup:
     """One communication unit's members and the state of its passes (Note [unit
     groups]). ``use_params(unit, compute)`` puts a member's compute parameters (or its
-    DTensors) in its modules (``ParamSwapping``); ``on_pre_backward(last)`` is the
-    root's pre-backward of this group, registered on each member's output (``last``: the
-    pass's last output)."""
+    DTensors) in its modules (``ParamSwapping``); ``on_pre_backward(unit, last)`` is the
+    root's pre-backward of a member, registered on its output (``last``: the pass's last
+    output; ``unit`` None: the model's output, for a pass some members skipped)."""
 
     def __init__(
         self,
@@ -105,7 +106,8 @@ class UnitGroup:
         self.reduce = reduce
         self._use = use_params
         self._stages_main_grad = stages_main_grad
-        self.on_pre_backward: Callable[[bool], None] = lambda last: None  # set by the root
+        # Set by the root.
+        self.on_pre_backward: Callable[[FSDPUnit | None, bool], None] = lambda unit, last: None
         # Members yet to run in the forward pass under way (empty: no pass under way).
         self._to_run: set[FSDPUnit] = set()
         # The member that started the last forward pass; whether a recompute of it hooked
@@ -144,38 +146,36 @@ class UnitGroup:
             return  # recompute: the backward that follows needs the buckets
         self._use(unit, False)
         unit.state = TrainingState.IDLE
-        if unit in self._to_run:
-            self._to_run.discard(unit)
-            if not self._to_run:
-                self._finish_forward(output)
-                return
+        last = unit in self._to_run and len(self._to_run) == 1
+        self._to_run.discard(unit)
+        if last:
+            self._release()
         if torch.is_grad_enabled():
-            register_pre_backward(output, functools.partial(self.on_pre_backward, False))
+            # Autograd on, yet no output needs a gradient (a frozen unit): no backward
+            # will gather its buckets, so none should prefetch them. (Under no_grad, a
+            # reentrant checkpoint's first forward, its recompute will.)
+            hook = functools.partial(self.on_pre_backward, unit, last)
+            self.gather.record_backward(unit.release_groups, register_pre_backward(output, hook))
 
     def finish_skipped(self, output: Any) -> None:
         """Root post-forward: end a pass some members did not run; ``output`` (the
-        model's) carries its pre-backward."""
+        model's) counts as its last output."""
         if self._to_run:
             self._to_run.clear()
-            self._finish_forward(output)
+            self._release()
+            if torch.is_grad_enabled():
+                register_pre_backward(output, functools.partial(self.on_pre_backward, None, True))
 
     def abandon_pass(self) -> None:
         """Root pre-forward of a new step: a pass the last forward left open (it raised
         before the root post-forward) is over."""
         if self._to_run:
             self._to_run.clear()
-            for gid in self.release_groups:
-                self.gather.release_bucket(gid)
+            self._release()
 
-    def _finish_forward(self, output: Any) -> None:
+    def _release(self) -> None:
         for gid in self.release_groups:
             self.gather.release_bucket(gid)
-        if torch.is_grad_enabled():
-            # Autograd on, yet no output needs a gradient (a frozen unit): no backward
-            # will gather it, so none should prefetch it. (Under no_grad, a reentrant
-            # checkpoint's first forward, its recompute will.)
-            expected = register_pre_backward(output, functools.partial(self.on_pre_backward, True))
-            self.gather.record_backward(self.release_groups, expected)
 
     def side_recompute(self, unit: FSDPUnit) -> None:
         """A member's forward run by a backward that reached no unit's outputs (an aux
@@ -189,15 +189,18 @@ class UnitGroup:
         self._use(unit, True)
 
     # ---- backward -------------------------------------------------------------------
-    def pre_backward(self, last: bool) -> None:
-        self._set_state(TrainingState.PRE_BACKWARD)
+    def pre_backward(self, unit: FSDPUnit | None, last: bool) -> None:
+        """The first gradient reached ``unit``'s output (None: the model's, for a pass
+        some members skipped; their own outputs gather)."""
         self._open_backwards += last
+        if unit is None:
+            return
+        unit.state = TrainingState.PRE_BACKWARD
         self.gather.all_gather_params(
-            self.groups, prefetch=True, prefetch_order=PrefetchOrder.BACKWARD_PASS_ORDER
+            unit.groups, prefetch=True, prefetch_order=PrefetchOrder.BACKWARD_PASS_ORDER
         )
-        for unit in self.members:
-            self._use(unit, True)
-        for gid in self.groups:
+        self._use(unit, True)
+        for gid in unit.groups:
             self.reduce.prepare(gid)
 
     @annotate("fsdp.post_backward")
@@ -212,7 +215,7 @@ class UnitGroup:
                 self.reduce.mark_bucket_ready(gid)
                 if self._open_backwards and self._stages_main_grad:
                     self.reduce.prepare(gid)  # another pass's main_grad writes come
-            self.gather.release_bucket(gid)
+        self._release()
         for unit in self.members:
             self._use(unit, False)
 
