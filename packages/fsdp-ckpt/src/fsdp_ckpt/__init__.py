@@ -10,6 +10,7 @@ DTensors; it does not import ``fsdp_hooks``.
 
 from importlib.metadata import version as _version
 
+from fsdp_ckpt.async_save import SaveHandle
 from fsdp_ckpt.checkpoint import load_checkpoint, save_checkpoint
 from fsdp_ckpt.consolidate import (
     consolidate_checkpoint,
@@ -41,6 +42,7 @@ __all__ = [
     "CorruptCheckpointError",
     "ForeignCheckpointWarning",
     "IncompleteCheckpointError",
+    "SaveHandle",
     "__version__",
     "consolidate_checkpoint",
     "get_full_model_state_dict",

@@ -1,0 +1,126 @@
+"""Host staging buffers: a copy of this rank's state that training cannot change.
+
+An asynchronous save writes from a copy taken at the call, because training goes on
+modifying the live tensors (the optimizer steps in place, on CPU as on CUDA). The copy
+is one host buffer per tensor of the state dict, keyed by its place in the state dict
+(``("model", "fc.weight")``) and kept from one save to the next: a save whose tensors
+have the same shapes and dtypes as the previous one allocates nothing, it only copies.
+On CUDA the buffers are pinned and filled with non-blocking copies on the current
+stream, which is then synchronised (the values are those the stream had computed when
+the save was called).
+
+Only this rank's data is copied: a DTensor's local tensor (a ``RowShards``' own shard,
+not the flat buffer it views), rebuilt around the copy with the same mesh, placements,
+global shape and row offsets, so DCP plans and writes the copy exactly as it would the
+live state. Non-tensor leaves (param-group hyperparameters) are deep-copied.
+
+torch's ``StateDictStager`` (behind ``dcp.async_save``'s ``DefaultStager``) caches by
+source storage instead, which copies a whole flat buffer for a view of a piece of it and
+refuses the wrapper-subclass storage of a ``LocalShardsWrapper`` ("invalid python
+storage"), so it cannot stage ``get_model_state_dict``'s output.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+from fsdp_ckpt.row_shards import RowShards
+
+__all__ = ["HostStager", "staging_bytes"]
+
+Path_ = tuple[Any, ...]
+
+
+def _leaves(value: Any, where: Path_ = ()) -> list[tuple[Path_, torch.Tensor]]:
+    """Every plain tensor to copy in ``value``, with its place (a DTensor's local
+    tensor, each shard of a ``LocalShardsWrapper``)."""
+    if isinstance(value, DTensor):
+        local = value._local_tensor
+        if isinstance(local, LocalShardsWrapper):
+            return [((*where, "shard", i), s) for i, s in enumerate(local.local_shards())]
+        return [((*where, "local"), local)]
+    if isinstance(value, torch.Tensor):
+        return [(where, value)]
+    if isinstance(value, dict):
+        return [leaf for k, v in value.items() for leaf in _leaves(v, (*where, k))]
+    if isinstance(value, list | tuple):
+        return [leaf for i, v in enumerate(value) for leaf in _leaves(v, (*where, i))]
+    return []
+
+
+def staging_bytes(state: Any) -> int:
+    """Bytes of host memory ``HostStager`` keeps to stage ``state``: one copy of this
+    rank's tensors (not of the buffers they view)."""
+    return sum(t.numel() * t.element_size() for _w, t in _leaves(state))
+
+
+class HostStager:
+    """Copies state dicts into host buffers it keeps (see the module note). Not
+    thread-safe: one owner (a process's asynchronous saver) calls ``stage``, and only
+    once the previous save's background write has finished with the buffers."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[Path_, torch.Tensor] = {}
+        self.allocations = 0  # buffers allocated so far (tests: no more after the first save)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def release(self) -> None:
+        self._buffers.clear()
+
+    def _buffer(self, where: Path_, source: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(where)
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+            pin = source.device.type == "cuda"
+            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pin)
+            self.allocations += 1
+        return buffer
+
+    @torch.no_grad()
+    def stage(self, state: Any) -> Any:
+        """A copy of ``state`` in this stager's host buffers, complete on return."""
+        used: dict[Path_, torch.Tensor] = {}
+        devices: set[torch.device] = set()
+
+        def copy_of(where: Path_, source: torch.Tensor) -> torch.Tensor:
+            buffer = self._buffer(where, source)
+            non_blocking = source.device.type == "cuda"
+            buffer.copy_(source.detach(), non_blocking=non_blocking)
+            if non_blocking:
+                devices.add(source.device)
+            used[where] = buffer
+            return buffer
+
+        def walk(value: Any, where: Path_) -> Any:
+            if isinstance(value, DTensor):
+                local = value._local_tensor
+                if isinstance(local, LocalShardsWrapper):
+                    shards = [
+                        copy_of((*where, "shard", i), s)
+                        for i, s in enumerate(local.local_shards())
+                    ]
+                    local = RowShards(shards, local.local_offsets())
+                else:
+                    local = copy_of((*where, "local"), local)
+                # Not from_local: it would move a host copy back to the mesh's device.
+                return DTensor(local, value._spec, requires_grad=False)
+            if isinstance(value, torch.Tensor):
+                return copy_of(where, value)
+            if isinstance(value, dict):
+                return {k: walk(v, (*where, k)) for k, v in value.items()}
+            if isinstance(value, list | tuple):
+                return type(value)(walk(v, (*where, i)) for i, v in enumerate(value))
+            return copy.deepcopy(value)
+
+        staged = walk(state, ())
+        for device in devices:  # the non-blocking copies have landed
+            torch.cuda.current_stream(device).synchronize()
+        self._buffers = used  # entries no longer in the state dict are freed
+        return staged
