@@ -286,7 +286,9 @@ def _save_then_die_saving_again(path: str, phase: str, victims: list[int]) -> No
 def test_sigkill_at_each_phase_keeps_the_previous_checkpoint(tmp_path, phase, victims):
     path = tmp_path / "ckpt"
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(_save_then_die_saving_again, 2, args=(str(path), phase, victims), timeout=60)
+        run_distributed(
+            _save_then_die_saving_again, 2, args=(str(path), phase, victims), timeout=60
+        )
     assert set(victims) <= set(info.value.failed_ranks)
     # Never a half-published checkpoint: the path (or, killed between the renames, its
     # .old) holds the first save, complete and verified.

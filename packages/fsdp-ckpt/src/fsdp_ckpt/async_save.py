@@ -49,8 +49,8 @@ finished first (the thread is joined), as long as the process group is still the
 from __future__ import annotations
 
 import threading
-import warnings
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -63,7 +63,9 @@ from fsdp_ckpt.staging import HostStager
 
 __all__ = ["AsyncSaver", "SaveHandle", "process_saver"]
 
-_SINGLE_PROCESS_SAVE = "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save"
+_SINGLE_PROCESS_SAVE = (
+    "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save"
+)
 
 
 class SaveHandle:
@@ -93,8 +95,7 @@ class SaveHandle:
             return self._future.result(timeout)
         except TimeoutError as exc:
             raise TimeoutError(
-                f"the asynchronous save to {self.path} is still being written after "
-                f"{timeout} s"
+                f"the asynchronous save to {self.path} is still being written after {timeout} s"
             ) from exc
 
     def __repr__(self) -> str:

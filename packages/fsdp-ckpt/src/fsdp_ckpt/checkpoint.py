@@ -308,9 +308,7 @@ def _write_and_publish(
     return path
 
 
-def _checksum_staging(
-    staging: Path, rank: int, group: dist.ProcessGroup | None
-) -> dict[str, int]:
+def _checksum_staging(staging: Path, rank: int, group: dist.ProcessGroup | None) -> dict[str, int]:
     """Every file's CRC-32, each rank reading the files it wrote (see ``checksums``);
     the whole map on rank 0, ``{}`` elsewhere. An error raises on every rank."""
     listed = Manifest.list_files(staging) if rank == 0 else None

@@ -103,8 +103,7 @@ class HostStager:
                 local = value._local_tensor
                 if isinstance(local, LocalShardsWrapper):
                     shards = [
-                        copy_of((*where, "shard", i), s)
-                        for i, s in enumerate(local.local_shards())
+                        copy_of((*where, "shard", i), s) for i, s in enumerate(local.local_shards())
                     ]
                     local = RowShards(shards, local.local_offsets())
                 else:
