@@ -33,6 +33,7 @@ from fsdp_ckpt.optim_state import (
     init_optimizer_state,
     set_optimizer_state_dict,
 )
+from fsdp_ckpt.staging import HostStager
 
 __version__ = _version("fsdp-ckpt")
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "ForeignCheckpointWarning",
+    "HostStager",
     "IncompleteCheckpointError",
     "SaveHandle",
     "__version__",

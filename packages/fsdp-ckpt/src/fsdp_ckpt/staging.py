@@ -14,10 +14,17 @@ not the flat buffer it views), rebuilt around the copy with the same mesh, place
 global shape and row offsets, so DCP plans and writes the copy exactly as it would the
 live state. Non-tensor leaves (param-group hyperparameters) are deep-copied.
 
-torch's ``StateDictStager`` (behind ``dcp.async_save``'s ``DefaultStager``) caches by
-source storage instead, which copies a whole flat buffer for a view of a piece of it and
-refuses the wrapper-subclass storage of a ``LocalShardsWrapper`` ("invalid python
-storage"), so it cannot stage ``get_model_state_dict``'s output.
+``HostStager`` is also a DCP ``AsyncStager``: ``dcp.async_save(state,
+checkpoint_id=..., async_stager=stager)`` stages with it (keep the stager for the next
+save, and wait for a save's future before the next one: the buffers are reused). It
+exists because torch's own stagers do not fit these state dicts (torch 2.15):
+``DefaultStager`` (``StateDictStager``, ``dcp.async_save``'s default) takes a DTensor
+whose local tensor starts inside its storage (fsdp's views into flat buffers, and any
+``from_local`` of a view) for a plain tensor and fails with "Attempted to call copy_()
+on an invalid python storage"; it also copies whole storages rather than the views in
+the state dict. ``BlockingAsyncStager`` (a ``FileSystemWriter`` passed as
+``storage_writer``) stages a 0-d DTensor as the live tensor itself, so a step taken
+during the write changes what is written.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import copy
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
@@ -59,10 +67,13 @@ def staging_bytes(state: Any) -> int:
     return sum(t.numel() * t.element_size() for _w, t in _leaves(state))
 
 
-class HostStager:
+class HostStager(AsyncStager):
     """Copies state dicts into host buffers it keeps (see the module note). Not
-    thread-safe: one owner (a process's asynchronous saver) calls ``stage``, and only
-    once the previous save's background write has finished with the buffers."""
+    thread-safe: one owner (a process's asynchronous saver, or the caller of
+    ``dcp.async_save``) calls ``stage``, and only once the previous save's background
+    write has finished with the buffers."""
+
+    _synchronize_after_execute = False  # ``stage`` returns a complete copy
 
     def __init__(self) -> None:
         self._buffers: dict[Path_, torch.Tensor] = {}
@@ -72,8 +83,12 @@ class HostStager:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def release(self) -> None:
+    def close(self) -> None:
+        """Free the buffers (the next ``stage`` allocates them again)."""
         self._buffers.clear()
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: ``stage`` returns once the copy is complete."""
 
     def _buffer(self, where: Path_, source: torch.Tensor) -> torch.Tensor:
         buffer = self._buffers.get(where)
