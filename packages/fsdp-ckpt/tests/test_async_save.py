@@ -24,7 +24,7 @@ from fsdp_ckpt import CheckpointError, SaveHandle, load_checkpoint, save_checkpo
 from fsdp_ckpt.async_save import process_saver
 from fsdp_ckpt.atomic import incomplete_dir, old_dir
 from fsdp_ckpt.manifest import MANIFEST_NAME, Manifest
-from fsdp_ckpt.staging import HostStager
+from fsdp_ckpt.staging import HostStager, staging_bytes
 from fsdp_hooks import fully_shard
 from fsdp_mesh.testing import DistributedTestError, run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig
@@ -227,6 +227,11 @@ def test_stager_copies_and_reuses(tmp_path):
     assert stager.allocations == 1 and stager.nbytes == 4 * 4  # the view, not its base
     again = stager.stage(live)
     assert stager.allocations == 1 and again["a"].data_ptr() == staged["a"].data_ptr()
+    # A tied weight (one memory under two names) is copied once, and stays tied.
+    weight = torch.ones(3, 2)
+    tied = stager.stage({"embed": weight, "head": weight.view(3, 2)})
+    assert tied["embed"] is tied["head"] and stager.nbytes == 3 * 2 * 4
+    assert staging_bytes({"embed": weight, "head": weight.view(3, 2)}) == 3 * 2 * 4
 
 
 # ---- SIGKILL at each phase ---------------------------------------------------------------

@@ -12,7 +12,8 @@ the save was called).
 Only this rank's data is copied: a DTensor's local tensor (a ``RowShards``' own shard,
 not the flat buffer it views), rebuilt around the copy with the same mesh, placements,
 global shape and row offsets, so DCP plans and writes the copy exactly as it would the
-live state. Non-tensor leaves (param-group hyperparameters) are deep-copied.
+live state; a tensor reached under two names (tied weights) is copied once. Non-tensor
+leaves (param-group hyperparameters) are deep-copied.
 
 ``HostStager`` is also a DCP ``AsyncStager``: ``dcp.async_save(state,
 checkpoint_id=..., async_stager=stager)`` stages with it (keep the stager for the next
@@ -46,7 +47,8 @@ Path_ = tuple[Any, ...]
 
 def _leaves(value: Any, where: Path_ = ()) -> list[tuple[Path_, torch.Tensor]]:
     """Every plain tensor to copy in ``value``, with its place (a DTensor's local
-    tensor, each shard of a ``LocalShardsWrapper``)."""
+    tensor, each shard of a ``LocalShardsWrapper``); one reached twice (tied weights)
+    is listed twice."""
     if isinstance(value, DTensor):
         local = value._local_tensor
         if isinstance(local, LocalShardsWrapper):
@@ -64,7 +66,16 @@ def _leaves(value: Any, where: Path_ = ()) -> list[tuple[Path_, torch.Tensor]]:
 def staging_bytes(state: Any) -> int:
     """Bytes of host memory ``HostStager`` keeps to stage ``state``: one copy of this
     rank's tensors (not of the buffers they view)."""
-    return sum(t.numel() * t.element_size() for _w, t in _leaves(state))
+    unique = {_memory_of(t): t for _w, t in _leaves(state)}
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+def _memory_of(t: torch.Tensor) -> tuple[Any, ...]:
+    """What identifies the memory ``t`` reads: equal for two views of one weight (a tied
+    weight under its two names); empty tensors are all different."""
+    if t.numel() == 0:
+        return ("empty", id(t))
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
 
 
 class HostStager(AsyncStager):
@@ -103,9 +114,13 @@ class HostStager(AsyncStager):
         """A copy of ``state`` in this stager's host buffers, complete on return."""
         used: dict[Path_, torch.Tensor] = {}
         devices: set[torch.device] = set()
+        copied: dict[tuple[Any, ...], torch.Tensor] = {}  # source memory -> its copy
 
         def copy_of(where: Path_, source: torch.Tensor) -> torch.Tensor:
-            buffer = self._buffer(where, source)
+            memory = _memory_of(source)
+            if memory in copied:  # a tied weight, under its second name: one copy
+                return copied[memory]
+            buffer = copied[memory] = self._buffer(where, source)
             non_blocking = source.device.type == "cuda"
             buffer.copy_(source.detach(), non_blocking=non_blocking)
             if non_blocking:
