@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{history[0]['step']} -> {last:.3f} at step {history[-1]['step']} "
         f"({time.perf_counter() - began:.0f} s for this run)\n"
         f"  checkpoint: {summary['checkpoint']}\n"
+        f"  saving it blocked training {summary['checkpoint_blocked_s']:.3f} s (asynchronous)\n"
         f"  plot:       {plot}\n"
         f"  metrics:    {options.out / METRICS_FILE}"
     )
