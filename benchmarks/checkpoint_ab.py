@@ -13,9 +13,11 @@ gloo, CPU unless ``--device cuda``):
 
 Per arm: the slowest rank's blocked time (median over rounds), its ratio to ``sync``'s,
 the median step time while a background write was still in flight against the median
-step with no save, and the whole save's time (call to published). Host memory: the bytes
+step with no save, and the time from the call to the published checkpoint (for the async
+arms it includes the steps taken meanwhile). Host memory: the bytes
 each async arm's stager holds (one copy of this rank's shards), and rank 0's RSS growth
-over the first save of each arm (the stagers keep their buffers for the next save).
+over the first save of each arm (the stagers keep their buffers for the next save; RSS
+is a rough figure: memory an earlier arm freed may be reused without growing it).
 
     uv run python -m benchmarks.checkpoint_ab --workload compute --strategy 3 --rounds 3
 """
@@ -157,15 +159,19 @@ def main() -> None:
         f"\n{args.workload} ZeRO-{args.strategy}, world 2 ({args.device}), {args.rounds} rounds, "
         f"{args.steps_during} steps after each async save; step with no save: {plain:.0f} ms"
     )
-    print("| arm | blocked ms | blocked / sync | step during write ms (/ no save) | save ms |")
-    print("|---|---|---|---|---|")
+    print(
+        "| arm | blocked ms | blocked / sync | step during write ms (/ no save) | "
+        "call to published ms | blocked ms per round |"
+    )
+    print("|---|---|---|---|---|---|")
     for arm in ARMS:
         blocked = ms(slowest(arm, "blocked"))
         during = ms([s for r in ranks for s in r[arm]["during"]])
         cell = "-" if arm == "sync" else f"{during:.0f} ({during / plain:.2f})"
+        rounds = ", ".join(f"{1e3 * b:.0f}" for b in slowest(arm, "blocked"))
         print(
             f"| {arm} | {blocked:.0f} | {blocked / sync_blocked:.3f} | {cell} | "
-            f"{ms(slowest(arm, 'total')):.0f} |"
+            f"{ms(slowest(arm, 'total')):.0f} | {rounds} |"
         )
     mib = 1 << 20
     print(
