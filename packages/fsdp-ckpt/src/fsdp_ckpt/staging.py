@@ -31,6 +31,7 @@ during the write changes what is written.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -78,6 +79,16 @@ def _memory_of(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
 
 
+@dataclass(frozen=True)
+class _Wrapped:
+    """A staged DTensor and what it was built from."""
+
+    spec: Any
+    offsets: Any
+    copies: list[torch.Tensor]
+    dtensor: DTensor
+
+
 class HostStager(AsyncStager):
     """Copies state dicts into host buffers it keeps (see the module note). Not
     thread-safe: one owner (a process's asynchronous saver, or the caller of
@@ -88,6 +99,7 @@ class HostStager(AsyncStager):
 
     def __init__(self) -> None:
         self._buffers: dict[Path_, torch.Tensor] = {}
+        self._wrappers: dict[Path_, _Wrapped] = {}
         self.allocations = 0  # buffers allocated so far (tests: no more after the first save)
 
     @property
@@ -97,6 +109,7 @@ class HostStager(AsyncStager):
     def close(self) -> None:
         """Free the buffers (the next ``stage`` allocates them again)."""
         self._buffers.clear()
+        self._wrappers.clear()
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: ``stage`` returns once the copy is complete."""
@@ -115,6 +128,7 @@ class HostStager(AsyncStager):
         used: dict[Path_, torch.Tensor] = {}
         devices: set[torch.device] = set()
         copied: dict[tuple[Any, ...], torch.Tensor] = {}  # source memory -> its copy
+        wrappers: dict[Path_, _Wrapped] = {}
 
         def copy_of(where: Path_, source: torch.Tensor) -> torch.Tensor:
             memory = _memory_of(source)
@@ -131,15 +145,34 @@ class HostStager(AsyncStager):
         def walk(value: Any, where: Path_) -> Any:
             if isinstance(value, DTensor):
                 local = value._local_tensor
+                offsets = None
                 if isinstance(local, LocalShardsWrapper):
-                    shards = [
+                    offsets = local.local_offsets()
+                    copies = [
                         copy_of((*where, "shard", i), s) for i, s in enumerate(local.local_shards())
                     ]
-                    local = RowShards(shards, local.local_offsets())
                 else:
-                    local = copy_of((*where, "local"), local)
-                # Not from_local: it would move a host copy back to the mesh's device.
-                return DTensor(local, value._spec, requires_grad=False)
+                    copies = [copy_of((*where, "local"), local)]
+                # The previous save's wrapper when it wraps the same buffers the same way
+                # (building a RowShards costs more than copying a small tensor).
+                hit = self._wrappers.get(where)
+                if (
+                    hit is None
+                    or hit.offsets != offsets
+                    or len(hit.copies) != len(copies)
+                    or any(a is not b for a, b in zip(hit.copies, copies, strict=False))
+                    or not (hit.spec is value._spec or hit.spec == value._spec)
+                ):
+                    staged = RowShards(copies, offsets) if offsets is not None else copies[0]
+                    # Not from_local: it would move a host copy back to the mesh's device.
+                    hit = _Wrapped(
+                        value._spec,
+                        offsets,
+                        copies,
+                        DTensor(staged, value._spec, requires_grad=False),
+                    )
+                wrappers[where] = hit
+                return hit.dtensor
             if isinstance(value, torch.Tensor):
                 return copy_of(where, value)
             if isinstance(value, dict):
@@ -152,4 +185,5 @@ class HostStager(AsyncStager):
         for device in devices:  # the non-blocking copies have landed
             torch.cuda.current_stream(device).synchronize()
         self._buffers = used  # entries no longer in the state dict are freed
+        self._wrappers = wrappers
         return staged
