@@ -208,6 +208,9 @@ def test_one_process_async_save_and_refusals(tmp_path):
     with pytest.raises(CheckpointError, match="not an fsdp checkpoint"):
         save_checkpoint(tmp_path / "notes", module, asynchronous=True)
     assert (tmp_path / "notes" / "keep.txt").read_text() == "keep me"
+    with pytest.raises(TypeError, match="asynchronous must be True or False; got 'yes'"):
+        save_checkpoint(tmp_path / "ckpt", module, asynchronous="yes")
+    assert not (tmp_path / "ckpt").exists()
     handle = save_checkpoint(tmp_path / "ckpt", module, extra={"v": 1}, asynchronous=True)
     want = {k: v.clone() for k, v in module.state_dict().items()}
     with torch.no_grad():

@@ -90,22 +90,37 @@ def _canonical(path: Path) -> Path:
 
 
 def _agree_first(
-    path: Path, action: str, local: BaseException | None = None, mode: str = ""
+    path: Path,
+    action: str,
+    local: BaseException | None = None,
+    saver: AsyncSaver | None = None,
+    asynchronous: bool = False,
+    wait_for_previous: bool = True,
 ) -> None:
     """Before anything is read or written: every rank's path must name the same
-    directory (compared, resolved), every rank must ask for the same ``mode``
-    (synchronous or asynchronous save), and every rank's local check (``local``) must
-    have passed; otherwise raise ``CheckpointError`` (or the check's error) on every
-    rank. One ``all_gather_object``."""
-    everyone = _dist.all_gather_object((str(_canonical(path)), local, mode))
-    modes = [m for _p, _e, m in everyone]
-    if len(set(modes)) > 1:
-        shown = "; ".join(f"rank {r}: {m}" for r, m in enumerate(modes))
+    directory (compared, resolved), and every rank's local check (``local``) must have
+    passed; for a save (``saver`` given), every rank must ask for the same mode, and
+    with ``wait_for_previous=False`` on any rank no rank may still be writing an
+    asynchronous save. Otherwise raise ``CheckpointError`` (or the check's error) on
+    every rank. One ``all_gather_object``."""
+    busy = saver is not None and saver.busy()
+    mine = (str(_canonical(path)), local, asynchronous, wait_for_previous, busy)
+    everyone = _dist.all_gather_object(mine)
+    if len({e[2] for e in everyone}) > 1:
+        shown = "; ".join(f"rank {r}: asynchronous={e[2]}" for r, e in enumerate(everyone))
         raise CheckpointError(
             f"cannot {action} a checkpoint: the ranks asked for different modes ({shown}); "
             "pass the same asynchronous= on every rank"
         )
-    paths = [p for p, _e, _m in everyone]
+    busy_ranks = [r for r, e in enumerate(everyone) if e[4]]
+    if busy_ranks and not all(e[3] for e in everyone):
+        handle = saver.in_flight if saver is not None else None
+        raise CheckpointError(
+            f"an asynchronous save{f' to {handle.path}' if handle else ''} is still being "
+            f"written on rank(s) {busy_ranks} and wait_for_previous=False; call its handle's "
+            "wait() first, or save with wait_for_previous=True (the default)"
+        )
+    paths = [e[0] for e in everyone]
     if len(set(paths)) > 1:
         shown = "; ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
         raise CheckpointError(
@@ -114,7 +129,7 @@ def _agree_first(
             "e.g. on rank 0, and broadcast it; use an absolute path when the ranks' "
             "working directories differ)"
         )
-    error = _dist.first_error([e for _p, e, _m in everyone])
+    error = _dist.first_error([e[1] for e in everyone])
     if error is not None:
         raise error
 
@@ -175,18 +190,25 @@ def save_checkpoint(
     being written on any rank."""
     started = time.perf_counter()
     saver = process_saver()
-    _settle_previous(saver, wait_for_previous)
     # normpath: "." and ".." name the directory itself, whose parent holds the staging
     path = Path(os.path.normpath(Path(path).absolute()))
     local: BaseException | None = None
     try:  # local and deterministic checks, agreed with the path below
         optimizers = as_optimizer_list(optimizer, "save_checkpoint")
+        for name, flag in (
+            ("asynchronous", asynchronous),
+            ("wait_for_previous", wait_for_previous),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"save_checkpoint: {name} must be True or False; got {flag!r}")
     except (TypeError, ValueError) as exc:
         local, optimizers = exc, []
     if local is None:
         local = refuse_dtensors(extra)
-    mode = "asynchronous" if asynchronous else "synchronous"
-    _agree_first(path, "save", local, mode=mode)
+    asynchronous = asynchronous is True
+    _agree_first(path, "save", local, saver, asynchronous, wait_for_previous is not False)
+    # The save in flight is finished (the same on every rank: its verdict was agreed).
+    saver.drain()
     group = saver.group() if asynchronous else None  # collective: every rank, here
     staging = _prepare_staging(path)
     rank = _dist.rank()
@@ -207,22 +229,6 @@ def save_checkpoint(
         _write_and_publish, path, staging, staged, extra_data, bool(optimizers), rank, group
     )
     return saver.submit(path, write, started)
-
-
-def _settle_previous(saver: AsyncSaver, wait_for_previous: bool) -> None:
-    """Before a save or load: the asynchronous save in flight finished (its failure
-    raised, the same on every rank), or, with ``wait_for_previous=False``, refused on
-    every rank if any rank is still writing one."""
-    if not wait_for_previous:
-        busy = [r for r, b in enumerate(_dist.all_gather_object(saver.busy())) if b]
-        if busy:
-            handle = saver.in_flight
-            raise CheckpointError(
-                f"an asynchronous save{f' to {handle.path}' if handle else ''} is still "
-                f"being written on rank(s) {busy} and wait_for_previous=False; call its "
-                "handle's wait() first, or save with wait_for_previous=True (the default)"
-            )
-    saver.drain()
 
 
 def _prepare_staging(path: Path) -> Path:
