@@ -199,6 +199,28 @@ def test_no_wait_refuses_while_a_save_is_in_flight_on_every_rank(tmp_path):
     assert got[0] == got[1] and "still being written on rank(s) [0, 1]" in got[0], got
 
 
+def _stage_fails_on_rank_1(path: str) -> str:
+    model, opt = _wrapped(0)
+    if dist.get_rank() == 1:
+
+        def out_of_memory(self, state):
+            raise RuntimeError("out of memory (test)")
+
+        HostStager.stage = out_of_memory
+    try:
+        save_checkpoint(path, model, opt, asynchronous=True)
+    except CheckpointError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_staging_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
+    got = run_distributed(_stage_fails_on_rank_1, 2, args=(str(tmp_path / "ckpt"),), timeout=90)
+    assert got[0] == got[1], got
+    assert got[0].startswith("[rank 1] cannot copy") and "out of memory (test)" in got[0]
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_one_process_async_save_and_refusals(tmp_path):
     """No process group: the same path; a refused target raises at the call."""
     torch.manual_seed(0)

@@ -224,7 +224,17 @@ def save_checkpoint(
     if not asynchronous:
         with _dist.quiet_single_process():
             return _write_and_publish(path, staging, state, extra_data, bool(optimizers), rank)
-    staged = saver.stager.stage(state)
+    try:
+        staged, error = saver.stager.stage(state), None
+    except (RuntimeError, OSError) as exc:  # out of host (or pinned) memory
+        staged, error = (
+            None,
+            CheckpointError(
+                f"cannot copy this rank's state into host memory for an asynchronous save "
+                f"({saver.stager.nbytes} bytes staged before): {exc!r}"
+            ),
+        )
+    _raise_agreed(error)  # a rank that could not stage must not leave the others writing
     write = functools.partial(
         _write_and_publish, path, staging, staged, extra_data, bool(optimizers), rank, group
     )
