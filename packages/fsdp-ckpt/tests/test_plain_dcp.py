@@ -5,7 +5,8 @@ Every sharded DTensor of ``model.state_dict()``, ``optimizer.state_dict()``,
 "torch-native state"), so:
 
 * a plain ``dcp.save``/``dcp.load`` round trip of model and optimizer state restores every
-  value (the bug this file first reproduced: half of each parameter silently not restored);
+  value (the bug this file first reproduced: half of each parameter silently not restored),
+  and so does ``dcp.async_save`` while training steps on during the write;
 * ``full_tensor()`` of every entry equals the one-process tensor;
 * DTensor ops on parameters and gradients (``mean``, ``std``, ``max``, ``redistribute``)
   give what they give on the full tensor;
@@ -19,16 +20,20 @@ with fewer rows than ranks, a 0-d parameter, tied weights and a frozen parameter
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn import functional as F
 
+from fsdp_ckpt import HostStager
 from fsdp_hooks import fully_shard
 from fsdp_mesh.testing import harness_device, run_distributed
 
@@ -168,6 +173,77 @@ def _round_trip(path: str, strategy: int) -> None:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_plain_dcp_round_trip_restores_every_value(tmp_path, world, strategy):
     run_distributed(_round_trip, world, args=(str(tmp_path / "ckpt"), strategy))
+
+
+# ---- dcp.async_save: training goes on while it writes, the call's values come back ---------
+def _async_round_trip(path: str, strategy: int) -> None:
+    """With torch's recommended setup: a gloo group of its own for the background
+    collectives (the default group's stay with training), and fsdp's ``HostStager``
+    (torch's default stager refuses these DTensors: ``test_default_stager_...``)."""
+    group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+    stager = HostStager()
+    model, opt = _wrap(0, strategy)
+    _train(model, opt, 0, 2)
+    saved_model = {k: _full(v).clone() for k, v in model.state_dict().items()}
+    saved_optim = {
+        (pid, key): _full(value).clone()
+        for pid, state in opt.state_dict()["state"].items()
+        for key, value in state.items()
+    }
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    # The write is held until training has stepped: the copy is what gets written.
+    FileSystemWriter.write_data = _write_after_the_step
+    future = dcp.async_save(state, checkpoint_id=path, async_stager=stager, process_group=group)
+    _train(model, opt, 2, 3)  # changes every live value while the save waits to write
+    _STEPPED.set()
+    future.result()
+    FileSystemWriter.write_data = _WRITE
+
+    fresh, fresh_opt = _wrap(1, strategy)
+    _train(fresh, fresh_opt, 0, 1)  # an optimizer state to load into
+    state = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    fresh.load_state_dict(state["model"])
+    fresh_opt.load_state_dict(state["optim"])
+    for key, value in fresh.state_dict().items():
+        torch.testing.assert_close(_full(value), saved_model[key], rtol=0, atol=0, msg=key)
+    for pid, st in fresh_opt.state_dict()["state"].items():
+        for key, value in st.items():
+            torch.testing.assert_close(_full(value), saved_optim[(pid, key)], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_plain_dcp_async_save_round_trip(tmp_path, strategy):
+    run_distributed(_async_round_trip, 2, args=(str(tmp_path / "ckpt"), strategy))
+
+
+_WRITE = FileSystemWriter.write_data
+_STEPPED = threading.Event()
+
+
+def _write_after_the_step(self, *args, **kwargs):
+    assert _STEPPED.wait(60), "the training step never came"
+    return _WRITE(self, *args, **kwargs)
+
+
+def _default_stager(path: str) -> str:
+    model, _opt = _wrap(0, 3)
+    try:
+        dcp.async_save({"model": model.state_dict()}, checkpoint_id=path).result()
+    except RuntimeError as exc:
+        return str(exc)
+    return "saved"
+
+
+@pytest.mark.xfail(
+    strict=True, reason="torch 2.15's DefaultStager: DTensors over views of a flat buffer"
+)
+def test_default_stager_of_dcp_async_save(tmp_path):
+    """torch's default stager raises on DTensors whose local tensor starts inside its
+    storage (see ``fsdp_ckpt.staging``): loudly, never silently. Strict xfail: when a
+    torch release fixes it, this passes and says the guide's advice can go."""
+    got = run_distributed(_default_stager, 1, args=(str(tmp_path / "ckpt"),))
+    assert got == ["saved"], got
 
 
 # ---- full_tensor() and DTensor ops equal the one-process tensors ----------------------------

@@ -1,5 +1,6 @@
 """``fsdp.plan`` against the real thing: every model-state key of the plan equals
-``model.memory_stats()`` of the wrapped model after two training steps, and the plan's
+``model.memory_stats()`` of the wrapped model after two training steps (and its
+``checkpoint_staging`` the host bytes an asynchronous save stages), and the plan's
 collectives per step equal ``model.comm_stats()`` of the second step (calls, elements,
 bytes, ring traffic), within 1%, at world sizes 1, 2 and 4, under every strategy, in
 fp32 and with a bf16 model (fp32 main weights and gradients in separate buffers), with
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_buffers import MixedPrecisionPolicy
+from fsdp_ckpt import HostStager
 from fsdp_hooks import fully_shard
 from fsdp_mesh.testing import run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
@@ -76,7 +78,12 @@ def _one_step(configs):
             optimizer.step()
             optimizer.zero_grad()
         comm = model.comm_stats()
-        results.append((config, model.memory_stats(), comm))
+        stats = dict(model.memory_stats())
+        # What an asynchronous save stages: the host buffers of this rank's state.
+        stager = HostStager()
+        stager.stage({"model": model.state_dict(), "optim": optimizer.state_dict()})
+        stats["checkpoint_staging"] = stager.nbytes
+        results.append((config, stats, comm))
     return results
 
 
@@ -108,7 +115,7 @@ def test_plan_matches_memory_stats_and_comm_stats(world_size):
             # (ranks differ only there); every rank must match one of them.
             mine = [f for f in figures if _close(f["optimizer_state"], got["optimizer_state"])]
             assert mine, f"{where}: no planned rank has optimizer_state {got}; plan {figures}"
-            for key in MODEL_STATE_KEYS:
+            for key in (*MODEL_STATE_KEYS, "checkpoint_staging"):
                 assert _close(mine[0][key], got[key]), (where, key, mine[0][key], got[key])
             for kind, counts in comm.items():
                 if kind == "broadcast":

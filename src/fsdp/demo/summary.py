@@ -79,11 +79,19 @@ def _bytes_moved(s: Summary) -> str | None:
     )
 
 
+def _checkpoint_blocked(s: Summary) -> str | None:
+    blocked = s.get("checkpoint_blocked_s")
+    if blocked is None:
+        return None
+    return f"saving blocked training {blocked:.3f} s (asynchronous; written in the background)"
+
+
 SUMMARY_FIELDS: list[Field] = [
     ("loss", _loss),
     ("step time", _step_time),
     ("memory", _memory),
     ("bytes sent", _bytes_moved),
+    ("saving", _checkpoint_blocked),
 ]
 
 

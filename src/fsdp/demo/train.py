@@ -169,7 +169,9 @@ def _train(o: DemoOptions, device: torch.device) -> dict[str, Any] | None:
         "strategy": o.strategy,
         "world_size": world,
     }
-    path = save_checkpoint(o.checkpoint, model, optimizer, extra=extra)
+    # Asynchronous: training would go on here while the files are written.
+    saving = save_checkpoint(o.checkpoint, model, optimizer, extra=extra, asynchronous=True)
+    path = saving.wait()
     if rank != 0:
         return None
     summary = {
@@ -181,6 +183,7 @@ def _train(o: DemoOptions, device: torch.device) -> dict[str, Any] | None:
         "strategy": o.strategy,
         "parameters": n_params,
         "checkpoint": str(path),
+        "checkpoint_blocked_s": saving.blocked_s,
         "history": history,
     }
     (o.out / METRICS_FILE).write_text(json.dumps(summary, indent=1))

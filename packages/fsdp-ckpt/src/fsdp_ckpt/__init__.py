@@ -10,6 +10,7 @@ DTensors; it does not import ``fsdp_hooks``.
 
 from importlib.metadata import version as _version
 
+from fsdp_ckpt.async_save import SaveHandle
 from fsdp_ckpt.checkpoint import load_checkpoint, save_checkpoint
 from fsdp_ckpt.consolidate import (
     consolidate_checkpoint,
@@ -32,6 +33,7 @@ from fsdp_ckpt.optim_state import (
     init_optimizer_state,
     set_optimizer_state_dict,
 )
+from fsdp_ckpt.staging import HostStager
 
 __version__ = _version("fsdp-ckpt")
 __all__ = [
@@ -40,7 +42,9 @@ __all__ = [
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "ForeignCheckpointWarning",
+    "HostStager",
     "IncompleteCheckpointError",
+    "SaveHandle",
     "__version__",
     "consolidate_checkpoint",
     "get_full_model_state_dict",

@@ -40,34 +40,35 @@ def barrier() -> None:
         dist.barrier()
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """``obj`` of rank ``src`` on every rank."""
+def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
+    """``obj`` of rank ``src`` on every rank (of ``group``, default: every rank; ``src``
+    is a global rank)."""
     if not is_distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
-def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order."""
+def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``obj``, in rank order (of ``group``, default: every rank)."""
     if not is_distributed():
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def agree(error: BaseException | None) -> BaseException | None:
+def agree(
+    error: BaseException | None, group: dist.ProcessGroup | None = None
+) -> BaseException | None:
     """Every rank's local verdict, combined: the error of the lowest rank that found
     one (its message prefixed with that rank when there are several ranks), else None.
     Raising the result raises on every rank together, so one rank's bad news never
     leaves the others waiting in a collective."""
     if not is_distributed():
         return error
-    verdicts: list[BaseException | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, error)
-    return first_error(verdicts)
+    return first_error(all_gather_object(error, group))
 
 
 def first_error(verdicts: list[BaseException | None]) -> BaseException | None:

@@ -24,13 +24,16 @@ Every failure is a ``CheckpointError`` raised on every rank (DCP's own
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
@@ -38,6 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from fsdp_ckpt import _dist
+from fsdp_ckpt.async_save import AsyncSaver, SaveHandle, process_saver
 from fsdp_ckpt.atomic import check_replaceable, incomplete_dir, publish, resolve_for_load
 from fsdp_ckpt.checksums import crc32_of_files
 from fsdp_ckpt.errors import (
@@ -47,7 +51,13 @@ from fsdp_ckpt.errors import (
     ForeignCheckpointWarning,
     dcp_failure,
 )
-from fsdp_ckpt.extra import read_extra, refuse_dtensors, restore_rng_state, write_extra
+from fsdp_ckpt.extra import (
+    extra_bytes,
+    read_extra,
+    refuse_dtensors,
+    restore_rng_state,
+    write_extra,
+)
 from fsdp_ckpt.foreign import is_foreign_dcp, verify_extents
 from fsdp_ckpt.layout import OURS, Layout, detect_layout
 from fsdp_ckpt.load_plan import OptimizerPlan, nest, plan_model, plan_optimizer
@@ -61,7 +71,7 @@ from fsdp_ckpt.optim_state import (
 )
 from fsdp_ckpt.validate import Mismatch
 
-__all__ = ["MODEL_KEY", "OPTIM_KEY", "load_checkpoint", "save_checkpoint"]
+__all__ = ["MODEL_KEY", "OPTIM_KEY", "SaveHandle", "load_checkpoint", "save_checkpoint"]
 
 MODEL_KEY = "model"  # = OURS.model_prefix without its dot
 OPTIM_KEY = "optim"
@@ -79,13 +89,38 @@ def _canonical(path: Path) -> Path:
     return Path(os.path.realpath(path.parent)) / path.name
 
 
-def _agree_first(path: Path, action: str, local: BaseException | None = None) -> None:
+def _agree_first(
+    path: Path,
+    action: str,
+    local: BaseException | None = None,
+    saver: AsyncSaver | None = None,
+    asynchronous: bool = False,
+    wait_for_previous: bool = True,
+) -> None:
     """Before anything is read or written: every rank's path must name the same
     directory (compared, resolved), and every rank's local check (``local``) must have
-    passed; otherwise raise ``CheckpointError`` (or the check's error) on every rank.
-    One ``all_gather_object``."""
-    everyone = _dist.all_gather_object((str(_canonical(path)), local))
-    paths = [p for p, _e in everyone]
+    passed; for a save (``saver`` given), every rank must ask for the same mode, and
+    with ``wait_for_previous=False`` on any rank no rank may still be writing an
+    asynchronous save. Otherwise raise ``CheckpointError`` (or the check's error) on
+    every rank. One ``all_gather_object``."""
+    busy = saver is not None and saver.busy()
+    mine = (str(_canonical(path)), local, asynchronous, wait_for_previous, busy)
+    everyone = _dist.all_gather_object(mine)
+    if len({e[2] for e in everyone}) > 1:
+        shown = "; ".join(f"rank {r}: asynchronous={e[2]}" for r, e in enumerate(everyone))
+        raise CheckpointError(
+            f"cannot {action} a checkpoint: the ranks asked for different modes ({shown}); "
+            "pass the same asynchronous= on every rank"
+        )
+    busy_ranks = [r for r, e in enumerate(everyone) if e[4]]
+    if busy_ranks and not all(e[3] for e in everyone):
+        handle = saver.in_flight if saver is not None else None
+        raise CheckpointError(
+            f"an asynchronous save{f' to {handle.path}' if handle else ''} is still being "
+            f"written on rank(s) {busy_ranks} and wait_for_previous=False; call its handle's "
+            "wait() first, or save with wait_for_previous=True (the default)"
+        )
+    paths = [e[0] for e in everyone]
     if len(set(paths)) > 1:
         shown = "; ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
         raise CheckpointError(
@@ -94,9 +129,33 @@ def _agree_first(path: Path, action: str, local: BaseException | None = None) ->
             "e.g. on rank 0, and broadcast it; use an absolute path when the ranks' "
             "working directories differ)"
         )
-    error = _dist.first_error([e for _p, e in everyone])
+    error = _dist.first_error([e[1] for e in everyone])
     if error is not None:
         raise error
+
+
+@overload
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = ...,
+    extra: dict[str, Any] | None = ...,
+    *,
+    asynchronous: Literal[False] = ...,
+    wait_for_previous: bool = ...,
+) -> Path: ...
+
+
+@overload
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = ...,
+    extra: dict[str, Any] | None = ...,
+    *,
+    asynchronous: Literal[True],
+    wait_for_previous: bool = ...,
+) -> SaveHandle: ...
 
 
 def save_checkpoint(
@@ -104,7 +163,10 @@ def save_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
     extra: dict[str, Any] | None = None,
-) -> Path:
+    *,
+    asynchronous: bool = False,
+    wait_for_previous: bool = True,
+) -> Path | SaveHandle:
     """Save ``model`` (and ``optimizer``, and ``extra`` with every rank's RNG states)
     to the directory ``path``, atomically: an existing checkpoint there is replaced
     only once the new one is complete. Returns the path.
@@ -116,21 +178,75 @@ def save_checkpoint(
     ``path`` must be the same directory on every rank, and must not exist, or be an
     empty directory, or an fsdp checkpoint holding only its own files; anything else
     is refused with ``CheckpointError`` on every rank before anything is written (a
-    save never deletes other files). So are DTensors in ``extra`` (see ``extra``)."""
+    save never deletes other files). So are DTensors in ``extra`` (see ``extra``).
+
+    ``asynchronous=True`` returns a ``SaveHandle`` as soon as this rank's state is
+    copied into host memory (buffers kept for the next save; pinned on CUDA); the
+    files are written, checksummed and published in a background thread, and
+    ``handle.wait()`` blocks until they are (see Note [asynchronous save] in
+    ``async_save``). One save is in flight per process: any save or load first waits
+    for it and raises its failure, on every rank; with ``wait_for_previous=False`` a
+    save raises ``CheckpointError`` on every rank instead of waiting while one is still
+    being written on any rank."""
+    started = time.perf_counter()
+    saver = process_saver()
     # normpath: "." and ".." name the directory itself, whose parent holds the staging
     path = Path(os.path.normpath(Path(path).absolute()))
     local: BaseException | None = None
     try:  # local and deterministic checks, agreed with the path below
         optimizers = as_optimizer_list(optimizer, "save_checkpoint")
+        for name, flag in (
+            ("asynchronous", asynchronous),
+            ("wait_for_previous", wait_for_previous),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"save_checkpoint: {name} must be True or False; got {flag!r}")
     except (TypeError, ValueError) as exc:
         local, optimizers = exc, []
     if local is None:
         local = refuse_dtensors(extra)
-    _agree_first(path, "save", local)
-    staging = incomplete_dir(path)
+    asynchronous = asynchronous is True
+    _agree_first(path, "save", local, saver, asynchronous, wait_for_previous is not False)
+    # The save in flight is finished (the same on every rank: its verdict was agreed).
+    saver.drain()
+    group = saver.group() if asynchronous else None  # collective: every rank, here
+    staging = _prepare_staging(path)
     rank = _dist.rank()
+
+    state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
+    if optimizers:
+        state[OPTIM_KEY] = optimizers_state_dict(model, optimizers)
+    extra_data: bytes | BaseException
+    try:  # pickled now: the values of the call
+        extra_data = extra_bytes(extra)
+    except Exception as exc:  # reported together with the other ranks' verdicts
+        extra_data = CheckpointError(f"cannot pickle the extra state: {exc!r}")
+    if not asynchronous:
+        with _dist.quiet_single_process():
+            return _write_and_publish(path, staging, state, extra_data, bool(optimizers), rank)
+    try:
+        staged, error = saver.stager.stage(state), None
+    except (RuntimeError, OSError) as exc:  # out of host (or pinned) memory
+        staged, error = (
+            None,
+            CheckpointError(
+                f"cannot copy this rank's state into host memory for an asynchronous save "
+                f"({saver.stager.nbytes} bytes staged before): {exc!r}"
+            ),
+        )
+    _raise_agreed(error)  # a rank that could not stage must not leave the others writing
+    write = functools.partial(
+        _write_and_publish, path, staging, staged, extra_data, bool(optimizers), rank, group
+    )
+    return saver.submit(path, write, started)
+
+
+def _prepare_staging(path: Path) -> Path:
+    """Rank 0 checks that ``path`` may be replaced and makes an empty
+    ``.<name>.incomplete``; its verdict raised on every rank."""
+    staging = incomplete_dir(path)
     error: BaseException | None = None
-    if rank == 0:
+    if _dist.rank() == 0:
         try:
             check_replaceable(path)  # never delete what is not a checkpoint
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -144,42 +260,56 @@ def save_checkpoint(
     error = _dist.broadcast_object(error)  # also: nobody writes before it is ready
     if error is not None:
         raise error
+    return staging
 
-    state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
-    if optimizers:
-        state[OPTIM_KEY] = optimizers_state_dict(model, optimizers)
+
+def _write_and_publish(
+    path: Path,
+    staging: Path,
+    state: dict[str, Any],
+    extra_data: bytes | BaseException,
+    has_optimizer: bool,
+    rank: int,
+    group: dist.ProcessGroup | None = None,
+) -> Path:
+    """Write ``state`` and the extra file into ``staging``, checksum, and (rank 0)
+    write the manifest and publish at ``path``; every failure raised on every rank.
+    Runs in the caller (a synchronous save) or in the background thread, its
+    collectives then on the saver's own ``group`` (Note [asynchronous save])."""
+    error: BaseException | None = extra_data if isinstance(extra_data, BaseException) else None
+    if error is None:
+        try:
+            write_extra(staging, rank, extra_data)  # type: ignore[arg-type]
+        except Exception as exc:  # reported together with the other ranks' verdicts below
+            error = CheckpointError(f"cannot write the extra state to {staging}: {exc!r}")
     try:
-        write_extra(staging, rank, extra)
-    except Exception as exc:  # reported together with the other ranks' verdicts below
-        error = CheckpointError(f"cannot write the extra state to {staging}: {exc!r}")
-    try:
-        with _dist.quiet_single_process():
-            dcp.save(
-                state,
-                storage_writer=FileSystemWriter(staging),
-                # A replicated entry (a buffer, e.g. BatchNorm statistics, which ranks may
-                # hold differently) is written by the lowest rank, as full state dicts and
-                # consolidation take rank 0's: not spread over ranks to balance the writes.
-                planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
-                no_dist=not _dist.is_distributed(),
-            )
+        dcp.save(
+            state,
+            storage_writer=FileSystemWriter(staging),
+            # A replicated entry (a buffer, e.g. BatchNorm statistics, which ranks may
+            # hold differently) is written by the lowest rank, as full state dicts and
+            # consolidation take rank 0's: not spread over ranks to balance the writes.
+            planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
+            process_group=group,
+            no_dist=not _dist.is_distributed(),
+        )
     except CheckpointException as exc:  # raised by DCP on every rank
         if rank == 0:  # every rank is past its writes; the previous checkpoint stays
             shutil.rmtree(staging, ignore_errors=True)
         raise dcp_failure(exc, f"cannot save {path}") from exc
-    error = _dist.agree(error)  # every rank has finished writing
+    error = _dist.agree(error, group)  # every rank has finished writing
     if error is not None:
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise error
-    checksums = _checksum_staging(staging, rank)
+    checksums = _checksum_staging(staging, rank, group)
 
     if rank == 0:
         try:
             manifest = Manifest.of_directory(
                 staging,
                 world_size=_dist.world_size(),
-                has_optimizer=bool(optimizers),
+                has_optimizer=has_optimizer,
                 checksums=checksums,
             )
             manifest.write(staging)
@@ -188,23 +318,24 @@ def save_checkpoint(
             error = exc
         except OSError as exc:
             error = CheckpointError(f"cannot put the checkpoint in place at {path}: {exc}")
-    error = _dist.broadcast_object(error)
+    error = _dist.broadcast_object(error, group=group)
     if error is not None:
         raise error
     return path
 
 
-def _checksum_staging(staging: Path, rank: int) -> dict[str, int]:
+def _checksum_staging(staging: Path, rank: int, group: dist.ProcessGroup | None) -> dict[str, int]:
     """Every file's CRC-32, each rank reading the files it wrote (see ``checksums``);
     the whole map on rank 0, ``{}`` elsewhere. An error raises on every rank."""
-    files = _dist.broadcast_object(Manifest.list_files(staging) if rank == 0 else None)
+    listed = Manifest.list_files(staging) if rank == 0 else None
+    files = _dist.broadcast_object(listed, group=group)
     mine: dict[str, int] = {}
     error: BaseException | None = None
     try:
         mine = crc32_of_files(staging, files, rank, _dist.world_size())
     except OSError as exc:
         error = CheckpointError(f"cannot read back {staging} to checksum it: {exc}")
-    everyone = _dist.all_gather_object((mine, error))
+    everyone = _dist.all_gather_object((mine, error), group)
     for _crcs, err in everyone:
         if err is not None:
             raise err
@@ -355,6 +486,7 @@ def load_checkpoint(
     over the ranks, see ``checksums``), and keys or shapes that do not match (naming
     them; ``strict=False`` ignores model entries of the checkpoint that the model does
     not have)."""
+    process_saver().drain()  # a save in flight (maybe to this path) is published first
     given = Path(os.path.normpath(Path(path).absolute()))
     local: BaseException | None = None
     try:

@@ -15,6 +15,7 @@ the loading job), or whole in ``extra`` as ``full_tensor()``.
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import sys
@@ -30,6 +31,7 @@ __all__ = [
     "EXTRA_DIR",
     "capture_rng_state",
     "dtensor_entries",
+    "extra_bytes",
     "read_extra",
     "refuse_dtensors",
     "restore_rng_state",
@@ -98,11 +100,20 @@ def _rank_file(directory: Path, rank: int) -> Path:
     return directory / EXTRA_DIR / f"rank_{rank:05d}.pt"
 
 
-def write_extra(directory: Path, rank: int, extra: dict[str, Any] | None) -> None:
+def extra_bytes(extra: dict[str, Any] | None) -> bytes:
+    """What ``write_extra`` writes: ``extra`` and the RNG states, pickled now (an
+    asynchronous save keeps the values of the call, not what training makes of them)."""
+    buffer = io.BytesIO()
+    torch.save({"user": dict(extra or {}), "rng": capture_rng_state()}, buffer)
+    return buffer.getvalue()
+
+
+def write_extra(directory: Path, rank: int, data: bytes) -> None:
+    """Write ``extra_bytes``' output as this rank's extra state file, synced."""
     path = _rank_file(directory, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:
-        torch.save({"user": dict(extra or {}), "rng": capture_rng_state()}, f)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
 

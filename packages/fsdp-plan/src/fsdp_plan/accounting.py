@@ -8,6 +8,8 @@ groups come out as they will be. See the package README for what this cannot see
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fsdp_buffers import ParamAndGradBuffer
@@ -20,6 +22,7 @@ __all__ = [
     "comm_per_step",
     "model_state_bytes",
     "optimizer_state_bytes",
+    "state_dict_weight_bytes",
     "total_comm",
 ]
 
@@ -93,13 +96,43 @@ def optimizer_state_bytes(
     (``MUON_STATE``), the others AdamW's."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not one plan() knows; allowed: {OPTIMIZERS}")
+
+    def state_of(p: torch.nn.Parameter) -> tuple[int, bool] | None:
+        if not p.requires_grad:
+            return None
+        if optimizer != "muon":
+            return OPTIMIZER_STATES[optimizer]
+        return MUON_STATE if getattr(p, FSDP_WHOLE_ATTR, False) else OPTIMIZER_STATES["adamw"]
+
+    return _piece_bytes(buffer, piece_of, state_of, whole_on_owner=True)
+
+
+def state_dict_weight_bytes(
+    buffer: ParamAndGradBuffer, piece_of: dict[str, list[int]]
+) -> list[int]:
+    """Bytes of the model state dict's parameters on each global rank: one copy of
+    every parameter's main-weight piece, frozen ones included (a whole-placed one by
+    rows, as its state-dict hook gives it). With ``optimizer_state_bytes``: what an
+    asynchronous checkpoint stages in host memory (``checkpoint_staging``; module
+    buffers, usually small, are not counted)."""
+    return _piece_bytes(buffer, piece_of, lambda p: (1, False), whole_on_owner=False)
+
+
+def _piece_bytes(
+    buffer: ParamAndGradBuffer,
+    piece_of: dict[str, list[int]],
+    state_of: Callable[[torch.nn.Parameter], tuple[int, bool] | None],
+    *,
+    whole_on_owner: bool,
+) -> list[int]:
+    """Per global rank: for every parameter ``state_of`` gives ``(tensors, step)``,
+    ``tensors`` copies of its main-weight piece plus a ``step`` scalar if asked (see
+    ``optimizer_state_bytes``)."""
     everywhere = 0
     world_size = len(piece_of["dense"])
     # Per kind of group: a difference array over its pieces.
     diffs: dict[str, list[int]] = {}
     for gid, group in enumerate(buffer.groups):
-        if not group.requires_grad:
-            continue
         elem = buffer.buckets[gid].main_weights.element_size
         layout = buffer.buckets[gid].layout
         sharded = buffer.buckets[gid].sharding.main_weights
@@ -109,21 +142,25 @@ def optimizer_state_bytes(
             kind = "expert" if group.is_expert_param else "dense"
             pieces = buffer.buckets[gid].shard.size
         for i, p in enumerate(group.params):
-            if not p.requires_grad:
+            state = state_of(p)
+            if state is None:
                 continue
-            if optimizer != "muon":
-                tensors, step = OPTIMIZER_STATES[optimizer]
-            elif getattr(p, FSDP_WHOLE_ATTR, False):
-                tensors, step = MUON_STATE
-            else:
-                tensors, step = OPTIMIZER_STATES["adamw"]
+            tensors, step = state
             step_bytes = _STEP_BYTES if step else 0
             slot = layout.slots[i]
             if not sharded or slot.replicated:
                 everywhere += step_bytes + tensors * slot.numel * elem
                 continue
             diff = diffs.setdefault(kind, [0] * (pieces + 1))
-            if slot.whole:  # all its state on its owner's piece, none elsewhere
+            if slot.whole and not whole_on_owner:  # by torch.chunk rows (its state dict)
+                rows = p.shape[0] if p.dim() else 1
+                per = -(-rows // pieces)
+                for k in range(pieces):
+                    piece = max(0, min(per, rows - k * per)) * (slot.numel // rows)
+                    diff[k] += tensors * piece * elem
+                    diff[k + 1] -= tensors * piece * elem
+                continue
+            if slot.whole:  # all its state on its owner's piece
                 assert slot.owner is not None
                 whole = step_bytes + tensors * slot.numel * elem
                 diff[slot.owner] += whole

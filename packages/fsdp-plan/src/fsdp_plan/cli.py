@@ -26,7 +26,8 @@ from fsdp_plan.sweep import parse_bytes, sweep
 
 __all__ = ["main"]
 
-_MEMORY_ROWS = (*PEAK_KEYS, "peak")  # the figures, then their sum
+# the figures, their sum, then host memory an asynchronous checkpoint stages
+_MEMORY_ROWS = (*PEAK_KEYS, "peak", "checkpoint_staging")
 _TRAFFIC_ROWS = ("all_gather", "reduce_scatter", "all_reduce")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

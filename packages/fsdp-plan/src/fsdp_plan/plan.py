@@ -32,6 +32,7 @@ from fsdp_plan.accounting import (
     comm_per_step,
     model_state_bytes,
     optimizer_state_bytes,
+    state_dict_weight_bytes,
     total_comm,
 )
 from fsdp_plan.activations import forward_inputs, meta_activations
@@ -104,7 +105,9 @@ class Plan:
     ``per_rank``: the rank with the largest ``peak`` (rank 0: ``torch.chunk`` gives the
     first ranks the most rows): ``parameters``, ``main_weights``, ``main_grads``,
     ``optimizer_state``, ``gathered_peak``, ``activations`` (only when the plan was
-    given inputs), ``peak`` (their sum), and per step
+    given inputs), ``peak`` (their sum), ``checkpoint_staging`` (host memory, not in
+    ``peak``: what ``save_checkpoint(..., asynchronous=True)`` keeps staged, one copy of
+    this rank's pieces of the weights and optimizer state), and per step
     ``all_gather``, ``reduce_scatter``, ``all_reduce`` (ring traffic each rank sends,
     ``comm_stats()``'s ``traffic_bytes``). ``ranks``: the figures of every other rank
     whose figures differ, keyed by the lowest rank that has them (empty when all ranks
@@ -315,7 +318,9 @@ def plan(
         comm = total_comm(by_dim)
         # Ranks differ only in the optimizer state of torch.chunk pieces (the buffers'
         # shards are equal-sized by construction).
-        optim = optimizer_state_bytes(buffer, optimizer, _pieces(meshes, world_size))
+        pieces = _pieces(meshes, world_size)
+        optim = optimizer_state_bytes(buffer, optimizer, pieces)
+        weights = state_dict_weight_bytes(buffer, pieces)
     traffic = {k: round(comm[kind].traffic_bytes) for k, kind in _KINDS.items()}
 
     def figures(rank: int) -> dict[str, int]:
@@ -325,6 +330,7 @@ def plan(
         if activations is not None:
             out["activations"] = activations
         out["peak"] = sum(out.get(k, 0) for k in PEAK_KEYS)
+        out["checkpoint_staging"] = weights[rank] + optim[rank]
         out.update(traffic)
         return out
 
