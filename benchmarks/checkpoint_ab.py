@@ -8,8 +8,8 @@ gloo, CPU unless ``--device cuda``):
 * ``ours``: ``fsdp.save_checkpoint(..., asynchronous=True)``; blocked until the state is
   staged, then ``--steps-during`` training steps while it writes, then ``wait()``.
 * ``dcp``: ``dcp.async_save`` of ``model.state_dict()``/``optimizer.state_dict()`` with a
-  gloo group of its own and ``fsdp.HostStager`` (torch's default stager refuses fsdp's
-  DTensors, see ``fsdp_ckpt.staging``), then the same steps and ``result()``.
+  gloo group of its own and ``fsdp.HostStager`` (reused host buffers, as ``ours``), then
+  the same steps and ``result()``.
 
 Per arm: the slowest rank's blocked time (median over rounds), its ratio to ``sync``'s,
 the median step time while a background write was still in flight against the median

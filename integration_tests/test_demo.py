@@ -56,7 +56,7 @@ def test_demo_trains_checkpoints_and_plots(first_run):
     checkpoint, plot = out / CHECKPOINT_DIR, out / PLOT_FILE
     assert f"checkpoint: {checkpoint}" in stdout and f"plot:       {plot}" in stdout, stdout
     assert (checkpoint / "fsdp_manifest.json").is_file()
-    assert "saving blocked training" in stdout and "(asynchronous" in stdout, stdout
+    assert "saving:     blocked training" in stdout and "(asynchronous" in stdout, stdout
     assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     history = _history(out)
     assert [h["step"] for h in history] == list(range(1, STEPS + 1))

@@ -176,12 +176,14 @@ def test_plain_dcp_round_trip_restores_every_value(tmp_path, world, strategy):
 
 
 # ---- dcp.async_save: training goes on while it writes, the call's values come back ---------
-def _async_round_trip(path: str, strategy: int) -> None:
+def _async_round_trip(path: str, strategy: int, stager_kind: str) -> None:
     """With torch's recommended setup: a gloo group of its own for the background
     collectives (the default group's stay with training), and fsdp's ``HostStager``
-    (torch's default stager refuses these DTensors: ``test_default_stager_...``)."""
+    (buffers reused from one save to the next) or DCP's default stager (a fresh copy per
+    save; it needs every DTensor's local tensor to own its storage from offset 0,
+    Note [picklable views] in ``fsdp_buffers.dtensor_views``)."""
     group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-    stager = HostStager()
+    stager = HostStager() if stager_kind == "host" else None
     model, opt = _wrap(0, strategy)
     _train(model, opt, 0, 2)
     saved_model = {k: _full(v).clone() for k, v in model.state_dict().items()}
@@ -212,9 +214,10 @@ def _async_round_trip(path: str, strategy: int) -> None:
             torch.testing.assert_close(_full(value), saved_optim[(pid, key)], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("stager_kind", ["host", "default"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_plain_dcp_async_save_round_trip(tmp_path, strategy):
-    run_distributed(_async_round_trip, 2, args=(str(tmp_path / "ckpt"), strategy))
+def test_plain_dcp_async_save_round_trip(tmp_path, strategy, stager_kind):
+    run_distributed(_async_round_trip, 2, args=(str(tmp_path / "ckpt"), strategy, stager_kind))
 
 
 _WRITE = FileSystemWriter.write_data
@@ -224,26 +227,6 @@ _STEPPED = threading.Event()
 def _write_after_the_step(self, *args, **kwargs):
     assert _STEPPED.wait(60), "the training step never came"
     return _WRITE(self, *args, **kwargs)
-
-
-def _default_stager(path: str) -> str:
-    model, _opt = _wrap(0, 3)
-    try:
-        dcp.async_save({"model": model.state_dict()}, checkpoint_id=path).result()
-    except RuntimeError as exc:
-        return str(exc)
-    return "saved"
-
-
-@pytest.mark.xfail(
-    strict=True, reason="torch 2.15's DefaultStager: DTensors over views of a flat buffer"
-)
-def test_default_stager_of_dcp_async_save(tmp_path):
-    """torch's default stager raises on DTensors whose local tensor starts inside its
-    storage (see ``fsdp_ckpt.staging``): loudly, never silently. Strict xfail: when a
-    torch release fixes it, this passes and says the guide's advice can go."""
-    got = run_distributed(_default_stager, 1, args=(str(tmp_path / "ckpt"),))
-    assert got == ["saved"], got
 
 
 # ---- full_tensor() and DTensor ops equal the one-process tensors ----------------------------

@@ -83,7 +83,7 @@ def _checkpoint_blocked(s: Summary) -> str | None:
     blocked = s.get("checkpoint_blocked_s")
     if blocked is None:
         return None
-    return f"saving blocked training {blocked:.3f} s (asynchronous; written in the background)"
+    return f"blocked training {blocked:.3f} s (asynchronous; written in the background)"
 
 
 SUMMARY_FIELDS: list[Field] = [

@@ -17,15 +17,11 @@ leaves (param-group hyperparameters) are deep-copied.
 
 ``HostStager`` is also a DCP ``AsyncStager``: ``dcp.async_save(state,
 checkpoint_id=..., async_stager=stager)`` stages with it (keep the stager for the next
-save, and wait for a save's future before the next one: the buffers are reused). It
-exists because torch's own stagers do not fit these state dicts (torch 2.15):
-``DefaultStager`` (``StateDictStager``, ``dcp.async_save``'s default) takes a DTensor
-whose local tensor starts inside its storage (fsdp's views into flat buffers, and any
-``from_local`` of a view) for a plain tensor and fails with "Attempted to call copy_()
-on an invalid python storage"; it also copies whole storages rather than the views in
-the state dict. ``BlockingAsyncStager`` (a ``FileSystemWriter`` passed as
-``storage_writer``) stages a 0-d DTensor as the live tensor itself, so a step taken
-during the write changes what is written.
+save, and wait for a save's future before the next one: the buffers are reused).
+``dcp.async_save``'s default stager works on fsdp's state dicts too (every DTensor's
+local tensor owns its storage from offset 0: Note [picklable views] in
+``fsdp_buffers.dtensor_views``), but allocates a fresh copy at every save; this one
+allocates once, pinned on CUDA.
 """
 
 from __future__ import annotations
