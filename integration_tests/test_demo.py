@@ -95,7 +95,8 @@ def test_demo_resumes_at_another_strategy(first_run):
 
 def test_summary_lines_label_each_field_and_skip_what_a_run_lacks():
     """One line per field, labels aligned; a history from an older checkpoint (no step
-    time, no per-step bytes) leaves those lines out instead of failing."""
+    time, no per-step bytes) and a run that saved nothing leave those lines out instead
+    of failing."""
     old = {"step": 1, "loss": 4.0, "tokens_per_s": 1e3, "memory_mb": [10.0, 12.0]}
     new = {
         **old,
@@ -107,14 +108,19 @@ def test_summary_lines_label_each_field_and_skip_what_a_run_lacks():
         "comm_bound_mb": 2.0,
         "comm_bound_passes": 3,
     }
-    summary = {"history": [old, new], "memory_kind": "RSS"}
+    summary = {"history": [old, new], "memory_kind": "RSS", "checkpoint_blocked_s": 0.0125}
     lines = summary_lines(summary, [("plot", "x.png")])
     assert len(lines) == len(SUMMARY_FIELDS) + 1
     assert lines[0] == "  loss:       4.000 at step 1 -> 3.500 at step 2"
     assert lines[-1] == "  plot:       x.png"
     assert "1.50 MB per rank a step = 0.750 x the bound 3Ψ(N−1)/N = 2.00 MB" in lines[3]
     assert "11/13 MB per rank" in lines[2] and "at most 13 MB" in lines[2]
+    assert (
+        lines[4]
+        == "  saving:     blocked training 0.013 s (asynchronous; written in the background)"
+    )
     summary["history"] = [old]
+    del summary["checkpoint_blocked_s"]
     assert [ln.split(":")[0].strip() for ln in summary_lines(summary)] == ["loss", "memory"]
 
 
