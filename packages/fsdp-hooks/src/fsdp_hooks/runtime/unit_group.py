@@ -13,9 +13,9 @@ counts who still needs a shared bucket.
 - Forward: a pass of the group starts at the pre-forward of the member that runs first
   (it gathers, prefetches, and routes that member's inputs through
   ``RegisterFSDPBackwardFunction``) and ends at the post-forward of the last member to
-  run, which releases the buckets and hooks that output for the pre-backward. A member
-  run again within the pass changes nothing; members the forward skipped are finished
-  at the root post-forward, whose output then carries the group's pre-backward (FSDP2's
+  run, which releases the buckets. Each member's post-forward hooks its output for that
+  member's pre-backward. A member run again within the pass changes nothing else;
+  members the forward skipped are finished at the root post-forward (FSDP2's
   ``_force_complete_incomplete_states``).
 - Backward: each member's pre-backward (the first gradient at its output: a backward
   from a loss on an inner member's output reaches no later one) gathers that member's
