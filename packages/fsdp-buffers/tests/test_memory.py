@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_mesh
 from fsdp_buffers import AllGatherPipeline, GradReducePipeline, ParamAndGradBuffer
-from fsdp_mesh.testing import harness_device, run_distributed
+from fsdp_mesh.testing import harness_device, held_storage_bytes, run_distributed
 
 # Runs on CUDA + NCCL under --fsdp-device cuda (root conftest.py).
 pytestmark = pytest.mark.cuda
@@ -48,8 +48,9 @@ class Net(nn.Module):
 
 
 def _held_bytes(model, buf):
-    """Bytes of every distinct live storage reachable from the buffers, the compute
-    parameters, their main grads and the optimizer's DTensors (deduplicated by address)."""
+    """Bytes of the memory held by every live storage reachable from the buffers, the
+    compute parameters, their main grads and the optimizer's DTensors (each byte once:
+    the DTensors' local tensors alias the buffers)."""
     tensors = []
     for group in buf.groups:
         for b in (group.model_weight_buffer, group.main_weight_buffer, group.main_grad_buffer):
@@ -61,12 +62,7 @@ def _held_bytes(model, buf):
             tensors.append(p.main_grad)
     for _name, dparam in buf.views.optimizer_named_parameters():
         tensors += [dparam.to_local(), dparam.grad.to_local()]
-    storages = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        if s.nbytes():
-            storages[s.data_ptr()] = s.nbytes()
-    return sum(storages.values())
+    return held_storage_bytes(tensors)
 
 
 def _bytes_per_element(buf, gid):

@@ -4,9 +4,10 @@ the one prefetched).
 
 Measured, not assumed: at every gather issued and every release (wrapping the
 ``AllGatherPipeline``), at every submodule's forward pre/post hook and at every
-parameter-gradient hook in backward, the test sums the ``untyped_storage().nbytes()``
-of every storage the model's weights live in (compute parameters' buckets and the
-DTensor parameters' shards), deduplicated by data pointer.
+parameter-gradient hook in backward, the test sums the memory spanned by every storage
+the model's weights live in (compute parameters' buckets and the DTensor parameters'
+shards), each byte once (``held_storage_bytes``: the shards' local tensors alias the
+main-weight buffers).
 """
 
 import pytest
@@ -16,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fsdp_hooks import fully_shard
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import held_storage_bytes, run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
 
 # Runs on CUDA + NCCL under --fsdp-device cuda (root conftest.py).
@@ -38,17 +39,14 @@ class _Tracker:
         self.model = model
         self.compute = [p for _n, _g, _i, p in model.buffer.named_params()]
         self.shards = list(model.hooks.distributed_by_compute.values())
+        # The shard buffers themselves: the DTensors' local tensors span only their
+        # parameters' rows, not the padding.
+        self.buffers = [g.model_weight_buffer.data for g in model.buffer.groups]
         self.samples = []
 
     def live_bytes(self):
-        storages = {}
-        for p in self.compute:
-            s = p.untyped_storage()
-            storages[s.data_ptr()] = s.nbytes()
-        for d in self.shards:
-            s = d.to_local().untyped_storage()
-            storages[s.data_ptr()] = s.nbytes()
-        return sum(n for ptr, n in storages.items() if n and ptr)
+        shards = [d.to_local() for d in self.shards]
+        return held_storage_bytes([*self.compute, *shards, *self.buffers])
 
     def sample(self, *_args, **_kwargs):
         self.samples.append(self.live_bytes())

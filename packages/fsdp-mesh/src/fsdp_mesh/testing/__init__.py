@@ -7,7 +7,8 @@ stacks of the ranks that hung. Ranks run on CPU (gloo) unless ``FSDP_TEST_DEVICE
 needing more ranks than GPUs skips, ``world_sizes(2, 4)`` parametrizes at the world
 sizes the GPUs allow, and ``harness_device()`` is where a test's tensors belong.
 ``mean_over_ranks``, ``gather_rows``, ``assert_losses_close``, ``assert_tensors_close``
-and ``assert_same_training`` (losses and parameters) are the checks parity tests share.
+and ``assert_same_training`` (losses and parameters) are the checks parity tests share;
+``held_storage_bytes`` is the memory a set of tensors' storages span, each byte once.
 """
 
 from fsdp_mesh.testing._runner import (
@@ -25,6 +26,7 @@ from fsdp_mesh.testing.checks import (
     assert_same_training,
     assert_tensors_close,
     gather_rows,
+    held_storage_bytes,
     mean_over_ranks,
 )
 from fsdp_mesh.testing.siblings import load_sibling
@@ -40,6 +42,7 @@ __all__ = [
     "gather_rows",
     "harness_device",
     "harness_device_type",
+    "held_storage_bytes",
     "load_sibling",
     "mean_over_ranks",
     "run_distributed",

@@ -4,7 +4,7 @@ one-process reference."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -83,3 +83,23 @@ def assert_tensors_close(
         torch.testing.assert_close(
             got[name], value, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{where} {n}: {m}"
         )
+
+
+def held_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of memory the storages of ``tensors`` span, each byte once: the union of
+    their storages' address ranges. Two storages over one memory (a view's, an alias's
+    made with DLPack, as fsdp's DTensor views are) count once, where summing storages by
+    identity or address would count the alias again. Storages without bytes (released
+    buckets, meta tensors) count nothing."""
+    spans = sorted(
+        (s.data_ptr(), s.data_ptr() + s.nbytes())
+        for s in (t.untyped_storage() for t in tensors)
+        if s.nbytes() and s.data_ptr()
+    )
+    total, end = 0, 0
+    for start, stop in spans:
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
