@@ -53,7 +53,7 @@ TIMED: tuple[str, ...] = (
     "fsdp_buffers.bucket_grads:BucketGradients.accumulate",
     "fsdp_buffers.bucket_grads:BucketGradients.start_reduce",
     "fsdp_buffers.collectives:PendingCollective.wait",
-    "fsdp_hooks.runtime.param_swap:ParamSwapping._unit_use",
+    "fsdp_hooks.runtime.param_swap:ParamSwapping.unit_use",
     "fsdp_hooks.optim.local_step:LocalStep.step",
 )
 

@@ -161,7 +161,7 @@ def _lower_strategies_body():
         deferred = sum(
             buffer.buckets[g].layout.total_numel
             for g in trainable
-            if overlap and g in model.hooks.stale_after_step
+            if overlap and g in model.hooks.swap.stale_after_step
         )
         assert deferred or not overlap or strategy == 0
         n = dist.get_world_size()

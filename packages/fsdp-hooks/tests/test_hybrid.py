@@ -182,7 +182,7 @@ def _train_scenario(scenario):
         m = K if sync_each else 1
         n_rs = sum(1 for g in trainable if buf.buckets[g].sharding.main_weights)
         # Stale buckets are gathered in the next forward (Note [stale buckets]).
-        deferred = len(model.hooks.stale_after_step)
+        deferred = len(model.hooks.swap.stale_after_step)
         assert deferred > 0 or strategy == 0
         for i, (before, after) in enumerate(counts):
             assert before["reduce_scatter"]["calls"] == m * n_rs, before

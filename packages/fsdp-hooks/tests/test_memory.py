@@ -38,7 +38,7 @@ class _Tracker:
     def __init__(self, model):
         self.model = model
         self.compute = [p for _n, _g, _i, p in model.buffer.named_params()]
-        self.shards = list(model.hooks.distributed_by_compute.values())
+        self.shards = list(model.hooks.swap.distributed_by_compute.values())
         # The shard buffers themselves: the DTensors' local tensors span only their
         # parameters' rows, not the padding.
         self.buffers = [g.model_weight_buffer.data for g in model.buffer.groups]

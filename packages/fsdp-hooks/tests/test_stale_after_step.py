@@ -274,7 +274,7 @@ def _gathered_in_the_forward(strategy: int) -> dict:
     )
     buffer, pipeline = model.buffer, model.all_gather_pipeline
     blocks = model.module.blocks
-    gid = [model.hooks.group_of_any(next(iter(b.parameters()))) for b in blocks]
+    gid = [model.hooks.swap.group_of_any(next(iter(b.parameters()))) for b in blocks]
     x, y = batch(0, rank)
     F.mse_loss(model(x), y).backward()
     stats = buffer.stats
@@ -297,7 +297,7 @@ def _gathered_in_the_forward(strategy: int) -> dict:
         "after_step": after_step,
         "in_forward": in_forward,
         "stale": stale_after_step,
-        "expected_stale": sorted(model.hooks.stale_after_step),
+        "expected_stale": sorted(model.hooks.swap.stale_after_step),
         "roots": list(buffer.root_groups),
         "seen": seen,
         "ready": all(s is BucketStatus.READY_TO_USE for s in pipeline.status),

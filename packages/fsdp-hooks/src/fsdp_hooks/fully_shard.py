@@ -360,7 +360,7 @@ def fully_shard_optimizer(
         optimizer, model.strategy is not ShardingStrategy.NO_SHARD, "fully_shard_optimizer"
     )
     _check_reads_decoupled_grad(optimizer, model.use_decoupled_grad, "fully_shard_optimizer")
-    by_compute = model.hooks.distributed_by_compute
+    by_compute = model.hooks.swap.distributed_by_compute
     ours = {id(p) for p in by_compute.values()}
     unknown: list[str] = []
     replaced: dict[nn.Parameter, nn.Parameter | None] = {}

@@ -47,7 +47,7 @@ def row_placed_whole_params(hooks: FSDPHooks, load: bool) -> Iterator[None]:
         temps[id(guard)] = (name, nn.Parameter(row, requires_grad=guard.requires_grad))
     swapped = [
         (module, attr, dparam)
-        for module, attr, _compute, dparam in hooks._locations
+        for module, attr, _compute, dparam in hooks.swap.locations
         if id(dparam) in temps
     ]
     for module, attr, dparam in swapped:

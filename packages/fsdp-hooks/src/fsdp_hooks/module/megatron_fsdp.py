@@ -378,7 +378,7 @@ class MegatronFSDP(InnerModuleAttributes):
 
     # ---- parameter views ------------------------------------------------------------
     def _replace_param_with_distributed_if_needed(self) -> None:
-        self.hooks.use_distributed_params()
+        self.hooks.swap.use_distributed_params()
 
     # ---- gathers --------------------------------------------------------------------
     def all_gather_and_wait_parameters_ready(
@@ -388,7 +388,7 @@ class MegatronFSDP(InnerModuleAttributes):
         prefetch_order: PrefetchOrder = PrefetchOrder.FORWARD_PASS_ORDER,
         wait_bucket_ready: bool = True,
     ) -> None:
-        gids = sorted({self.hooks.group_of_any(p) for p in params})
+        gids = sorted({self.hooks.swap.group_of_any(p) for p in params})
         self.all_gather_pipeline.all_gather_params(
             gids,
             prefetch=prefetch,
@@ -522,7 +522,7 @@ class MegatronFSDP(InnerModuleAttributes):
         buckets] in ``fsdp_buffers.all_gather_pipeline``)."""
         self.all_gather_pipeline.reset()  # gathered copies are stale after a step
         hooks = self.hooks
-        self.buffer.install_optimized_model_weights(hooks.stale_after_step if defer else ())
+        self.buffer.install_optimized_model_weights(hooks.swap.stale_after_step if defer else ())
         hooks.params.record_versions()
 
     def broadcast_params(self) -> None:

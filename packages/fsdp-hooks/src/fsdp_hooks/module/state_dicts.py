@@ -52,7 +52,7 @@ def state_dict(
     """``module.state_dict(*args, **kwargs)`` over the distributed parameters, experts
     renamed to their global index."""
     check_checkpointable(names)
-    hooks.use_distributed_params()
+    hooks.swap.use_distributed_params()
     with row_placed_whole_params(hooks, load=False):
         sd = module.state_dict(*args, **kwargs)
     if names.ids:
@@ -79,7 +79,7 @@ def load_state_dict(
     ``state_dict`` names them; other ranks' experts are unexpected keys), then
     ``install_main_weights()`` to refresh the compute weights."""
     check_checkpointable(names)
-    hooks.use_distributed_params()
+    hooks.swap.use_distributed_params()
     if not names.ids:
         with row_placed_whole_params(hooks, load=True):
             result = module.load_state_dict(state_dict, strict=strict, assign=assign)

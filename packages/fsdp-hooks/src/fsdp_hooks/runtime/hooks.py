@@ -101,7 +101,7 @@ from fsdp_hooks.runtime.backward import (
 )
 from fsdp_hooks.runtime.config import RuntimeCallbacks, RuntimeConfig
 from fsdp_hooks.runtime.param_state import ParamState
-from fsdp_hooks.runtime.param_swap import ParamSwapping
+from fsdp_hooks.runtime.param_swap import ParamSwapping, plan_swaps
 from fsdp_hooks.runtime.saved_weight_hooks import SavedWeightHooks
 from fsdp_hooks.runtime.schedule_check import Phase, ScheduleCheck, schedule_check_requested
 from fsdp_hooks.runtime.training_state import TrainingState
@@ -144,7 +144,7 @@ def _eager(hook: Any) -> Any:
     return torch.compiler.disable(hook, recursive=True, reason="fsdp's hooks run eagerly")
 
 
-class FSDPHooks(ParamSwapping):
+class FSDPHooks:
     """All hooks of one ``MegatronFSDP`` and the per-step state they share."""
 
     def __init__(
@@ -201,6 +201,35 @@ class FSDPHooks(ParamSwapping):
                 continue
             unit.hooked = True
             hooked.append(unit)
+        self._grad_handles = [
+            p.register_post_accumulate_grad_hook(self._on_param_grad)
+            for group in buffer.groups
+            if group.requires_grad
+            for p in group.params
+            if p.requires_grad
+        ]
+        for group in buffer.groups:
+            for p in group.params:
+                p._fsdp_managed = True  # type: ignore[attr-defined]
+
+        # Every place a parameter is reachable from, so tied weights swap together.
+        distributed = dict(buffer.views.distributed_named_parameters())
+        by_param = {p: distributed[name] for p, name in self.param_names.items()}
+        for dparam in distributed.values():
+            dparam._fsdp_model_ref = callbacks.owner  # type: ignore[attr-defined]
+        plan = plan_swaps(module, buffer, self.units, by_param)
+        # Reads of released unit weights: refused, copied or gathered again (their module).
+        self._saved_weights = SavedWeightHooks(self, config.regather_saved_weights)
+        self.swap = ParamSwapping(buffer, plan, by_param, self._saved_weights)
+        self.params = ParamState(buffer, by_param, config)
+        self._reached_add = self.params.reached.add  # per gradient (the set is kept)
+        # Opt-in (FSDP_CHECK_SCHEDULE=1): ranks agree on each point that issues collectives.
+        self.schedule: ScheduleCheck | None = None
+        if schedule_check_requested() and dist.is_initialized():
+            device = control_device(buffer.device)
+            self.schedule = ScheduleCheck(
+                config.dist_index.get_dp_group(), [u.name for u in self.units], device
+            )
         # One owner of gathers, releases and reductions per communication unit (Note
         # [unit groups]); each member's hooks call it.
         self.unit_groups: list[UnitGroup] = []
@@ -210,7 +239,7 @@ class FSDPHooks(ParamSwapping):
                 buffer,
                 gather,
                 reduce,
-                self._unit_use,
+                self.swap.unit_use,
                 overlap_grad_reduce=config.overlap_grad_reduce,
                 stages_main_grad=self._stages_main_grad,
             )
@@ -229,35 +258,6 @@ class FSDPHooks(ParamSwapping):
                         _eager(functools.partial(self._unit_post_forward, group, unit))
                     )
                 )
-
-        self._grad_handles = [
-            p.register_post_accumulate_grad_hook(self._on_param_grad)
-            for group in buffer.groups
-            if group.requires_grad
-            for p in group.params
-            if p.requires_grad
-        ]
-        for group in buffer.groups:
-            for p in group.params:
-                p._fsdp_managed = True  # type: ignore[attr-defined]
-
-        # Every place a parameter is reachable from, so tied weights swap together.
-        distributed = dict(buffer.views.distributed_named_parameters())
-        by_param = {p: distributed[name] for p, name in self.param_names.items()}
-        for dparam in distributed.values():
-            dparam._fsdp_model_ref = callbacks.owner  # type: ignore[attr-defined]
-        self._init_locations(module, by_param)
-        self.params = ParamState(buffer, self.distributed_by_compute, config)
-        self._reached_add = self.params.reached.add  # per gradient (the set is kept)
-        # Opt-in (FSDP_CHECK_SCHEDULE=1): ranks agree on each point that issues collectives.
-        self.schedule: ScheduleCheck | None = None
-        if schedule_check_requested() and dist.is_initialized():
-            device = control_device(buffer.device)
-            self.schedule = ScheduleCheck(
-                config.dist_index.get_dp_group(), [u.name for u in self.units], device
-            )
-        # Reads of released unit weights: refused, copied or gathered again (their module).
-        self._saved_weights = SavedWeightHooks(self, config.regather_saved_weights)
         # The wrapper's forward calls these: a compiled wrapper then breaks its graph at
         # these calls only, not at each Python step inside them.
         self.root_pre_forward = _eager(self.root_pre_forward)  # type: ignore[method-assign]
@@ -285,8 +285,8 @@ class FSDPHooks(ParamSwapping):
                     # In-place writes to the main weights since the last install.
                     self._callbacks.install_main_weights()
                 self.root_state = TrainingState.FORWARD
-            self.use_compute_params()
-            self._hold_stale_units()  # ZeRO-1/2 after a step: Note [stale buckets]
+            self.swap.use_compute_params()
+            self.swap.hold_stale_units()  # ZeRO-1/2 after a step: Note [stale buckets]
             self.gather.all_gather_params(self.root_groups, prefetch=False)
         return args, kwargs
 
@@ -306,7 +306,7 @@ class FSDPHooks(ParamSwapping):
             if not backward_pending:
                 # No backward will follow (eval, no_grad): nothing to keep gathered.
                 self._release_all()
-                self.use_distributed_params()
+                self.swap.use_distributed_params()
             self.root_state = TrainingState.IDLE
         return output
 
@@ -315,14 +315,14 @@ class FSDPHooks(ParamSwapping):
         self._saved_weights.check_double_backward(None)
         self.begin_backward()
         self.root_state = TrainingState.PRE_BACKWARD
-        if not self._using_compute:
+        if not self.swap.using_compute:
             # Another graph's end of backward, or a forward without backward (eval
             # under no_grad), ran since this graph's forward and released everything:
             # back to the state this forward ended in (units' buckets are gathered by
             # their own pre-backward; the root buckets again here).
-            self.use_compute_params()
+            self.swap.use_compute_params()
             for unit in self.units:
-                self._unit_use(unit, compute=False)
+                self.swap.unit_use(unit, compute=False)
             self.gather.all_gather_params(self.root_groups, prefetch=False)
         for gid in self.root_groups:  # param.main_grad exists before any gradient
             self.reduce.prepare(gid)
@@ -472,7 +472,7 @@ class FSDPHooks(ParamSwapping):
         self._release_all()
         for unit in self.units:
             unit.state = TrainingState.IDLE
-        self.use_distributed_params()
+        self.swap.use_distributed_params()
 
     def _release_all(self) -> None:
         for group in self.unit_groups:

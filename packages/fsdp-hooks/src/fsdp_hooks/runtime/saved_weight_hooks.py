@@ -11,7 +11,7 @@ silently wrong. Three ways to get there, and what ``SavedWeightHooks`` does abou
    without going through the unit's outputs first (an auxiliary loss kept on the module,
    ``self.aux = f(self.fc.weight)``, backpropagated on its own). By default the
    released compute parameters carry a version one past the one autograd saved them at
-   (``hide``/``show``, at each swap of ``ParamSwapping._unit_use``), so autograd refuses
+   (``hide``/``show``, at each swap of ``ParamSwapping.unit_use``), so autograd refuses
    the read with its own error ("modified by an inplace operation ... is at version")
    before any kernel touches the memory; a gradient that still arrives by another route
    raises naming the unit (``check_side_path``). With ``regather_saved_weights=True`` at
