@@ -240,10 +240,10 @@ class FSDPHooks:
                 gather,
                 reduce,
                 self.swap.unit_use,
+                self._group_pre_backward,
                 overlap_grad_reduce=config.overlap_grad_reduce,
                 stages_main_grad=self._stages_main_grad,
             )
-            group.on_pre_backward = functools.partial(self._group_pre_backward, group)
             self.unit_groups.append(group)
             for unit in members:
                 unit.handles.append(
@@ -400,10 +400,10 @@ class FSDPHooks:
 
     def _group_pre_backward(self, group: UnitGroup, unit: FSDPUnit | None, last: bool) -> None:
         with self._range_pre_backward:
-            if self.schedule is not None:
-                self.schedule.check(Phase.UNIT_BACKWARD, (unit or group.members[0]).index)
-            for member in group.members if unit is None else (unit,):
-                self._saved_weights.check_double_backward(member)
+            if unit is not None:  # else nothing is gathered: the members' outputs do it
+                if self.schedule is not None:
+                    self.schedule.check(Phase.UNIT_BACKWARD, unit.index)
+                self._saved_weights.check_double_backward(unit)
             self.begin_backward()
             self.root_state = TrainingState.PRE_BACKWARD
             group.pre_backward(unit, last)

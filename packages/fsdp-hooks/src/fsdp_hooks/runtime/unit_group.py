@@ -78,9 +78,10 @@ def group_units(buffer: ParamAndGradBuffer, units: list[FSDPUnit]) -> list[list[
 class UnitGroup:
     """One communication unit's members and the state of its passes (Note [unit
     groups]). ``use_params(unit, compute)`` puts a member's compute parameters (or its
-    DTensors) in its modules (``ParamSwapping``); ``on_pre_backward(unit, last)`` is the
-    root's pre-backward of a member, registered on its output (``last``: the pass's last
-    output; ``unit`` None: the model's output, for a pass some members skipped)."""
+    DTensors) in its modules (``ParamSwapping``); ``on_pre_backward(group, unit, last)``
+    is the root's pre-backward of a member, registered on its output (``last``: the
+    pass's last output; ``unit`` None: the model's output, for a pass some members
+    skipped), bound once here for each case."""
 
     def __init__(
         self,
@@ -89,13 +90,12 @@ class UnitGroup:
         gather: AllGatherPipeline,
         reduce: GradReducePipeline,
         use_params: Callable[[FSDPUnit, bool], None],
+        on_pre_backward: Callable[[UnitGroup, FSDPUnit | None, bool], None],
         *,
         overlap_grad_reduce: bool,
         stages_main_grad: bool,
     ) -> None:
         self.members = members
-        self.name = members[0].name if len(members) == 1 else ",".join(u.name for u in members)
-        self.groups = list(dict.fromkeys(g for u in members for g in u.groups))
         self.release_groups = list(dict.fromkeys(g for u in members for g in u.release_groups))
         # Marked ready at the post-backward; the others wait for the end of backward, as
         # all do without overlap_grad_reduce.
@@ -106,8 +106,14 @@ class UnitGroup:
         self.reduce = reduce
         self._use = use_params
         self._stages_main_grad = stages_main_grad
-        # Set by the root.
-        self.on_pre_backward: Callable[[FSDPUnit | None, bool], None] = lambda unit, last: None
+        # The root's pre-backward, per (member, last output of its pass), made once here
+        # rather than per forward call; and for the model's output (a pass cut short).
+        self._pre_backward = {
+            (unit, last): functools.partial(on_pre_backward, self, unit, last)
+            for unit in members
+            for last in (False, True)
+        }
+        self._skipped_pre_backward = functools.partial(on_pre_backward, self, None, True)
         # Members yet to run in the forward pass under way (empty: no pass under way).
         self._to_run: set[FSDPUnit] = set()
         # The member that started the last forward pass; whether a recompute of it hooked
@@ -154,7 +160,7 @@ class UnitGroup:
             # Autograd on, yet no output needs a gradient (a frozen unit): no backward
             # will gather its buckets, so none should prefetch them. (Under no_grad, a
             # reentrant checkpoint's first forward, its recompute will.)
-            hook = functools.partial(self.on_pre_backward, unit, last)
+            hook = self._pre_backward[unit, last]
             self.gather.record_backward(unit.release_groups, register_pre_backward(output, hook))
 
     def finish_skipped(self, output: Any) -> None:
@@ -164,7 +170,7 @@ class UnitGroup:
             self._to_run.clear()
             self._release()
             if torch.is_grad_enabled():
-                register_pre_backward(output, functools.partial(self.on_pre_backward, None, True))
+                register_pre_backward(output, self._skipped_pre_backward)
 
     def abandon_pass(self) -> None:
         """Root pre-forward of a new step: a pass the last forward left open (it raised
