@@ -129,16 +129,36 @@ def _reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-# ---- a plain DCP round trip restores every value --------------------------------------------
-def _round_trip(path: str, strategy: int) -> None:
-    model, opt = _wrap(0, strategy)
-    _train(model, opt, 0, 2)
+def _whole_values(model, opt) -> tuple[dict, dict]:
+    """The model's and the optimizer state's whole tensors, copied: what a load restores."""
     saved_model = {k: _full(v).clone() for k, v in model.state_dict().items()}
     saved_optim = {
         (pid, key): _full(value).clone()
         for pid, state in opt.state_dict()["state"].items()
         for key, value in state.items()
     }
+    return saved_model, saved_optim
+
+
+def _load_and_compare(path: str, model, opt, saved_model: dict, saved_optim: dict) -> None:
+    """``dcp.load`` into ``model``/``opt`` in place, then every value equals the saved one."""
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(_full(value), saved_model[key], rtol=0, atol=0, msg=key)
+    for pid, st in opt.state_dict()["state"].items():
+        for key, value in st.items():
+            torch.testing.assert_close(_full(value), saved_optim[(pid, key)], rtol=0, atol=0)
+
+
+# ---- a plain DCP round trip restores every value --------------------------------------------
+def _round_trip(path: str, strategy: int) -> None:
+    model, opt = _wrap(0, strategy)
+    _train(model, opt, 0, 2)
+    saved_model, saved_optim = _whole_values(model, opt)
     assert saved_optim, "the optimizer has state after two steps"
     dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
     if _rank_world()[0] == 0:  # torch's offline converter reads the same values
@@ -157,16 +177,7 @@ def _round_trip(path: str, strategy: int) -> None:
             for value in state.values():
                 if torch.is_tensor(value):
                     value.fill_(3.0)
-    state = {"model": model.state_dict(), "optim": opt.state_dict()}
-    dcp.load(state, checkpoint_id=path)
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optim"])
-
-    for key, value in model.state_dict().items():
-        torch.testing.assert_close(_full(value), saved_model[key], rtol=0, atol=0, msg=key)
-    for pid, st in opt.state_dict()["state"].items():
-        for key, value in st.items():
-            torch.testing.assert_close(_full(value), saved_optim[(pid, key)], rtol=0, atol=0)
+    _load_and_compare(path, model, opt, saved_model, saved_optim)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -186,12 +197,7 @@ def _async_round_trip(path: str, strategy: int, stager_kind: str) -> None:
     stager = HostStager() if stager_kind == "host" else None
     model, opt = _wrap(0, strategy)
     _train(model, opt, 0, 2)
-    saved_model = {k: _full(v).clone() for k, v in model.state_dict().items()}
-    saved_optim = {
-        (pid, key): _full(value).clone()
-        for pid, state in opt.state_dict()["state"].items()
-        for key, value in state.items()
-    }
+    saved_model, saved_optim = _whole_values(model, opt)
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     # The write is held until training has stepped: the copy is what gets written.
     FileSystemWriter.write_data = _write_after_the_step
@@ -203,15 +209,7 @@ def _async_round_trip(path: str, strategy: int, stager_kind: str) -> None:
 
     fresh, fresh_opt = _wrap(1, strategy)
     _train(fresh, fresh_opt, 0, 1)  # an optimizer state to load into
-    state = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}
-    dcp.load(state, checkpoint_id=path)
-    fresh.load_state_dict(state["model"])
-    fresh_opt.load_state_dict(state["optim"])
-    for key, value in fresh.state_dict().items():
-        torch.testing.assert_close(_full(value), saved_model[key], rtol=0, atol=0, msg=key)
-    for pid, st in fresh_opt.state_dict()["state"].items():
-        for key, value in st.items():
-            torch.testing.assert_close(_full(value), saved_optim[(pid, key)], rtol=0, atol=0)
+    _load_and_compare(path, fresh, fresh_opt, saved_model, saved_optim)
 
 
 @pytest.mark.parametrize("stager_kind", ["host", "default"])
