@@ -261,17 +261,18 @@ def test_reading_a_unit_before_its_gather_is_never_stale():
         assert "mixed torch.Tensor and DTensor" in stale["peek_error"]
 
 
-def _gathered_in_the_forward(strategy: int) -> dict:
-    rank = dist.get_rank()
+def _wrapped(strategy: int, **options):
+    """The test model under AdamW, wrapped per block."""
     module = build()
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
-    model, optimizer = fully_shard(
-        module,
-        optimizer,
-        fsdp_unit_modules=[Block],
-        zero_dp_strategy=strategy,
-        suggested_communication_unit_size=0,
+    return fully_shard(
+        module, optimizer, fsdp_unit_modules=[Block], zero_dp_strategy=strategy, **options
     )
+
+
+def _gathered_in_the_forward(strategy: int) -> dict:
+    rank = dist.get_rank()
+    model, optimizer = _wrapped(strategy, suggested_communication_unit_size=0)
     buffer, pipeline = model.buffer, model.all_gather_pipeline
     blocks = model.module.blocks
     gid = [model.hooks.swap.group_of_any(next(iter(b.parameters()))) for b in blocks]
@@ -326,15 +327,7 @@ def test_stale_buckets_are_gathered_by_the_forward_with_prefetch(strategy):
 
 def _broadcast_after_step(strategy: int, overlap: bool) -> dict:
     rank = dist.get_rank()
-    module = build()
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
-    model, optimizer = fully_shard(
-        module,
-        optimizer,
-        fsdp_unit_modules=[Block],
-        zero_dp_strategy=strategy,
-        overlap_param_gather=overlap,
-    )
+    model, optimizer = _wrapped(strategy, overlap_param_gather=overlap)
     x, y = batch(0, rank)
     F.mse_loss(model(x), y).backward()
     optimizer.step()
