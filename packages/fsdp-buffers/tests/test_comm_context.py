@@ -14,8 +14,13 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_mesh
 from fsdp_buffers import AllGatherPipeline, ParamAndGradBuffer
-from fsdp_buffers.collectives import PendingCollective
-from fsdp_buffers.comm_context import CommContext, DeviceStreams, StreamKind, StreamOps
+from fsdp_buffers.collectives import (
+    CommContext,
+    DeviceStreams,
+    PendingCollective,
+    StreamKind,
+    StreamOps,
+)
 from fsdp_buffers.stream_recorder import Op, StreamRecorder
 from fsdp_mesh.testing import run_distributed
 

@@ -16,7 +16,7 @@ ZeRO-1/2/3, with unit coalescing, prefetch two deep, double buffering, gradients
 communicated in another dtype, microbatches, hybrid sharding and gradient clipping.
 
 On CUDA the same rule has a stream half (Note [streams and frees] in
-``fsdp_buffers.comm_context``): a collective runs on its own stream, so memory is free
+``fsdp_buffers.collectives``): a collective runs on its own stream, so memory is free
 for reuse only once the stream that allocated it is ordered after every stream that
 reads it, and a gathered bucket is read on the compute stream only after that stream
 waited on its gather. The same training runs with a ``StreamRecorder`` as the buffer's
@@ -38,8 +38,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from fsdp_buffers import MixedPrecisionPolicy
-from fsdp_buffers.collectives import all_gather
-from fsdp_buffers.comm_context import CommContext, StreamKind
+from fsdp_buffers.collectives import CommContext, StreamKind, all_gather
 from fsdp_buffers.stream_recorder import StreamRecorder
 from fsdp_hooks import fully_shard
 from fsdp_mesh import build_device_mesh

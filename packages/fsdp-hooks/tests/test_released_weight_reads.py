@@ -1,5 +1,5 @@
 """Reads of a unit's weights after ZeRO-3 released them (issue 41 items 2 and 7; Note
-[released weights read later] in ``saved_weight_hooks``).
+[released weights read later] in ``param_swap``).
 
 A unit that returns a view of its own parameter (learned query tokens
 ``self.q.expand(B, -1, -1)``, a positional table ``self.pe[:T]``) handed out views of a

@@ -62,8 +62,7 @@ from fsdp_buffers.bucket_state import (
     GradState,
     GroupSharding,
 )
-from fsdp_buffers.collectives import PendingCollective
-from fsdp_buffers.comm_context import StreamKind
+from fsdp_buffers.collectives import PendingCollective, StreamKind
 from fsdp_buffers.data_parallel_buffer import (
     BucketAllocator,
     DataParallelBuffer,

@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from fsdp_buffers.collectives import CommStats
-from fsdp_buffers.comm_context import CommContext
+from fsdp_buffers.collectives import CommContext, CommStats
 from fsdp_buffers.data_parallel_buffer import TemporaryBucketAllocator
 from fsdp_buffers.mixed_precision import MixedPrecisionPolicy
 

@@ -43,8 +43,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_buffers.bucket import GradState
-from fsdp_buffers.collectives import PendingCollective, describe_bucket
-from fsdp_buffers.comm_context import StreamKind
+from fsdp_buffers.collectives import PendingCollective, StreamKind, describe_bucket
 from fsdp_buffers.param_and_grad_buffer import ParamAndGradBuffer
 from fsdp_buffers.profiling import annotate
 

@@ -38,8 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_buffers import collectives
 from fsdp_buffers.bucket_state import BucketContext, CommGroup, GroupSharding
-from fsdp_buffers.collectives import PendingCollective
-from fsdp_buffers.comm_context import StreamKind
+from fsdp_buffers.collectives import PendingCollective, StreamKind
 from fsdp_buffers.data_parallel_buffer import DataParallelBuffer
 from fsdp_buffers.layout import FlatLayout
 from fsdp_buffers.param_group import ParameterGroup

@@ -32,8 +32,7 @@ from torch import nn
 
 from fsdp_buffers.bucket import Bucket, BucketContext, CommGroup, GradState
 from fsdp_buffers.bucket_state import GradConfig, GradStaging
-from fsdp_buffers.collectives import CommStats, PendingCollective, read_timeout_env
-from fsdp_buffers.comm_context import CommContext
+from fsdp_buffers.collectives import CommContext, CommStats, PendingCollective, read_timeout_env
 from fsdp_buffers.data_parallel_buffer import (
     BucketAllocator,
     DoubleBufferAllocator,

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_buffers.comm_context import StreamKind, StreamOps
+from fsdp_buffers.collectives import StreamKind, StreamOps
 
 __all__ = ["Op", "StreamRecorder"]
 

@@ -23,7 +23,8 @@ from fsdp_hooks.integrations.megatron_core import (
     finalize_model_grads,
 )
 from fsdp_hooks.module.config import DistributedDataParallelConfig
-from fsdp_hooks.module.megatron_fsdp import MegatronFSDP, find_megatron_fsdp
+from fsdp_hooks.module.megatron_compat import find_megatron_fsdp
+from fsdp_hooks.module.megatron_fsdp import MegatronFSDP
 from fsdp_hooks.runtime.training_state import TrainingState
 
 __version__ = _version("fsdp-hooks")

@@ -47,6 +47,7 @@ for it runs unchanged. Differences a user may notice:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
@@ -469,7 +470,9 @@ def _patch_optimizer(
             model.finish_grad_sync()
         else:
             model.attach_grad_to_optimizer_state()
-        with inner_parameters(optimizer):
+        # Whole placement only: the param groups hold the tensors fsdp steps meanwhile.
+        shows_whole = getattr(self, "_fsdp_shows_whole", False)
+        with inner_parameters(optimizer) if shows_whole else contextlib.nullcontext():
             if initial.created:
                 initial.drop_untouched(optimizer)
             result = local_step.step(optimizer, base_step, args, kwargs)
@@ -480,9 +483,9 @@ def _patch_optimizer(
 
     def zero_grad(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
         zero_buffer = kwargs.pop("zero_grad_buffer", True)
-        with inner_parameters(optimizer):
-            base_zero_grad(*args, **kwargs)
         shows_whole = getattr(self, "_fsdp_shows_whole", False)
+        with inner_parameters(optimizer) if shows_whole else contextlib.nullcontext():
+            base_zero_grad(*args, **kwargs)
         if shows_whole and kwargs.get("set_to_none", args[0] if args else True):
             for group in self.param_groups:  # WholeParameters: as torch does to the others
                 for p in group["params"]:

@@ -21,7 +21,8 @@ composes with them.)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 
 from fsdp_hooks.runtime.backward import storage_key
 
-__all__ = ["ActivationMeter", "SavedTensorCounter", "measured_forward"]
+__all__ = ["ActivationMeter", "SavedTensorCounter", "last_meter", "measured_forward", "measuring"]
 
 
 class SavedTensorCounter:
@@ -154,3 +155,22 @@ def measured_forward(wrapper: Any, meter: ActivationMeter, forward: Callable[[],
         inner = (regather.pack_hook, regather.unpack_hook)
         return meter.run(forward, persistent, gathered_bytes, inner)
     return meter.run(forward, persistent, gathered_bytes, None)
+
+
+@contextlib.contextmanager
+def measuring(state: dict[str, Any], device: torch.device) -> Iterator[None]:
+    """``MegatronFSDP.measure_activations``: forwards inside are measured. The meter is
+    the wrapper's ``state["_activation_meter"]`` meanwhile and, once a forward ran,
+    ``state["_measured_activations"]`` after (``last_meter``)."""
+    meter = state["_activation_meter"] = ActivationMeter(device)
+    try:
+        yield
+    finally:
+        state.pop("_activation_meter", None)
+        if meter.last is not None:  # no forward inside: the last measurement stands
+            state["_measured_activations"] = meter
+
+
+def last_meter(state: dict[str, Any]) -> ActivationMeter | None:
+    """The meter measuring now, else the one of the last ``measuring`` with a forward."""
+    return state.get("_activation_meter") or state.get("_measured_activations")

@@ -5,6 +5,7 @@
 - ``reset_policy``: Megatron-FSDP's ``reset_mixed_precision_policy`` rule.
 - ``MegatronParamAndGradBuffer``: ``model.param_and_grad_buffer`` as Megatron-FSDP's
   users and Megatron-Core's ``DistributedOptimizer`` read it.
+- ``find_megatron_fsdp``: Megatron-FSDP's ``utils.find_megatron_fsdp``.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ from __future__ import annotations
 import weakref
 from typing import Any, Protocol
 
+from torch import nn
+
 from fsdp_buffers import MixedPrecisionPolicy, ParamAndGradBuffer, ParameterGroup
 from fsdp_hooks.module.config import DistributedDataParallelConfig
 
 __all__ = [
     "MegatronParamAndGradBuffer",
     "default_ddp_config",
+    "find_megatron_fsdp",
     "reset_policy",
 ]
 
@@ -130,3 +134,19 @@ class MegatronParamAndGradBuffer:
 
     def __repr__(self) -> str:
         return f"MegatronParamAndGradBuffer({self._model().buffer!r})"
+
+
+def find_megatron_fsdp(model: Any) -> nn.Module | None:
+    """The first ``MegatronFSDP`` on the chain ``model``, ``model.module``,
+    ``model.module.module``, ... (Megatron-Core's adapter keeps it as ``.module``), or
+    None when there is none (Megatron-FSDP's ``utils.find_megatron_fsdp``)."""
+    seen: set[int] = set()
+    m = model
+    while m is not None and id(m) not in seen:
+        # The class's marker, not getattr(m): a wrapper resolving attributes of the
+        # module it holds (Megatron-Core's adapter) would answer for it.
+        if getattr(type(m), "_is_fsdp_wrapper", False):
+            return m
+        seen.add(id(m))
+        m = getattr(m, "module", None)
+    return None

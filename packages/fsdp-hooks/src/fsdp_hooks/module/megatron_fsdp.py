@@ -35,7 +35,7 @@ from fsdp_buffers import (
     ShardingStrategy,
 )
 from fsdp_buffers.mixed_precision import cast_floating
-from fsdp_hooks.diagnostics.activations import ActivationMeter, measured_forward
+from fsdp_hooks.diagnostics.activations import last_meter, measured_forward, measuring
 from fsdp_hooks.diagnostics.memory_stats import measure_memory_stats
 from fsdp_hooks.diagnostics.summary import log_unit_summary
 from fsdp_hooks.module import state_dicts, transformers_model
@@ -571,18 +571,11 @@ class MegatronFSDP(InnerModuleAttributes):
     def reset_comm_stats(self) -> None:
         self.buffer.stats.reset()
 
-    @contextlib.contextmanager
-    def measure_activations(self) -> Iterator[None]:
+    def measure_activations(self) -> contextlib.AbstractContextManager[None]:
         """Forwards inside are measured: ``memory_stats()`` then reports the last one's
         ``activations`` (and ``peak`` on CUDA, whose peak statistics each measured
         forward resets); see ``fsdp_hooks.diagnostics.activations``."""
-        meter = self.__dict__["_activation_meter"] = ActivationMeter(self.buffer.device)
-        try:
-            yield
-        finally:
-            self.__dict__.pop("_activation_meter", None)
-            if meter.last is not None:  # no forward inside: the last measurement stands
-                self.__dict__["_measured_activations"] = meter
+        return measuring(self.__dict__, self.buffer.device)
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """This rank's model-state bytes, measured from the buffers' storages (and the
@@ -594,19 +587,4 @@ class MegatronFSDP(InnerModuleAttributes):
         if optimizer is None:
             ref = self.__dict__.get("_fsdp_optimizer_ref")
             optimizer = ref() if ref is not None else None
-        meter = self.__dict__.get("_activation_meter") or self.__dict__.get("_measured_activations")
-        return measure_memory_stats(self.buffer, optimizer, meter)
-
-
-def find_megatron_fsdp(model: Any) -> MegatronFSDP | None:
-    """The first ``MegatronFSDP`` on the chain ``model``, ``model.module``,
-    ``model.module.module``, ... (Megatron-Core's adapter keeps it as ``.module``), or
-    None when there is none (Megatron-FSDP's ``utils.find_megatron_fsdp``)."""
-    seen: set[int] = set()
-    m = model
-    while m is not None and id(m) not in seen:
-        if isinstance(m, MegatronFSDP):
-            return m
-        seen.add(id(m))
-        m = getattr(m, "module", None)
-    return None
+        return measure_memory_stats(self.buffer, optimizer, last_meter(self.__dict__))

@@ -101,8 +101,7 @@ from fsdp_hooks.runtime.backward import (
 )
 from fsdp_hooks.runtime.config import RuntimeCallbacks, RuntimeConfig
 from fsdp_hooks.runtime.param_state import ParamState
-from fsdp_hooks.runtime.param_swap import ParamSwapping, plan_swaps
-from fsdp_hooks.runtime.saved_weight_hooks import SavedWeightHooks
+from fsdp_hooks.runtime.param_swap import ParamSwapping, SavedWeightHooks, plan_swaps
 from fsdp_hooks.runtime.schedule_check import Phase, ScheduleCheck, schedule_check_requested
 from fsdp_hooks.runtime.training_state import TrainingState
 from fsdp_hooks.runtime.unit import FSDPUnit

@@ -1,6 +1,6 @@
 """What a backward gets for a unit weight saved under fsdp's saved-tensor hooks.
 
-Under ``regather_saved_weights=True`` (``saved_weight_hooks``) a unit weight that
+Under ``regather_saved_weights=True`` (``param_swap``) a unit weight that
 autograd saves in forward is packed as a reference and gathered again when unpacked
 after ZeRO-3 released it: a gradient path that reaches the weights without going
 through the unit's outputs (an auxiliary loss kept on the module, backpropagated on its
@@ -25,7 +25,7 @@ never by the caller's frames: a node implemented in Python (a custom Function's
 ``BackwardCFunction``), or Python code reading a saved tensor outside the engine, gets the
 alias; the engine's own C++ nodes get the parameter itself (no dispatch cost there).
 
-Only under ``regather_saved_weights=True`` (``saved_weight_hooks``): without saved-tensor
+Only under ``regather_saved_weights=True`` (``param_swap``): without saved-tensor
 hooks autograd hands every backward the parameter itself, attributes included.
 """
 
