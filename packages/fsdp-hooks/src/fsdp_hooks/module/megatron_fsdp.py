@@ -203,7 +203,6 @@ class MegatronFSDP(InnerModuleAttributes):
                     module=self.module,
                     dist_index=self.dist_index,
                     overlap_grad_reduce=ddp_config.overlap_grad_reduce,
-                    overlap_param_gather=ddp_config.overlap_param_gather,
                     regather_saved_weights=regather_saved_weights,
                     report_nan=self.report_nan_in_param_grad,
                     experts_differ_across_ranks=self.experts_differ_across_ranks,

@@ -28,7 +28,6 @@ class RuntimeConfig:
     module: nn.Module  # the wrapped module whose units are hooked
     dist_index: FSDPDistributedIndex
     overlap_grad_reduce: bool  # units mark their buckets ready at their post-backward
-    overlap_param_gather: bool  # an install after in-place writes leaves buckets stale
     regather_saved_weights: bool  # Note [released weights read later]
     # Check each gradient for NaN/Inf at first (``FSDPHooks.report_nan`` follows the
     # wrapper's attribute after that).

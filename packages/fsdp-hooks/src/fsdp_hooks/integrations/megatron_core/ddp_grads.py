@@ -14,7 +14,6 @@ not reduce, gradients stay accumulated for ``finish_grad_sync``.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,9 +21,6 @@ import torch.distributed as dist
 from fsdp_buffers import GradReducePipeline, ParamAndGradBuffer
 from fsdp_hooks.runtime.backward import queue_end_of_backward_callback
 from fsdp_hooks.runtime.hooks import raise_if_nonfinite_on_any_rank
-
-if TYPE_CHECKING:
-    from torch.utils.hooks import RemovableHandle
 
 __all__ = ["DDPGradHooks"]
 
@@ -53,14 +49,13 @@ class DDPGradHooks:
             if hooks is not None:
                 hooks._on_grad(param)
 
-        self.handles: list[RemovableHandle] = []
         for group in buffer.groups:
             if not group.requires_grad:
                 continue
             for p in group.params:
                 p.grad_added_to_main_grad = False  # type: ignore[attr-defined]
                 if p.requires_grad:
-                    self.handles.append(p.register_post_accumulate_grad_hook(on_grad))
+                    p.register_post_accumulate_grad_hook(on_grad)
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self._callback_queued:
@@ -92,8 +87,3 @@ class DDPGradHooks:
         raise_if_nonfinite_on_any_rank(
             self._nonfinite, group, self.buffer.device, "check_for_nan_in_grad"
         )
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()

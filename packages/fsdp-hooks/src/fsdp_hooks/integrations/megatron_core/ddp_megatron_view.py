@@ -58,7 +58,6 @@ class MegatronBucketView:
 
     def __init__(self, bucket: Bucket, index: int, offset: int, bucket_id: int) -> None:
         self._bucket = bucket
-        self._index = index
         slot = bucket.layout.slots[index]
         self._start = bucket.layout.param_offset(index)
         self.numel = bucket.layout.shard_count * slot.width  # N equal chunks
