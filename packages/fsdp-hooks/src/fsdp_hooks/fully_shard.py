@@ -50,7 +50,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import types
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -439,9 +441,6 @@ def _patch_optimizer(
     """Wrap ``step`` and ``zero_grad`` of this optimizer instance. They stay bound
     methods (``types.MethodType``): torch's ``LRScheduler`` built afterwards wraps
     ``optimizer.step`` through its ``__func__``."""
-    import types
-    import weakref
-
     optimizer._fsdp_model_ref = weakref.ref(model)  # type: ignore[attr-defined]
     # For model.memory_stats(); weak, so the model does not keep the optimizer alive.
     model.__dict__["_fsdp_optimizer_ref"] = weakref.ref(optimizer)
