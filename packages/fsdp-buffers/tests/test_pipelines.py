@@ -471,6 +471,46 @@ def _main_grad_protocol():
     return rank
 
 
+def _late_while_in_flight(strategy):
+    """``MAIN_GRAD`` staging: a gradient that comes while its bucket's reduction is
+    still in flight (a shared weight's second use, a fused wgrad writing late) waits for
+    that reduction, is staged afresh and reduced at the end of backward. It used to
+    race the collective reading the staging bucket in place, or be freed with it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, _, buf = _setup(strategy, grad_staging="main_grad")
+    gr = GradReducePipeline(buf)  # one reduction in flight
+    params = dict(model.named_parameters())
+    for gid in range(len(buf.buckets)):
+        gr.prepare(gid)
+    for name in ("vit.weight", "vit.bias", "blocks.3.lin.weight", "blocks.3.lin.bias"):
+        params[name].grad = torch.full_like(params[name], 2.0)
+        gr.accumulate(params[name])
+    gr.mark_bucket_ready(5)
+    gr.mark_bucket_ready(4)  # waits for bucket 5's reduction: bucket 4's is in flight
+    assert [g for g, _w, _p in gr._inflight] == [4]
+    late = params["blocks.3.lin.weight"]
+    if rank == 0:
+        late.grad = torch.full_like(late, 100.0)
+        gr.accumulate(late)
+
+    def agree(flags: list[bool]) -> list[bool]:
+        t = torch.tensor(flags, dtype=torch.uint8)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [bool(x) for x in t.tolist()]
+
+    gr.finish(agree=agree)
+    got, _ = _reduced(buf, "blocks.3.lin.weight")
+    assert torch.all(got == 2.0 + 100.0 / world), got.unique()
+    got, _ = _reduced(buf, "blocks.3.lin.bias")
+    assert torch.all(got == 2.0), got.unique()
+    return rank
+
+
+@pytest.mark.parametrize("strategy", [0, 1, 2, 3])
+def test_main_grad_gradient_during_its_reduction(strategy):
+    assert run_distributed(_late_while_in_flight, 2, args=(strategy,), timeout=60) == [0, 1]
+
+
 def test_main_grad_protocol_under_every_strategy():
     assert run_distributed(_main_grad_protocol, 2, timeout=60) == [0, 1]
 

@@ -7,7 +7,9 @@ Two layouts, each with the unit called twice per forward:
   between them (``named_modules`` lists it once, so it is one FSDP unit).
 
 Each also under activation recompute (``torch.utils.checkpoint`` around every unit
-call, reentrant and not). Under every strategy, world size 2, AdamW steps on rank r's
+call, reentrant and not), and, without recompute, with gradients staged in
+``main_grad`` (``grad_staging="main_grad"``: the shared unit's second pass stages
+gradients while its first pass's reduction may still be in flight). Under every strategy, world size 2, AdamW steps on rank r's
 slice of a global batch must reproduce a single process trained on the whole batch:
 losses and final parameters within 1e-5 relative. A shared unit's weights get the sum
 of both calls' gradients, so a reduction that misses one call's gradient (or a unit
@@ -33,7 +35,9 @@ WORLD = 2
 STRATEGIES = (0, 1, 2, 3)
 LAYOUTS = ("twice", "list")
 RECOMPUTE = ("none", "reentrant", "non_reentrant")
-CONFIGS = tuple((lay, rec) for lay in LAYOUTS for rec in RECOMPUTE)
+CONFIGS = tuple((lay, rec, "autograd") for lay in LAYOUTS for rec in RECOMPUTE) + tuple(
+    (lay, "none", "main_grad") for lay in LAYOUTS
+)
 STEPS = 4
 GLOBAL_BATCH = 8
 DIM = 16
@@ -106,11 +110,15 @@ def _train(configs: tuple[tuple[str, str], ...]) -> dict:
     mine = slice(rank * rows, (rank + 1) * rows)
     out: dict = {}
     for strategy in STRATEGIES:
-        for layout, recompute in configs:
+        for layout, recompute, staging in configs:
             module = build(layout, recompute)
             optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
             model, optimizer = fully_shard(
-                module, optimizer, fsdp_unit_modules=[MLPBlock], zero_dp_strategy=strategy
+                module,
+                optimizer,
+                fsdp_unit_modules=[MLPBlock],
+                zero_dp_strategy=strategy,
+                grad_staging=staging,
             )
             # One unit per distinct block: the shared one is listed once.
             assert len(model.hooks.units) == 2, [u.name for u in model.hooks.units]
@@ -140,7 +148,7 @@ def _train(configs: tuple[tuple[str, str], ...]) -> dict:
             for name, p in model.named_parameters():
                 name = name.removeprefix("module.")
                 params[name] = _full(model, name, p.to_local(), p.placements[0])
-            out[(strategy, layout, recompute)] = {"losses": losses, "params": params}
+            out[(strategy, layout, recompute, staging)] = {"losses": losses, "params": params}
     return out if rank == 0 else {}
 
 
@@ -169,8 +177,8 @@ def trained() -> dict:
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize(("layout", "recompute"), CONFIGS)
-def test_reused_unit_matches_reference(trained, strategy, layout, recompute):
+@pytest.mark.parametrize(("layout", "recompute", "staging"), CONFIGS)
+def test_reused_unit_matches_reference(trained, strategy, layout, recompute, staging):
     ref = reference(layout)
-    record = trained[(strategy, layout, recompute)]
-    assert_same_training(record, ref, where=f"zero{strategy} {layout} {recompute}")
+    record = trained[(strategy, layout, recompute, staging)]
+    assert_same_training(record, ref, where=f"zero{strategy} {layout} {recompute} {staging}")

@@ -96,15 +96,21 @@ class GradReducePipeline:
         gradient arrives (frameworks that accumulate into ``main_grad`` themselves,
         e.g. Transformer Engine's fused wgrad)."""
         if gid in self._expected:
-            self.buckets[gid].prepare_grads()
+            bucket = self.buckets[gid]
+            if bucket.stages_main_grad:
+                self._wait_reduction_of(gid)
+            bucket.prepare_grads()
 
     def accumulate(self, param: nn.Parameter) -> None:
         """Take ``param``'s gradient into its bucket (``MAIN_GRAD`` staging; under
         ``AUTOGRAD`` it stays on ``.grad`` until the bucket is reduced)."""
         gid, i = self.buffer.group_of(param)
+        bucket = self.buckets[gid]
         if gid in self._launched:
             self._late.add(gid)  # reduced by a later mark of it, else by finish()
-        self.buckets[gid].accumulate(i, param)
+            if bucket.stages_main_grad:
+                self._wait_reduction_of(gid)
+        bucket.accumulate(i, param)
 
     def mark_bucket_ready(self, gid: int) -> None:
         """Every gradient of bucket ``gid`` for now is in (missing ones count as zeros):
@@ -141,6 +147,7 @@ class GradReducePipeline:
         if not self.sync_grads and not bucket.sharding.grads:
             bucket.stage_locally()  # accumulate only; reduce at the next sync
             return
+        self._wait_reduction_of(gid)
         self._wait_for_room()
         self._inflight.append((gid, self._what[gid], bucket.start_reduce()))
 
@@ -206,6 +213,16 @@ class GradReducePipeline:
                 reduced = True
         self.wait_all()
         return reduced
+
+    def _wait_reduction_of(self, gid: int) -> None:
+        """Wait, in order, until no reduction of bucket ``gid`` is in flight: before its
+        gradient storage is made or written again (a gradient after the bucket's
+        reduction, a unit's second pass, a second reduction). The reduction reads that
+        storage (replicated gradients, a rank-major staging bucket: in place), and its
+        follow-up frees the staging bucket or rewrites the replicated one; a gradient
+        added meanwhile would race the collective or be dropped with it."""
+        while any(g == gid for g, _w, _p in self._inflight):
+            self._wait_oldest()
 
     def _wait_for_room(self) -> None:
         while len(self._inflight) >= self.max_inflight:
