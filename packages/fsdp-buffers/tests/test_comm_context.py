@@ -86,6 +86,10 @@ _GOOD = [
             [*_LAUNCH, ("wait_event", GATHER, 0, "", COMPUTE), ("free", GATHER, 0, "x", COMPUTE)],
             "freed under its unwaited collective",
         ),
+        (
+            [*_LAUNCH, ("wait", COMPUTE, 0, "", GATHER, GATHER)],
+            "made while gather was current, not compute",
+        ),
         ([("launch", REDUCE, 1)], "launched before its stream waited on compute"),
         (
             [("wait_stream", GATHER, 1, "", COMPUTE), ("launch", REDUCE, 1)],
@@ -97,6 +101,19 @@ def test_the_recorder_fails_what_breaks_a_rule(ops, message):
     _log(*_GOOD).check()
     with pytest.raises(AssertionError, match=message):
         _log(*ops).check()
+
+
+def test_the_recorder_knows_the_current_stream():
+    """A wait nested inside a launch (the gather stream current) would make the gather
+    stream, not compute, wait on the collective: the recorder logs where it was made."""
+    rec = StreamRecorder()
+    comm = CommContext(torch.device("cpu"), rec)
+    with comm.launch(GATHER, 0):
+        assert rec.current() is GATHER
+        rec.note("wait", COMPUTE, 0, peer=GATHER)
+    assert rec.current() is COMPUTE
+    with pytest.raises(AssertionError, match="made while gather was current"):
+        rec.check()
 
 
 class Block(nn.Module):

@@ -11,13 +11,17 @@ first operation that breaks a rule:
 - a free of memory allocated on a communication stream before that stream waited on
   COMPUTE after COMPUTE's last read of it, or of memory allocated on COMPUTE that a
   collective used before COMPUTE waited on that collective;
-- a launch on a communication stream not preceded by that stream waiting on COMPUTE.
+- a launch on a communication stream not preceded by that stream waiting on COMPUTE;
+- a wait on a collective, a read or a free made while a communication stream is current
+  (inside a ``launch``): COMPUTE must be current, or the wrong stream waits.
 
 The collectives themselves run for real (gloo); only the stream calls are recorded.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,13 +36,14 @@ _COMPUTE = StreamKind.COMPUTE
 class Op:
     """One logged operation: ``op`` on ``stream`` for bucket ``gid``; ``what`` names
     the memory read or freed, ``peer`` the other stream (the one waited on, or the one
-    that used the memory freed)."""
+    that used the memory freed), ``on`` the stream current when it was made."""
 
     op: str
     stream: StreamKind
     gid: int
     what: str = ""
     peer: StreamKind | None = None
+    on: StreamKind = _COMPUTE
 
 
 class StreamRecorder(StreamOps):
@@ -46,18 +51,27 @@ class StreamRecorder(StreamOps):
 
     def __init__(self) -> None:
         self.ops: list[Op] = []
+        self._current: list[StreamKind] = [_COMPUTE]
 
     def note(
         self, op: str, stream: StreamKind, gid: int, what: str = "", peer: StreamKind | None = None
     ) -> None:
-        self.ops.append(Op(op, stream, gid, what, peer))
+        self.ops.append(Op(op, stream, gid, what, peer, self._current[-1]))
 
     # Streams are their kinds; the orders are the notes the context makes with them.
     def make(self, kind: StreamKind) -> Any:
         return kind
 
     def current(self) -> Any:
-        return _COMPUTE
+        return self._current[-1]
+
+    @contextlib.contextmanager
+    def use(self, stream: Any) -> Iterator[None]:
+        self._current.append(stream)
+        try:
+            yield
+        finally:
+            self._current.pop()
 
     def count(self, op: str, stream: StreamKind | None = None) -> int:
         return sum(1 for o in self.ops if o.op == op and (stream is None or o.stream is stream))
@@ -70,6 +84,8 @@ class StreamRecorder(StreamOps):
         last_read: dict[int, int] = {}  # bucket -> index of COMPUTE's last read
         for i, o in enumerate(self.ops):
             where = f"operation {i} {o}"
+            if o.op in ("wait", "read", "free") and o.on is not _COMPUTE:
+                raise AssertionError(f"{where}: made while {o.on.value} was current, not compute")
             if o.op in ("wait_stream", "wait_event"):
                 if o.peer is _COMPUTE:
                     ordered_at[o.stream] = i
