@@ -62,8 +62,8 @@ __all__ = ["Bucket", "BucketContext", "BucketStatus", "CommGroup", "GradState", 
 
 
 class Bucket:
-    """One bucket: layout, sharding, buffers, process groups, states and verbs; its
-    gradients are ``grads``."""
+    """One bucket: layout, sharding, buffers, process groups, the compute weights'
+    state and verbs; its gradients are ``grads``."""
 
     def __init__(
         self,
@@ -131,6 +131,8 @@ class Bucket:
         self._build_buffers(allocator, slot_keys, load)
         if self.outer is not None:
             self.outer.build_fine_buffers(self.layout, shard, tp.local_source, load)
+        # Given what they read, not the bucket; the main weights' buffer, so its dtype,
+        # is fixed once built.
         self.grads = BucketGradients(
             gid,
             group,
