@@ -219,7 +219,7 @@ def _reduce():
             assert kinds["all_reduce"]["calls"] == buf.num_buckets - scattered
             # The main-grad shards hold nothing but those rows: padding stays zero.
             for gid in range(buf.num_buckets):
-                shard = buf.buckets[gid].main_grad_shard()
+                shard = buf.buckets[gid].grads.main_grad_shard()
                 views = [
                     dparam.grad.to_local()
                     for name, dparam in buf.views.optimizer_named_parameters()

@@ -234,7 +234,7 @@ def _logging(gr, buf, log):
     issued = []
 
     def wrap(bucket):
-        start = bucket.start_reduce
+        start = bucket.grads.start_reduce
 
         def wrapped():
             not_done = sum(not p.done for p in issued)
@@ -244,7 +244,7 @@ def _logging(gr, buf, log):
             issued.append(pending)
             return pending
 
-        bucket.start_reduce = wrapped
+        bucket.grads.start_reduce = wrapped
 
     for bucket in buf.buckets:
         wrap(bucket)

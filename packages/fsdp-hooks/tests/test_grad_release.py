@@ -89,7 +89,7 @@ def _reference(world):
 def _grad_buffers(model):
     """The sharded main-grad buffers and the optimizer's cast copies of them."""
     bufs = [g.main_grad_buffer for g in model.buffer.groups]
-    bufs += [b.optimizer_grad_copy for b in model.buffer.buckets]
+    bufs += [b.grads.optimizer_grad_copy for b in model.buffer.buckets]
     return [b for b in bufs if b is not None and b.is_data_distributed]
 
 

@@ -204,7 +204,7 @@ def _train_scenario(scenario):
                 main = model.buffer.buckets[gid].main_weights
                 assert 2 * main.data.numel() == group.model_weight_buffer.data.numel()
                 # Their gradients: the group's hsdp_gbuf, a half of the main-grad shard.
-                assert buf.buckets[gid].optimizer_grads is group.hsdp_gbuf
+                assert buf.buckets[gid].grads.optimizer_grads is group.hsdp_gbuf
                 assert 2 * group.hsdp_gbuf.data.numel() == group.main_grad_buffer.data.numel()
             else:
                 assert group.hsdp_gbuf is None

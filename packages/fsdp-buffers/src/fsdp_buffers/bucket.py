@@ -3,8 +3,9 @@
 A ``ParamAndGradBuffer`` builds one ``Bucket`` per ``ParameterGroup`` and keeps only
 indexes; everything that belongs to one bucket lives here (FSDP2's ``FSDPParamGroup``
 plays the same part): its layout and sharding, its process groups (resolved once), its
-buffers (on the ``ParameterGroup``, where Megatron-FSDP users look for them), two
-state enums and the verbs that move it between states.
+buffers (on the ``ParameterGroup``, where Megatron-FSDP users look for them), its
+compute weights' state and the verbs that move it, and the owners it composes: its
+gradients (``grads``) and its outer data-parallel dim (``outer``).
 
 Note [bucket states]. ``status`` (``BucketStatus``) is where the compute weights are:
 
@@ -18,29 +19,9 @@ gather is then that all-gather, and release keeps what it gathered:
     READY_TO_USE --mark_stale--> STALE --start_gather--> GATHER_IN_PROGRESS
     GATHER_IN_PROGRESS --wait_gather (or release)--> READY_TO_USE
 
-``grad_state``
-(``GradState``) is what the main-grad storage holds:
-
-    EMPTY --begin_accumulating--> ACCUMULATING --start_reduce (waited)--> SHARD_REDUCED
-    SHARD_REDUCED --start_outer_reduce (waited)--> REDUCED       (hybrid sharding only)
-    ACCUMULATING --start_reduce (waited)--> REDUCED              (no outer group)
-    SHARD_REDUCED / REDUCED --begin_accumulating--> ACCUMULATING (rebased: see below)
-    any --zero_grads--> EMPTY
-
-Gradients are scaled just before they are reduced, on the unreduced data
-(Megatron-FSDP's rule), by ``grad_scale`` (1/N for a mean over the N data-parallel
-ranks). Sharded-grad buckets reduce-scatter what arrived since their last reduction
-(Note [gradient staging] in ``bucket_grads``) and add the result into the main-grad
-shard, so microbatches accumulate in the main-grad dtype.
-Replicated-grad buckets (strategies 0 and 1) accumulate local gradients in the full
-main-grad buffer and reduce it in place. If such a buffer already holds reduced values
-R when a second backward accumulates before the optimizer step, R is first rebased to
-the unreduced value that reduces back to R (R/(N·f) on every rank for all-reduce; R/f on
-the owning rank and 0 elsewhere for reduce-scatter), so syncing every microbatch never
-double-counts. The outer reduction of hybrid sharding is rebased the same way (Note
-[hybrid sharding]).
-
-The gradient half (staging, reduction, released gradients) is ``bucket_grads``.
+Its gradients have an owner of their own, ``grads`` (``BucketGradients`` in
+``bucket_grads``: staging, reduction, released gradients), with their own state
+(``GradState``, Note [gradient states]).
 """
 
 from __future__ import annotations
@@ -80,8 +61,9 @@ from fsdp_buffers.tensor_parallel import TensorParallel
 __all__ = ["Bucket", "BucketContext", "BucketStatus", "CommGroup", "GradState", "GroupSharding"]
 
 
-class Bucket(BucketGradients):
-    """One bucket: layout, sharding, buffers, process groups, states and verbs."""
+class Bucket:
+    """One bucket: layout, sharding, buffers, process groups, the compute weights'
+    state and verbs; its gradients are ``grads``."""
 
     def __init__(
         self,
@@ -109,7 +91,6 @@ class Bucket(BucketGradients):
         self.shard_mesh = shard_mesh
         self.optimizer_mesh = shard_mesh  # the hybrid mesh instead, set by the buffer
         self.tp = tp
-        self.grad_scale = grad_scale
         self.is_root = is_root
         # A shard group of one shards nothing, unless the main weights are to be sharded
         # over the outer dim too (fully-sharded hybrid): then the shard x outer layout
@@ -142,20 +123,27 @@ class Bucket(BucketGradients):
             else None
         )
         self.status = BucketStatus.READY_TO_USE
-        self.grad_state = GradState.EMPTY
         self._gather: PendingCollective | None = None
         # The rank-major output of the gather in flight when it is copied out after,
         # and the stream the gathered bucket was allocated on (Note [streams and frees]).
         self._gathered: torch.Tensor | None = None
         self._bucket_stream = StreamKind.COMPUTE
-        self._grad_views: list[torch.Tensor] = []
-        self._chunk_cat: bool | None = None  # see ``_chunk_cat_applies``
-        # The optimizer's gradients cast to the main weights' dtype, when the main
-        # grads are in another (made on first use; see ``grads_for_optimizer``).
-        self._grads_cast: DataParallelBuffer | None = None
         self._build_buffers(allocator, slot_keys, load)
         if self.outer is not None:
             self.outer.build_fine_buffers(self.layout, shard, tp.local_source, load)
+        # Given what they read, not the bucket; the main weights' buffer, so its dtype,
+        # is fixed once built.
+        self.grads = BucketGradients(
+            gid,
+            group,
+            ctx,
+            shard=shard,
+            outer=self.outer,
+            sharding=self.sharding,
+            tp=tp,
+            grad_scale=grad_scale,
+            main_dtype=self.main_weights.dtype,
+        )
         # Whether the compute weights are sharded (so gathered before use); fixed at
         # construction, and read on every prefetch walk.
         self.is_distributed: bool = self.model.is_data_distributed
@@ -171,7 +159,6 @@ class Bucket(BucketGradients):
         # threads at once).
         self._range_copy_out = annotate(f"fsdp.copy_out.{gid}")
         self._range_release = annotate(f"fsdp.release.{gid}")
-        self._reduce_label = annotate(f"fsdp.reduce.{gid}")
         # (bucket tensor, Layout.unpacker of it): the copy-out without the layout's
         # lookups per gather (``_copy_out_for``).
         self._unpacker: tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None = None
@@ -279,13 +266,7 @@ class Bucket(BucketGradients):
         ``param.main_grad`` views into the gradient storage."""
         for p, view in zip(self.group.params, self.model.param_views(), strict=True):
             self.tp.set_compute_view(p, view)
-        gbuf = self.group.main_grad_buffer
-        if gbuf is not None:
-            self._grad_views = gbuf.param_views()
-            if gbuf.is_data_distributed:
-                self._detach_main_grads()
-            else:
-                self._attach_main_grads()
+        self.grads.point_main_grads()
 
     # ---- what it holds --------------------------------------------------------------
     @property
@@ -314,7 +295,7 @@ class Bucket(BucketGradients):
             group.model_weight_buffer,
             group.main_weight_buffer,
             group.main_grad_buffer,
-            self._grads_cast,
+            self.grads.optimizer_grad_copy,
         )
         total = sum(b.nbytes for b in bufs if b is not None)
         if self.outer is not None:

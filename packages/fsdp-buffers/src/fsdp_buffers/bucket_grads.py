@@ -1,5 +1,25 @@
-"""``BucketGradients``: the gradient half of a ``Bucket`` (``bucket.py``): where a
-backward's gradients stage, how they are reduced, and how long the reduced ones live.
+"""``BucketGradients``: a ``Bucket``'s gradients (``bucket.grads``): where a backward's
+gradients stage, how they are reduced, and how long the reduced ones live.
+
+Note [gradient states]. ``state`` (``GradState``) is what the main-grad storage holds:
+
+    EMPTY --begin_accumulating--> ACCUMULATING --start_reduce (waited)--> SHARD_REDUCED
+    SHARD_REDUCED --start_outer_reduce (waited)--> REDUCED       (hybrid sharding only)
+    ACCUMULATING --start_reduce (waited)--> REDUCED              (no outer group)
+    SHARD_REDUCED / REDUCED --begin_accumulating--> ACCUMULATING (rebased: see below)
+    any --zero_grads--> EMPTY
+
+Gradients are scaled just before they are reduced, on the unreduced data
+(Megatron-FSDP's rule), by ``grad_scale`` (1/N for a mean over the N data-parallel
+ranks). Sharded-grad buckets reduce-scatter what arrived since their last reduction
+and add the result into the main-grad shard, so microbatches accumulate in the
+main-grad dtype. Replicated-grad buckets (strategies 0 and 1) accumulate local
+gradients in the full main-grad buffer and reduce it in place. If such a buffer already
+holds reduced values R when a second backward accumulates before the optimizer step, R
+is first rebased to the unreduced value that reduces back to R (R/(N·f) on every rank
+for all-reduce; R/f on the owning rank and 0 elsewhere for reduce-scatter), so syncing
+every microbatch never double-counts. The outer reduction of hybrid sharding is rebased
+the same way (Note [hybrid sharding]).
 
 Note [gradient staging]. Where a backward's gradients wait for their reduction is chosen
 once, at wrap time (``GradStaging`` in the buffer's frozen ``GradConfig``):
@@ -63,22 +83,60 @@ __all__ = ["BucketGradients"]
 
 
 class BucketGradients:
-    """Gradient verbs and views of a ``Bucket``; its state is set up by ``Bucket``."""
+    """A bucket's gradients and their verbs (Note [gradient states]).
 
-    gid: int
-    group: ParameterGroup
-    ctx: BucketContext
-    shard: CommGroup
-    outer: OuterSharding | None
-    sharding: GroupSharding
-    tp: TensorParallel
-    grad_state: GradState
-    grad_scale: float
-    _grad_views: list[torch.Tensor]
-    _grads_cast: DataParallelBuffer | None
-    _chunk_cat: bool | None
-    _reduce_label: annotate
-    main_weights: DataParallelBuffer  # a property of Bucket
+    It holds what it reads of its bucket, not the ``Bucket`` (which owns it and keeps
+    it as ``bucket.grads``): the bucket's id, its ``ParameterGroup`` (where the main-grad
+    buffer lives), the buffer's shared ``BucketContext``, its shard group, its
+    ``OuterSharding`` (hybrid sharding), which buffers are sharded, the buffer's
+    ``TensorParallel``, the scale applied before each reduction and the dtype of the
+    main weights (that of the optimizer's gradients)."""
+
+    def __init__(
+        self,
+        gid: int,
+        group: ParameterGroup,
+        ctx: BucketContext,
+        *,
+        shard: CommGroup,
+        outer: OuterSharding | None,
+        sharding: GroupSharding,
+        tp: TensorParallel,
+        grad_scale: float,
+        main_dtype: torch.dtype,
+    ) -> None:
+        self._gid = gid
+        self._group = group
+        self._ctx = ctx
+        self._shard = shard
+        self._outer = outer
+        self._sharding = sharding
+        self._tp = tp
+        self._main_dtype = main_dtype
+        self.grad_scale = grad_scale
+        self.state = GradState.EMPTY
+        # ``param.main_grad`` of each parameter: views into the main-grad storage
+        # (``point_main_grads``; the staging bucket where gradients are sharded).
+        self._grad_views: list[torch.Tensor] = []
+        self._chunk_cat: bool | None = None  # see ``_chunk_cat_applies``
+        # The optimizer's gradients cast to the main weights' dtype, when the main
+        # grads are in another (made on first use; see ``grads_for_optimizer``).
+        self._grads_cast: DataParallelBuffer | None = None
+        self._reduce_label = annotate(f"fsdp.reduce.{gid}")
+
+    def point_main_grads(self) -> None:
+        """``param.main_grad`` views into the gradient storage, once the parameters are
+        views into their bucket (``Bucket.point_params_at_buffers``): attached for good
+        where gradients are replicated, detached until a backward stages them where
+        they are sharded."""
+        gbuf = self._group.main_grad_buffer
+        if gbuf is None:
+            return
+        self._grad_views = gbuf.param_views()
+        if gbuf.is_data_distributed:
+            self._detach_main_grads()
+        else:
+            self._attach_main_grads()
 
     def _attach_main_grads(self) -> None:
         """``param.main_grad``: a view of the parameter in the gradients its backward
@@ -86,25 +144,25 @@ class BucketGradients:
         bucket that exists only from ``begin_accumulating`` until the bucket's reduction
         is launched; outside that window ``main_grad`` is None, so a late write fails
         instead of landing in freed or reused memory."""
-        for p, view in zip(self.group.params, self._grad_views, strict=True):
+        for p, view in zip(self._group.params, self._grad_views, strict=True):
             p.main_grad = view  # type: ignore[attr-defined]
 
     def _detach_main_grads(self) -> None:
-        for p in self.group.params:
+        for p in self._group.params:
             p.main_grad = None  # type: ignore[attr-defined]
 
     @property
     def main_grads(self) -> DataParallelBuffer:
-        buf = self.group.main_grad_buffer
+        buf = self._group.main_grad_buffer
         if buf is None:
-            raise RuntimeError(f"bucket {self.gid} ({self.group.names[:3]}...) has no gradients")
+            raise RuntimeError(f"bucket {self._gid} ({self._group.names[:3]}...) has no gradients")
         return buf
 
     @property
     def optimizer_grads(self) -> DataParallelBuffer:
         """The optimizer's gradients: the main grads, or their fine slice when main
         weights are sharded over shard x outer."""
-        return self.group.hsdp_gbuf or self.main_grads
+        return self._group.hsdp_gbuf or self.main_grads
 
     def grads_for_optimizer(self) -> DataParallelBuffer:
         """The gradients the optimizer's parameters hold, refreshed now: the
@@ -114,7 +172,7 @@ class BucketGradients:
         torch's optimizers need a gradient in its parameter's dtype. The copy has the
         same layout, so the same views; it is kept, and refilled by each call."""
         gbuf = self.optimizer_grads
-        dtype = self.main_weights.dtype
+        dtype = self._main_dtype
         if gbuf.dtype == dtype:
             return gbuf
         cast = self._grads_cast
@@ -125,8 +183,8 @@ class BucketGradients:
                 device=gbuf.device,
                 is_data_distributed=gbuf.is_data_distributed,
                 shard_rank=gbuf.shard_rank,
-                allocator=self.ctx.scratch,
-                name=f"group{self.gid}.optimizer_grad",
+                allocator=self._ctx.scratch,
+                name=f"group{self._gid}.optimizer_grad",
                 coarse=gbuf.coarse,
             )
         if gbuf.is_released:  # zeros: so is the copy, without allocating either
@@ -142,7 +200,7 @@ class BucketGradients:
     @property
     def needs_grad_copy(self) -> bool:
         """Whether the optimizer's gradients are a cast copy (``grads_for_optimizer``)."""
-        return self.group.requires_grad and self.optimizer_grads.dtype != self.main_weights.dtype
+        return self._group.requires_grad and self.optimizer_grads.dtype != self._main_dtype
 
     @property
     def optimizer_grad_copy(self) -> DataParallelBuffer | None:
@@ -152,27 +210,27 @@ class BucketGradients:
     @property
     def has_grads(self) -> bool:
         """Whether a backward put gradients here since the last ``zero_grads``."""
-        return self.grad_state is not GradState.EMPTY
+        return self.state is not GradState.EMPTY
 
     @property
     def stages_main_grad(self) -> bool:
         """Whether gradients stage in a ``main_grad`` bucket (Note [gradient staging])."""
-        return self.ctx.grads.staging is GradStaging.MAIN_GRAD
+        return self._ctx.grads.staging is GradStaging.MAIN_GRAD
 
     def begin_accumulating(self) -> None:
         """-> ACCUMULATING: the storage this backward's gradients add into exists (the
         ``main_grad`` staging bucket when grads are sharded and staged there); reduced
         gradients are rebased first."""
-        gbuf = self.group.main_grad_buffer  # per gradient: no property call
+        gbuf = self._group.main_grad_buffer  # per gradient: no property call
         if gbuf is None:
             gbuf = self.main_grads  # raises, naming the bucket
-        state = self.grad_state
+        state = self.state
         if state is not GradState.ACCUMULATING:
-            if state is GradState.REDUCED and self.outer is not None:
-                self.outer.rebase()
+            if state is GradState.REDUCED and self._outer is not None:
+                self._outer.rebase()
             if state is not GradState.EMPTY and not gbuf.is_data_distributed:
                 self._rebase_shard()
-            self.grad_state = GradState.ACCUMULATING
+            self.state = GradState.ACCUMULATING
         if (
             gbuf.is_data_distributed
             and self.stages_main_grad
@@ -190,7 +248,7 @@ class BucketGradients:
     def holds_autograd_grads(self) -> bool:
         """Whether a compute parameter holds a ``.grad`` no reduction has taken yet
         (``AUTOGRAD`` staging)."""
-        return not self.stages_main_grad and any(p.grad is not None for p in self.group.params)
+        return not self.stages_main_grad and any(p.grad is not None for p in self._group.params)
 
     def accumulate(self, index: int, param: nn.Parameter) -> None:
         """``MAIN_GRAD`` staging: add ``param.grad`` (parameter ``index`` of the bucket)
@@ -211,7 +269,7 @@ class BucketGradients:
             param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
         elif (grad := param.grad) is not None:
             if type(grad) is not torch.Tensor and isinstance(grad, DTensor):  # tensor parallel
-                grad = self.tp.local_grad(param, grad)
+                grad = self._tp.local_grad(param, grad)
             self._grad_views[index].add_(grad)
         param.grad = None
 
@@ -227,11 +285,11 @@ class BucketGradients:
         """The compute parameters' local ``.grad``s (None where there is none), dropped
         from the parameters."""
         grads: list[torch.Tensor | None] = []
-        for p in self.group.params:
+        for p in self._group.params:
             grad = p.grad
             if grad is not None:
                 if type(grad) is not torch.Tensor and isinstance(grad, DTensor):  # tp
-                    grad = self.tp.local_grad(p, grad)
+                    grad = self._tp.local_grad(p, grad)
                 p.grad = None
             grads.append(grad)
         return grads
@@ -263,8 +321,8 @@ class BucketGradients:
         gbuf = self.main_grads
         layout = gbuf.layout
         grads = self._take_grads()
-        send = torch.empty(layout.total_numel, dtype=dtype, device=self.ctx.device)
-        with annotate(f"fsdp.copy_in.{self.gid}"):
+        send = torch.empty(layout.total_numel, dtype=dtype, device=self._ctx.device)
+        with annotate(f"fsdp.copy_in.{self._gid}"):
             if self._chunk_cat_applies() and all(g is not None for g in grads):
                 n = layout.shard_count
                 tensors = [g.reshape(g.shape[0], -1) if g.dim() > 1 else g for g in grads]  # type: ignore[union-attr]
@@ -281,17 +339,17 @@ class BucketGradients:
         return send
 
     def _scale_and_op(self) -> tuple[float, dist.ReduceOp.RedOpType]:
-        if self.ctx.average_in_collective:
-            return self.grad_scale * self.shard.size, dist.ReduceOp.AVG
+        if self._ctx.average_in_collective:
+            return self.grad_scale * self._shard.size, dist.ReduceOp.AVG
         return self.grad_scale, dist.ReduceOp.SUM
 
     def _rebase_shard(self) -> None:
         """Turn shard-reduced gradients R back into an unreduced contribution that the
-        next reduction maps to R again (module note)."""
+        next reduction maps to R again (Note [gradient states])."""
         gbuf = self.main_grads
-        n, f = self.shard.size, self.grad_scale
+        n, f = self._shard.size, self.grad_scale
         with torch.no_grad():
-            if self.sharding.main_weights:  # reduce-scattered: only the local shard is R
+            if self._sharding.main_weights:  # reduce-scattered: only the local shard is R
                 local = gbuf.copy_local_shard()
                 gbuf.data.zero_()
                 gbuf.set_local_shard(local.div_(f))
@@ -299,11 +357,11 @@ class BucketGradients:
                 gbuf.data.div_(n * f)
 
     def _shard_reduced(self) -> None:
-        self.grad_state = GradState.REDUCED if self.outer is None else GradState.SHARD_REDUCED
+        self.state = GradState.REDUCED if self._outer is None else GradState.SHARD_REDUCED
 
     def outer_reduced(self) -> None:
         """SHARD_REDUCED -> REDUCED: called when the outer reduction has landed."""
-        self.grad_state = GradState.REDUCED
+        self.state = GradState.REDUCED
 
     def start_reduce(self) -> PendingCollective:
         """Scale and reduce the gradients this bucket took since its last reduction in
@@ -313,8 +371,8 @@ class BucketGradients:
         self.begin_accumulating()
         autograd = not self.stages_main_grad
         factor, op = self._scale_and_op()
-        comm_dtype = self.ctx.policy.grad_comm_dtype_for(self.group.dtype)
-        pg, stats, label = self.shard.group, self.ctx.stats, self._reduce_label
+        comm_dtype = self._ctx.policy.grad_comm_dtype_for(self._group.dtype)
+        pg, stats, label = self._shard.group, self._ctx.stats, self._reduce_label
         with torch.no_grad():
             if not gbuf.is_data_distributed:
                 if autograd:
@@ -323,11 +381,11 @@ class BucketGradients:
             elif not autograd:
                 unsharded = gbuf.unsharded_tensor()
                 self._detach_main_grads()  # reduced from here on: later writes are lost
-            if not (self.sharding.grads or self.sharding.main_weights):
+            if not (self._sharding.grads or self._sharding.main_weights):
                 send = unsharded if comm_dtype == gbuf.dtype else unsharded.to(comm_dtype)
                 if factor != 1.0:
                     send.mul_(factor)
-                with self.ctx.comm.launch(StreamKind.REDUCE, self.gid):
+                with self._ctx.comm.launch(StreamKind.REDUCE, self._gid):
                     work = collectives.all_reduce(send, pg, op, stats, label)
 
                 def finish_all_reduce() -> None:
@@ -345,20 +403,20 @@ class BucketGradients:
                 send = unsharded  # in place: freed once the reduction is waited on
             else:
                 send = torch.empty(layout.total_numel, dtype=comm_dtype, device=unsharded.device)
-                with annotate(f"fsdp.copy_in.{self.gid}"):
+                with annotate(f"fsdp.copy_in.{self._gid}"):
                     layout.pack(unsharded, send, gbuf.coarse)
-                if self.sharding.grads:
+                if self._sharding.grads:
                     gbuf.free_bucket()
             if factor != 1.0:
                 send.mul_(factor)
             out = torch.empty(
                 len(gbuf.owned_shards) * layout.shard_numel, dtype=comm_dtype, device=send.device
             )
-            with self.ctx.comm.launch(StreamKind.REDUCE, self.gid):
+            with self._ctx.comm.launch(StreamKind.REDUCE, self._gid):
                 work = collectives.reduce_scatter(
                     out, send, pg, op, stats, label, layout.padding_fraction
                 )
-            if self.sharding.grads:
+            if self._sharding.grads:
 
                 def finish() -> None:
                     if gbuf.is_released:  # the first reduction since zero_grads: adopt it
@@ -381,14 +439,14 @@ class BucketGradients:
     def start_outer_reduce(self) -> PendingCollective | None:
         """SHARD_REDUCED -> REDUCED across the outer group (hybrid sharding); None when
         there is nothing to reduce. Every rank calls it for the same buckets in order."""
-        if self.grad_state is not GradState.SHARD_REDUCED:
+        if self.state is not GradState.SHARD_REDUCED:
             return None
-        assert self.outer is not None
-        return self.outer.start_grad_reduce(self.outer_reduced)
+        assert self._outer is not None
+        return self._outer.start_grad_reduce(self.outer_reduced)
 
     def scale_grads(self, factor: float) -> None:
         """Multiply the main grads, and the optimizer's cast copy of them, by ``factor``."""
-        for buf in (self.group.main_grad_buffer, self._grads_cast):
+        for buf in (self._group.main_grad_buffer, self._grads_cast):
             if buf is not None and not buf.is_released:  # released: zeros already
                 buf.data.mul_(factor)
 
@@ -398,7 +456,7 @@ class BucketGradients:
         ``release`` (Note [released gradients]); True when they were. ``keep_pending``:
         only the reduced gradients go; gradients a backward under way gave the compute
         parameters (``.grad``, a staging bucket) stay."""
-        gbuf = self.group.main_grad_buffer
+        gbuf = self._group.main_grad_buffer
         cast = self._grads_cast
         released = release and gbuf is not None and gbuf.is_data_distributed
         if gbuf is not None:
@@ -415,15 +473,15 @@ class BucketGradients:
             else:
                 cast.zero_()
         if keep_pending:
-            self.grad_state = GradState.EMPTY
+            self.state = GradState.EMPTY
         else:
             self.forget_grads()
         return released
 
     def forget_grads(self) -> None:
         """-> EMPTY without touching the storage (its owner zeroes it)."""
-        self.grad_state = GradState.EMPTY
-        for p in self.group.params:
+        self.state = GradState.EMPTY
+        for p in self._group.params:
             p.grad = None
 
     def main_grad_shard(self) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""The states and small records of a ``Bucket`` (Note [bucket states] in ``bucket``):
-``BucketStatus`` for its compute weights, ``GradState`` for its gradients, which of its
-buffers are sharded, its process groups and what all buckets of a buffer share."""
+"""The states and small records of a ``Bucket``: ``BucketStatus`` for its compute
+weights (Note [bucket states] in ``bucket``), ``GradState`` for its gradients (Note
+[gradient states] in ``bucket_grads``), which of its buffers are sharded, its process
+groups and what all buckets of a buffer share."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class BucketStatus(enum.Enum):
 
 
 class GradState(enum.Enum):
-    """What a bucket's main-grad storage holds (Note [bucket states])."""
+    """What a bucket's main-grad storage holds (Note [gradient states])."""
 
     EMPTY = enum.auto()  # zeros
     ACCUMULATING = enum.auto()  # local, unreduced gradients (in the staging bucket if sharded)

@@ -174,7 +174,7 @@ class DTensorViews:
         for _name, dparam in self._optimizer_params or ():
             gid, i = dparam._fsdp_group_index  # type: ignore[attr-defined]
             b = buckets[gid]
-            if only_with_grads and not b.has_grads:
+            if only_with_grads and not b.grads.has_grads:
                 continue
             whole = b.layout.slots[i].whole
             if whole:  # the model's view has a gradient on every rank (whole_param)
@@ -186,7 +186,9 @@ class DTensorViews:
             gbuf = refreshed.get(gid)
             if gbuf is None:
                 gbuf = refreshed[gid] = (
-                    b.grads_for_optimizer() if self.grad_attr == "grad" else b.optimizer_grads
+                    b.grads.grads_for_optimizer()
+                    if self.grad_attr == "grad"
+                    else b.grads.optimizer_grads
                 )
                 self._follow(gid, gbuf)
             cached = cache.get((gid, i))
@@ -264,7 +266,7 @@ class DTensorViews:
         skip = {id(p) for p in unreached}
         for gid, members in self._params_of.items():
             b = buckets[gid]
-            if not b.has_grads:
+            if not b.grads.has_grads:
                 continue
             views = [(i, d, cache[(gid, i)]) for i, d in members if (gid, i) in cache]
             dropped = [
@@ -276,7 +278,7 @@ class DTensorViews:
                 continue
             with torch.no_grad():
                 if len(dropped) == sum(id(d) not in skip for _i, d, _c in views):
-                    if b.zero_grads(release=True, keep_pending=True):
+                    if b.grads.zero_grads(release=True, keep_pending=True):
                         self.park_grads(gid)
                     continue
                 if b.outer is not None:
@@ -288,7 +290,7 @@ class DTensorViews:
                         "(optimizer.zero_grad() over every parameter, model.zero_grad())"
                     )
                 for i, _c in dropped:
-                    self._optimizer_view(b, i, b.main_grads).zero_()
+                    self._optimizer_view(b, i, b.grads.main_grads).zero_()
 
     def drop_grads(self, params: list[nn.Parameter] | None = None) -> None:
         """``params`` (default: every optimizer parameter) hold no gradient: ``.grad``

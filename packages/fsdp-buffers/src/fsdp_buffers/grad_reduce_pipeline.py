@@ -96,21 +96,21 @@ class GradReducePipeline:
         gradient arrives (frameworks that accumulate into ``main_grad`` themselves,
         e.g. Transformer Engine's fused wgrad)."""
         if gid in self._expected:
-            bucket = self.buckets[gid]
-            if bucket.stages_main_grad:
+            grads = self.buckets[gid].grads
+            if grads.stages_main_grad:
                 self._wait_reduction_of(gid)
-            bucket.prepare_grads()
+            grads.prepare_grads()
 
     def accumulate(self, param: nn.Parameter) -> None:
         """Take ``param``'s gradient into its bucket (``MAIN_GRAD`` staging; under
         ``AUTOGRAD`` it stays on ``.grad`` until the bucket is reduced)."""
         gid, i = self.buffer.group_of(param)
-        bucket = self.buckets[gid]
+        grads = self.buckets[gid].grads
         if gid in self._launched:
             self._late.add(gid)  # reduced by a later mark of it, else by finish()
-            if bucket.stages_main_grad:
+            if grads.stages_main_grad:
                 self._wait_reduction_of(gid)
-        bucket.accumulate(i, param)
+        grads.accumulate(i, param)
 
     def mark_bucket_ready(self, gid: int) -> None:
         """Every gradient of bucket ``gid`` for now is in (missing ones count as zeros):
@@ -145,11 +145,11 @@ class GradReducePipeline:
         self._late.discard(gid)
         bucket = self.buckets[gid]
         if not self.sync_grads and not bucket.sharding.grads:
-            bucket.stage_locally()  # accumulate only; reduce at the next sync
+            bucket.grads.stage_locally()  # accumulate only; reduce at the next sync
             return
         self._wait_reduction_of(gid)
         self._wait_for_room()
-        self._inflight.append((gid, self._what[gid], bucket.start_reduce()))
+        self._inflight.append((gid, self._what[gid], bucket.grads.start_reduce()))
 
     def finish(self, agree: Callable[[list[bool]], list[bool]] | None = None) -> None:
         """End of backward: launch every bucket not launched yet (zeros stand in for
@@ -161,7 +161,7 @@ class GradReducePipeline:
             self._ready.update(self._expected)
             self._launch_in_order()
             order = self.reduce_order
-            late = [g in self._late or self.buckets[g].holds_autograd_grads() for g in order]
+            late = [g in self._late or self.buckets[g].grads.holds_autograd_grads() for g in order]
             if agree is not None:
                 late = agree(late)
             elif any(late):
@@ -194,9 +194,9 @@ class GradReducePipeline:
         reduced = False
         for gid in self.reduce_order:
             bucket = self.buckets[gid]
-            if bucket.grad_state is GradState.ACCUMULATING:
+            if bucket.grads.state is GradState.ACCUMULATING:
                 self._wait_for_room()
-                self._inflight.append((gid, self._what[gid], bucket.start_reduce()))
+                self._inflight.append((gid, self._what[gid], bucket.grads.start_reduce()))
                 reduced = True
         self.wait_all()
         return self.reduce_outer() or reduced
@@ -206,7 +206,7 @@ class GradReducePipeline:
         shard-reduced gradients have not been yet, and wait; True when there were any."""
         reduced = False
         for gid in self.reduce_order:
-            pending = self.buckets[gid].start_outer_reduce()
+            pending = self.buckets[gid].grads.start_outer_reduce()
             if pending is not None:
                 self._wait_for_room()
                 self._inflight.append((gid, f"outer {self._what[gid]}", pending))

@@ -332,12 +332,12 @@ class ParamAndGradBuffer:
         return self._ctx.grads.staging
 
     def grad_states(self) -> list[GradState]:
-        return [b.grad_state for b in self.buckets]
+        return [b.grads.state for b in self.buckets]
 
     def scale_gradients(self, scaling_factor: float) -> None:
         with torch.no_grad():
             for bucket in self.buckets:
-                bucket.scale_grads(scaling_factor)
+                bucket.grads.scale_grads(scaling_factor)
 
     def zero_grad_buffer(self) -> None:
         """Zero every bucket's gradients. Sharded ones are released instead (Note
@@ -347,7 +347,7 @@ class ParamAndGradBuffer:
         views = self.views
         with torch.no_grad(), annotate("fsdp.zero_grad_buffer"):
             for bucket in self.buckets:
-                if bucket.zero_grads(release=not views.grads_in_use(bucket.gid)):
+                if bucket.grads.zero_grads(release=not views.grads_in_use(bucket.gid)):
                     views.park_grads(bucket.gid)
 
     def persistent_bytes(self) -> int:

@@ -61,8 +61,8 @@ def model_state_bytes(buffer: ParamAndGradBuffer) -> dict[str, int]:
             out["main_weights"] += _nbytes(fine)
         out["main_grads"] += _nbytes(group.main_grad_buffer)
         bucket = buffer.buckets[gid]
-        if bucket.needs_grad_copy:  # the optimizer's gradients cast to the main weights'
-            grads = bucket.optimizer_grads
+        if bucket.grads.needs_grad_copy:  # the optimizer's gradients cast to the main weights'
+            grads = bucket.grads.optimizer_grads
             out["main_grads"] += grads.numel * bucket.main_weights.element_size
     return out
 

@@ -73,7 +73,7 @@ def measure_memory_stats(
     # Released gradients (ZeRO-2/3 between zero_grad and the next backward's reduction)
     # count as the bytes the backward allocates again; reading .data would allocate them.
     grad_bufs = [group.main_grad_buffer for group in buffer.groups]
-    grad_bufs += [bucket.optimizer_grad_copy for bucket in buffer.buckets]  # cast copies
+    grad_bufs += [bucket.grads.optimizer_grad_copy for bucket in buffer.buckets]  # cast copies
     for grad in grad_bufs:
         if grad is not None and grad.is_released:
             stats["main_grads"] += grad.nbytes

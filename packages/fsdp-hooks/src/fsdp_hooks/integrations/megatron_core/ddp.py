@@ -296,7 +296,7 @@ class DistributedDataParallel(InnerModuleAttributes):
             self.buffer.zero_grad_buffer()
         else:
             for bucket in self.buffer.buckets:
-                bucket.forget_grads()
+                bucket.grads.forget_grads()
         for group in self.buffer.groups:
             for p in group.params:
                 p.grad_added_to_main_grad = False  # type: ignore[attr-defined]

@@ -73,7 +73,7 @@ class MegatronBucketView:
     @property
     def grad_data(self) -> torch.Tensor:
         """This parameter's region of the (parameter-major) gradient buffer."""
-        data = self._bucket.main_grads.unsharded_tensor()
+        data = self._bucket.grads.main_grads.unsharded_tensor()
         return data[self._start : self._start + self.numel]
 
     @property
@@ -114,7 +114,7 @@ class MegatronBufferView:
         self.gradient_scaling_factor = 1.0
         first = buffer.buckets[bucket_ids[0]]
         self.param_dtype: torch.dtype = first.model.dtype
-        self.grad_dtype: torch.dtype = first.main_grads.dtype
+        self.grad_dtype: torch.dtype = first.grads.main_grads.dtype
         self._buckets: list[MegatronBucketView] = []
         self.bucket_groups: list[MegatronBucketGroupView] = []
         offset = 0
@@ -159,7 +159,7 @@ def megatron_buffer_views(
     for gid, bucket in enumerate(buffer.buckets):
         if not bucket.group.requires_grad or bucket.group.main_grad_buffer is None:
             continue
-        key = (bucket.model.dtype, bucket.main_grads.dtype)
+        key = (bucket.model.dtype, bucket.grads.main_grads.dtype)
         by_dtypes.setdefault(key, []).append(gid)
     return [
         MegatronBufferView(buffer, gids, ddp_config, data_parallel_group, claim)
