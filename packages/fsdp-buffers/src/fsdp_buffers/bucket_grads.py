@@ -397,10 +397,11 @@ class BucketGradients:
             # Gradients to rank-major pieces (Note [shard layout]); a staging bucket is
             # free once they are packed.
             layout = gbuf.layout
+            in_place = False
             if gbuf.is_data_distributed and autograd:
                 send = self._pack_grads(comm_dtype)
             elif layout.is_rank_major(gbuf.coarse) and comm_dtype == gbuf.dtype:
-                send = unsharded  # in place: freed once the reduction is waited on
+                send, in_place = unsharded, True  # freed once the reduction is waited on
             else:
                 send = torch.empty(layout.total_numel, dtype=comm_dtype, device=unsharded.device)
                 with annotate(f"fsdp.copy_in.{self._gid}"):
@@ -423,7 +424,10 @@ class BucketGradients:
                         gbuf.data = out if out.dtype == gbuf.dtype else out.to(gbuf.dtype)
                     else:
                         gbuf.data.add_(out)
-                    gbuf.free_bucket()  # no-op unless the reduction read it in place
+                    # Only the staging bucket the reduction read: a later one (made after
+                    # this reduction was waited on) is not this reduction's to free.
+                    if in_place:
+                        gbuf.free_bucket()
                     self._shard_reduced()
 
             else:
