@@ -424,8 +424,8 @@ class BucketGradients:
                         gbuf.data = out if out.dtype == gbuf.dtype else out.to(gbuf.dtype)
                     else:
                         gbuf.data.add_(out)
-                    # Only the staging bucket the reduction read: a later one (made after
-                    # this reduction was waited on) is not this reduction's to free.
+                    # Only the staging bucket this reduction read in place; never one
+                    # made meanwhile (GradReducePipeline waits for this first anyway).
                     if in_place:
                         gbuf.free_bucket()
                     self._shard_reduced()
