@@ -118,12 +118,18 @@ def raise_if_nonfinite_on_any_rank(
     unread so that checking cost no device sync per gradient). Agree across ``group``
     whether any rank saw a NaN/Inf; if one did, raise on every rank naming the
     parameters and the ranks. Empties ``checked``."""
-    bad = sorted({name for name, finite in checked if not bool(finite)})
-    checked.clear()
-    flag = torch.tensor([1.0 if bad else 0.0], device=device)
+    # One device-to-host read for the whole check (the all-reduce's), not one per gradient.
+    finite = [f.to(device) for _name, f in checked]
+    if finite:
+        flag = torch.logical_not(torch.stack(finite).all()).to(torch.float32).reshape(1)
+    else:
+        flag = torch.zeros(1, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if flag.item() == 0:
+        checked.clear()
         return
+    bad = sorted({name for name, f in checked if not bool(f)})  # only now: someone failed
+    checked.clear()
     reports: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(reports, (dist.get_rank(), bad), group=group)
     lines = [f"rank {rank}: {names}" for rank, names in reports if names]
