@@ -133,20 +133,21 @@ class ParamState:
             index = self._config.dist_index
             device = control_device(self._buffer.device)
             flags = torch.cat([reached, torch.tensor(late, dtype=torch.uint8)]).to(device)
-            expert = torch.tensor(self._expert, dtype=torch.bool, device=device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=index.get_dp_group())
-            late = [bool(x) for x in flags[n:].tolist()]
-            flags = flags[:n]
-            if self._config.experts_differ_across_ranks and bool(expert.any()):
+            if self._config.experts_differ_across_ranks and any(self._expert):
                 # Ranks hold different experts: agree over the expert group instead.
                 mine = reached.to(device)
                 dist.all_reduce(
                     mine, op=dist.ReduceOp.MAX, group=index.get_dp_group(is_expert_parallel=True)
                 )
-                flags = torch.where(expert, mine, flags)
-            reached = flags.cpu()
+                expert = torch.tensor(self._expert, dtype=torch.bool, device=device)
+                flags = torch.cat([torch.where(expert, mine, flags[:n]), flags[n:]])
+            agreed = flags.tolist()  # the one device-to-host read of the agreement
+            reached, late = agreed[:n], [bool(x) for x in agreed[n:]]
+        else:
+            reached = reached.tolist()
         self.unreached = [
-            d for (_c, d), hit in zip(self._trainable, reached.tolist(), strict=True) if not hit
+            d for (_c, d), hit in zip(self._trainable, reached, strict=True) if not hit
         ]
         self.drop_unreached_grads()
         return late
