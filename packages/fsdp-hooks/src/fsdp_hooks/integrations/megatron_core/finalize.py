@@ -65,6 +65,7 @@ def finalize_model_grads(
         )
     total = num_tokens.detach().clone()
     dist.all_reduce(total, group=_dp_group(chunks[0]))
-    if total.item() > 0:
+    tokens = total.item()  # one device-to-host read
+    if tokens > 0:
         for chunk in chunks:
-            chunk.scale_gradients(1.0 / total.item())
+            chunk.scale_gradients(1.0 / tokens)
