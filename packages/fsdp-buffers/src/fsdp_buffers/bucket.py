@@ -172,6 +172,8 @@ class Bucket(BucketGradients):
         self._range_copy_out = annotate(f"fsdp.copy_out.{gid}")
         self._range_release = annotate(f"fsdp.release.{gid}")
         self._reduce_label = annotate(f"fsdp.reduce.{gid}")
+        self._range_copy_in = annotate(f"fsdp.copy_in.{gid}")
+        self._range_param_sync = annotate(f"fsdp.param_sync.{gid}")
         # (bucket tensor, Layout.unpacker of it): the copy-out without the layout's
         # lookups per gather (``_copy_out_for``).
         self._unpacker: tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None = None
@@ -506,7 +508,7 @@ class Bucket(BucketGradients):
             send,
             self.shard.group,
             self.ctx.stats,
-            label=f"fsdp.param_sync.{self.gid}",
+            label=self._range_param_sync,
             padding=layout.padding_fraction,
         )
         if gathered is model.data:

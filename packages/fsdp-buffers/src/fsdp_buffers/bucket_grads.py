@@ -78,6 +78,7 @@ class BucketGradients:
     _grads_cast: DataParallelBuffer | None
     _chunk_cat: bool | None
     _reduce_label: annotate
+    _range_copy_in: annotate
     main_weights: DataParallelBuffer  # a property of Bucket
 
     def _attach_main_grads(self) -> None:
@@ -264,7 +265,7 @@ class BucketGradients:
         layout = gbuf.layout
         grads = self._take_grads()
         send = torch.empty(layout.total_numel, dtype=dtype, device=self.ctx.device)
-        with annotate(f"fsdp.copy_in.{self.gid}"):
+        with self._range_copy_in:
             if self._chunk_cat_applies() and all(g is not None for g in grads):
                 n = layout.shard_count
                 tensors = [g.reshape(g.shape[0], -1) if g.dim() > 1 else g for g in grads]  # type: ignore[union-attr]
@@ -313,7 +314,7 @@ class BucketGradients:
         self.begin_accumulating()
         autograd = not self.stages_main_grad
         factor, op = self._scale_and_op()
-        comm_dtype = self.ctx.policy.grad_comm_dtype_for(self.group.dtype)
+        comm_dtype = self.ctx.grad_comm_dtypes[self.group.dtype]
         pg, stats, label = self.shard.group, self.ctx.stats, self._reduce_label
         with torch.no_grad():
             if not gbuf.is_data_distributed:
@@ -345,7 +346,7 @@ class BucketGradients:
                 send = unsharded  # in place: freed once the reduction is waited on
             else:
                 send = torch.empty(layout.total_numel, dtype=comm_dtype, device=unsharded.device)
-                with annotate(f"fsdp.copy_in.{self.gid}"):
+                with self._range_copy_in:
                     layout.pack(unsharded, send, gbuf.coarse)
                 if self.sharding.grads:
                     gbuf.free_bucket()

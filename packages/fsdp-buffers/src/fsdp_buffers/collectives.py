@@ -252,12 +252,11 @@ def describe_bucket(buffer, gid: int, kind: str) -> str:  # buffer: ParamAndGrad
     return f"the {kind} of bucket {gid} ({where}: {names})"
 
 
+# Profiler ranges made once: callers pass theirs (one object per label, made at wrap).
 _WAIT_RANGE = annotate("fsdp.wait")
-
-
-def _range(label: str | annotate) -> annotate:
-    # Callers on the per-step path pass an ``annotate`` made once (one object per label).
-    return label if isinstance(label, annotate) else annotate(label)
+_ALL_GATHER_RANGE = annotate("fsdp.all_gather")
+_REDUCE_SCATTER_RANGE = annotate("fsdp.reduce_scatter")
+_ALL_REDUCE_RANGE = annotate("fsdp.all_reduce")
 
 
 # Note [direct collectives]
@@ -314,11 +313,11 @@ def all_gather(
     shard: torch.Tensor,
     group: dist.ProcessGroup | None,
     stats: CommStats | None = None,
-    label: str | annotate = "fsdp.all_gather",
+    label: annotate = _ALL_GATHER_RANGE,
     padding: float = 0.0,
 ) -> dist.Work:
     """``padding``: the fraction of ``output`` that is padding (for ``stats``)."""
-    with _range(label):
+    with label:
         if stats is not None:
             numel = output.numel()
             stats.record(
@@ -339,11 +338,11 @@ def reduce_scatter(
     group: dist.ProcessGroup | None,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     stats: CommStats | None = None,
-    label: str | annotate = "fsdp.reduce_scatter",
+    label: annotate = _REDUCE_SCATTER_RANGE,
     padding: float = 0.0,
 ) -> dist.Work:
     """``padding``: the fraction of ``unsharded`` that is padding (for ``stats``)."""
-    with _range(label):
+    with label:
         if stats is not None:
             stats.record(
                 CollectiveKind.REDUCE_SCATTER,
@@ -367,9 +366,9 @@ def all_reduce(
     group: dist.ProcessGroup | None,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     stats: CommStats | None = None,
-    label: str | annotate = "fsdp.all_reduce",
+    label: annotate = _ALL_REDUCE_RANGE,
 ) -> dist.Work:
-    with _range(label):
+    with label:
         if stats is not None:
             stats.record(
                 CollectiveKind.ALL_REDUCE,

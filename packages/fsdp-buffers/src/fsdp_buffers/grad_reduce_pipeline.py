@@ -80,6 +80,7 @@ class GradReducePipeline:
         # (bucket, what it is for errors, the reduction)
         self._inflight: deque[tuple[int, str, PendingCollective]] = deque()
         self._what = {g: describe_bucket(buffer, g, "gradient reduction") for g in trainable}
+        self._range_finish = annotate("fsdp.finish_grad_sync")  # made once, re-entrant
         self._begin_backward()
 
     def _begin_backward(self) -> None:
@@ -150,7 +151,7 @@ class GradReducePipeline:
         gradients for that came after its reduction (``agree`` makes each rank's list,
         one flag per bucket of ``reduce_order``, the same on every rank); wait for all
         reductions, and start afresh."""
-        with annotate("fsdp.finish_grad_sync"):
+        with self._range_finish:
             self._ready.update(self._expected)
             self._launch_in_order()
             order = self.reduce_order

@@ -52,7 +52,6 @@ class ParamState:
         config: RuntimeConfig,
     ) -> None:
         self._buffer = buffer
-        self._config = config
         names = {p: name for name, _g, _i, p in buffer.named_params()}
         # (name, compute, DTensor parameter, trainable bucket) in a rank-independent order.
         self.entries: list[tuple[str, nn.Parameter, nn.Parameter, bool]] = []
@@ -76,6 +75,16 @@ class ParamState:
         self._hookable = [d for d in self._trainable_dparams if not is_whole_parameter(d)]
         self._trainable_ids = [id(c) for c in self._trainable_compute]
         self._versions: tuple[list[int], list[int]] = ([], [])
+        # Where ``agree`` meets the other ranks, fixed at wrap: the device of its flags, the
+        # data-parallel group, and the expert one when ranks hold different experts.
+        self._device = control_device(buffer.device)
+        index = config.dist_index
+        self._dp_group = index.get_dp_group() if dist.is_initialized() else None
+        self._expert_dp_group = (
+            index.get_dp_group(is_expert_parallel=True)
+            if self._dp_group is not None and config.experts_differ_across_ranks
+            else None
+        )
         # ids of the compute parameters a gradient reached (a Tensor hashes in Python;
         # the parameters live as long as the model).
         self.reached: set[int] = set()  # cleared, never replaced (the hooks bind .add)
@@ -129,20 +138,17 @@ class ParamState:
             list(map(self.reached.__contains__, self._trainable_ids)), dtype=torch.uint8
         )
         n = len(reached)
-        if dist.is_initialized():
-            index = self._config.dist_index
-            device = control_device(self._buffer.device)
+        if self._dp_group is not None:
+            device = self._device
             flags = torch.cat([reached, torch.tensor(late, dtype=torch.uint8)]).to(device)
             expert = torch.tensor(self._expert, dtype=torch.bool, device=device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=index.get_dp_group())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._dp_group)
             late = [bool(x) for x in flags[n:].tolist()]
             flags = flags[:n]
-            if self._config.experts_differ_across_ranks and bool(expert.any()):
+            if self._expert_dp_group is not None and bool(expert.any()):
                 # Ranks hold different experts: agree over the expert group instead.
                 mine = reached.to(device)
-                dist.all_reduce(
-                    mine, op=dist.ReduceOp.MAX, group=index.get_dp_group(is_expert_parallel=True)
-                )
+                dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self._expert_dp_group)
                 flags = torch.where(expert, mine, flags)
             reached = flags.cpu()
         self.unreached = [
