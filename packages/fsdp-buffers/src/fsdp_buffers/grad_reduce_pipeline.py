@@ -221,7 +221,7 @@ class GradReducePipeline:
         # result, and before its input and output (allocated on compute) are dropped
         # (Note [streams and frees]).
         gid, what, pending = self._inflight.popleft()
-        comm = self.buffer.comm
+        comm = self.buckets[gid].ctx.comm  # the buffer's, shared by its buckets
         comm.wait(pending, what, StreamKind.REDUCE, gid)
         comm.free(StreamKind.COMPUTE, StreamKind.REDUCE, gid, "reduction input and output")
 

@@ -476,7 +476,7 @@ class FSDPHooks:
 
     def attach_grads(self, only_with_grads: bool) -> None:
         self.buffer.views.attach_grads(only_with_grads=only_with_grads)
-        self.params.drop_unreached_grads()
+        self.buffer.views.drop_grads(self.params.unreached)  # None where no backward reached
         self.grads_published = True
         self._check_dropped = True
 

@@ -19,7 +19,6 @@ main weights); forward and backward use compute parameters (views into buckets).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from operator import attrgetter
 
 import torch
@@ -36,12 +35,6 @@ __all__ = ["ParamState"]
 _version = attrgetter("_version")
 _local_tensor = attrgetter("_local_tensor")
 _requires_grad = attrgetter("requires_grad")
-
-
-def _counters(inner: Iterable, sharded: Iterable) -> tuple[list[int], list[int]]:
-    """The version counters ``ParamState`` compares: each parameter's own, and each
-    sharded one's local tensor's."""
-    return list(map(_version, inner)), list(map(_version, map(_local_tensor, sharded)))
 
 
 class ParamState:
@@ -99,7 +92,10 @@ class ParamState:
     # a step: C-level maps, no Python call per parameter. The local tensor is looked up
     # each time (not cached), so one swapped in under a DTensor is still seen.
     def _all_versions(self) -> tuple[list[int], list[int]]:
-        return _counters(self._inner, self._sharded)
+        return (
+            list(map(_version, self._inner)),
+            list(map(_version, map(_local_tensor, self._sharded))),
+        )
 
     def record_versions(self) -> None:
         self._versions = self._all_versions()
@@ -154,7 +150,7 @@ class ParamState:
         self.unreached = [
             d for (_c, d), hit in zip(self._trainable, reached.tolist(), strict=True) if not hit
         ]
-        self.drop_unreached_grads()
+        self._buffer.views.drop_grads(self.unreached)
         return late
 
     def run_grad_hooks(self) -> None:
@@ -168,6 +164,3 @@ class ParamState:
             if hooks and dparam.grad is not None:
                 for hook in tuple(hooks.values()):
                     hook(dparam)
-
-    def drop_unreached_grads(self) -> None:
-        self._buffer.views.drop_grads(self.unreached)
