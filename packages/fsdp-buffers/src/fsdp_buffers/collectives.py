@@ -283,7 +283,7 @@ _AG_OPTS.asyncOp = True
 def _options_by_op(kind: type) -> dict[dist.ReduceOp.RedOpType, Any]:
     """Options of ``kind`` for each plain reduce op (a bare PREMUL_SUM has no factor:
     torch's function takes it)."""
-    made = {}
+    made: dict[dist.ReduceOp.RedOpType, Any] = {}
     for op in _RED_OP.__members__.values():
         if op != _RED_OP.PREMUL_SUM:
             opts = made[op] = kind()
