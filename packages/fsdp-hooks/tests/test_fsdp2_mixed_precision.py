@@ -6,7 +6,9 @@ The library makes the compute copy in ``param_dtype``: an fp32 model wrapped wit
 to bf16 exactly: the gathered compute weights are the same bf16 roundings and the
 kernels the same), as does a model already in bf16; floating inputs are cast to
 ``param_dtype`` and outputs to ``output_dtype``. A frozen fp32 parameter (no main
-weights to keep its precision in) is refused with the instruction. Training parity
+weights to keep its precision in) is refused with the instruction. Gradients are
+reduced in ``reduce_dtype``, and after ``reset_mixed_precision_policy`` in the new
+policy's ``grad_comm_dtype`` (resolved when the policy is set). Training parity
 and the fp32 main weights are in ``test_mixed_precision_policies``.
 """
 
@@ -38,6 +40,12 @@ class _FloatIn(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.seen = x.dtype
         return self.lin(x)
+
+
+def _reduced_width(stats: dict[str, dict[str, float]]) -> float:
+    """Bytes per element of the gradient reductions in ``comm_stats()``."""
+    kinds = ("reduce_scatter", "all_reduce")
+    return sum(stats[k]["bytes"] for k in kinds) / sum(stats[k]["numel"] for k in kinds)
 
 
 def _body() -> dict[str, object]:
@@ -72,12 +80,17 @@ def _body() -> dict[str, object]:
     y = wrapped(torch.ones(2, 4, device=harness_device()))
     out["input_cast"] = str(wrapped.module.seen)
     out["output"] = str(y.dtype)
-    # Megatron-FSDP's reset takes the new communication dtype; the compute dtype stays
-    # (the compute buffers are in it), so inputs are still cast to it.
+    wrapped.comm_stats(reset=True)
+    wrapped(torch.ones(2, 4, device=harness_device())).sum().backward()
+    out["reduced_bytes_per_element"] = _reduced_width(wrapped.comm_stats(reset=True))
+    # Megatron-FSDP's reset takes the new communication dtype (from the next reduction
+    # on); the compute dtype stays (the compute buffers are in it), so inputs are still
+    # cast to it.
     wrapped.reset_mixed_precision_policy(MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16))
     wrapped.module.seen = None
     wrapped(torch.ones(2, 4, device=harness_device())).sum().backward()
     out["after_reset"] = (str(wrapped.mp_policy.param_dtype), str(wrapped.module.seen))
+    out["reduced_bytes_per_element_after_reset"] = _reduced_width(wrapped.comm_stats())
     no_cast = fully_shard_model(
         _FloatIn().to(torch.bfloat16),
         mixed_precision_policy=MixedPrecisionPolicy(
@@ -101,3 +114,6 @@ def test_fsdp2_mixed_precision_fields_on_the_wrapper() -> None:
         assert r["output"] == "torch.float32", (rank, r)
         assert r["no_cast"] == "dtype error", (rank, r)
         assert r["after_reset"] == ("torch.bfloat16", "torch.bfloat16"), (rank, r)
+        # reduce_dtype=fp32, then the reset's bf16: the reductions follow the policy.
+        assert r["reduced_bytes_per_element"] == 4.0, (rank, r)
+        assert r["reduced_bytes_per_element_after_reset"] == 2.0, (rank, r)

@@ -1,7 +1,8 @@
 """The hook layer's runtime steps show in a torch.profiler trace (``fsdp_buffers.profiling``),
 with the profiler started after the model has already run steps without it: the ranges
-that the hooks and buckets make once and reuse still open while a profiler records, and
-a step after the profiler stopped still trains."""
+made once and reused (by the hooks, the unit groups, the buckets, the pipelines and the
+buffer) still open while a profiler records, and a step after the profiler stopped
+still trains."""
 
 from __future__ import annotations
 
@@ -60,5 +61,15 @@ def test_hook_and_bucket_ranges_show_when_profiling_starts_later():
             assert counts.get(f"fsdp.all_gather.{gid}") == 2, (gid, counts)
             for prefix in ("fsdp.release.", "fsdp.reduce."):
                 assert f"{prefix}{gid}" in counts, (prefix, gid, counts)
+            assert counts.get(f"fsdp.copy_in.{gid}") == 1, (gid, counts)  # one reduction
         assert "fsdp.wait" in counts, counts
-        assert "fsdp.root_pre_forward" in counts, counts
+        # Once a step each: the root hooks, the end of backward, and the optimizer's calls.
+        for label in (
+            "fsdp.root_pre_forward",
+            "fsdp.root_post_forward",
+            "fsdp.end_of_backward",
+            "fsdp.finish_grad_sync",
+            "fsdp.install_optimized_model_weights",
+            "fsdp.zero_grad_buffer",
+        ):
+            assert counts.get(label) == 1, (label, counts)

@@ -157,7 +157,7 @@ def _train(mode: str, variant: str, coalesce: int | None = None, configs=CONFIGS
             # Fused-wgrad layers add into main_grad themselves.
             grad_staging="main_grad" if "fused" in variant else "autograd",
         )
-        assert model.hooks.saved_weights_hooks().__class__.__name__ == (
+        assert model.hooks.saved_weights.saved_weights_hooks().__class__.__name__ == (
             "saved_tensors_hooks" if mode == "separate" and strategy == 3 else "nullcontext"
         )
         if coalesce:

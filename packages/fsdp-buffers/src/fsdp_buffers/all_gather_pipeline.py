@@ -165,7 +165,7 @@ class AllGatherPipeline:
     def reset(self) -> None:
         """Release every gathered bucket; replicated buckets are kept (a gather of one
         in flight lands), and STALE ones stay STALE."""
-        for gid in range(self.num_buckets):
+        for gid in range(len(self.buckets)):
             self.release_bucket(gid)
         self._stale_next = 0
 

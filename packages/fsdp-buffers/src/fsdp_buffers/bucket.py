@@ -159,6 +159,7 @@ class Bucket:
         # threads at once).
         self._range_copy_out = annotate(f"fsdp.copy_out.{gid}")
         self._range_release = annotate(f"fsdp.release.{gid}")
+        self._range_param_sync = annotate(f"fsdp.param_sync.{gid}")
         # (bucket tensor, Layout.unpacker of it): the copy-out without the layout's
         # lookups per gather (``_copy_out_for``).
         self._unpacker: tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None = None
@@ -487,7 +488,7 @@ class Bucket:
             send,
             self.shard.group,
             self.ctx.stats,
-            label=f"fsdp.param_sync.{self.gid}",
+            label=self._range_param_sync,
             padding=layout.padding_fraction,
         )
         if gathered is model.data:

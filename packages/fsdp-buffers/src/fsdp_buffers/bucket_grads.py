@@ -123,6 +123,7 @@ class BucketGradients:
         # grads are in another (made on first use; see ``grads_for_optimizer``).
         self._grads_cast: DataParallelBuffer | None = None
         self._reduce_label = annotate(f"fsdp.reduce.{gid}")
+        self._range_copy_in = annotate(f"fsdp.copy_in.{gid}")
 
     def point_main_grads(self) -> None:
         """``param.main_grad`` views into the gradient storage, once the parameters are
@@ -322,7 +323,7 @@ class BucketGradients:
         layout = gbuf.layout
         grads = self._take_grads()
         send = torch.empty(layout.total_numel, dtype=dtype, device=self._ctx.device)
-        with annotate(f"fsdp.copy_in.{self._gid}"):
+        with self._range_copy_in:
             if self._chunk_cat_applies() and all(g is not None for g in grads):
                 n = layout.shard_count
                 tensors = [g.reshape(g.shape[0], -1) if g.dim() > 1 else g for g in grads]  # type: ignore[union-attr]
@@ -371,7 +372,7 @@ class BucketGradients:
         self.begin_accumulating()
         autograd = not self.stages_main_grad
         factor, op = self._scale_and_op()
-        comm_dtype = self._ctx.policy.grad_comm_dtype_for(self._group.dtype)
+        comm_dtype = self._ctx.grad_comm_dtypes[self._group.dtype]
         pg, stats, label = self._shard.group, self._ctx.stats, self._reduce_label
         with torch.no_grad():
             if not gbuf.is_data_distributed:
@@ -404,7 +405,7 @@ class BucketGradients:
                 send, in_place = unsharded, True  # freed once the reduction is waited on
             else:
                 send = torch.empty(layout.total_numel, dtype=comm_dtype, device=unsharded.device)
-                with annotate(f"fsdp.copy_in.{self._gid}"):
+                with self._range_copy_in:
                     layout.pack(unsharded, send, gbuf.coarse)
                 if self._sharding.grads:
                     gbuf.free_bucket()

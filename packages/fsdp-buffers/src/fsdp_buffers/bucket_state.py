@@ -102,6 +102,9 @@ class BucketContext:
     scratch: TemporaryBucketAllocator
     comm: CommContext  # the streams and their order (Note [streams and frees])
     grads: GradConfig = field(default_factory=GradConfig)
+    # ``policy.grad_comm_dtype_for`` of each trainable group's dtype, resolved whenever
+    # the policy is set (``ParamAndGradBuffer.policy``) rather than at every reduction.
+    grad_comm_dtypes: dict[torch.dtype, torch.dtype] = field(default_factory=dict)
     # Elements of whole-placed parameters each shard owns so far, per (expert, shards):
     # later buckets balance against it (Note [whole placement]).
     whole_loads: dict[tuple[bool, int], list[int]] = field(default_factory=dict)

@@ -252,12 +252,11 @@ def describe_bucket(buffer, gid: int, kind: str) -> str:  # buffer: ParamAndGrad
     return f"the {kind} of bucket {gid} ({where}: {names})"
 
 
+# Profiler ranges made once: callers pass theirs (one object per label, made at wrap).
 _WAIT_RANGE = annotate("fsdp.wait")
-
-
-def _range(label: str | annotate) -> annotate:
-    # Callers on the per-step path pass an ``annotate`` made once (one object per label).
-    return label if isinstance(label, annotate) else annotate(label)
+_ALL_GATHER_RANGE = annotate("fsdp.all_gather")
+_REDUCE_SCATTER_RANGE = annotate("fsdp.reduce_scatter")
+_ALL_REDUCE_RANGE = annotate("fsdp.all_reduce")
 
 
 # Note [direct collectives]
@@ -279,8 +278,22 @@ _RS = "reduce_scatter_single" if hasattr(_PG, "reduce_scatter_single") else "_re
 _RED_OP = dist.ReduceOp.RedOpType  # SUM, AVG ...: not a premultiplied sum's object
 _AG_OPTS = _c10d.AllgatherOptions()
 _AG_OPTS.asyncOp = True
-_RS_OPTS: dict[dist.ReduceOp.RedOpType, _c10d.ReduceScatterOptions] = {}
-_AR_OPTS: dict[dist.ReduceOp.RedOpType, _c10d.AllreduceOptions] = {}
+
+
+def _options_by_op(kind: type) -> dict[dist.ReduceOp.RedOpType, Any]:
+    """Options of ``kind`` for each plain reduce op (a bare PREMUL_SUM has no factor:
+    torch's function takes it)."""
+    made: dict[dist.ReduceOp.RedOpType, Any] = {}
+    for op in _RED_OP.__members__.values():
+        if op != _RED_OP.PREMUL_SUM:
+            opts = made[op] = kind()
+            opts.reduceOp = op
+            opts.asyncOp = True
+    return made
+
+
+_RS_OPTS = _options_by_op(_c10d.ReduceScatterOptions)
+_AR_OPTS = _options_by_op(_c10d.AllreduceOptions)
 
 
 _WORLD = getattr(_c10d, "_world", None)  # a coalescing context's groups
@@ -296,15 +309,6 @@ def _direct(group: dist.ProcessGroup | None, a: torch.Tensor, b: torch.Tensor) -
     return group not in _WORLD.pg_coalesce_state and not (a.is_complex() or b.is_complex())
 
 
-def _options(cache: dict, kind: type, op: dist.ReduceOp.RedOpType) -> object:
-    opts = cache.get(op)
-    if opts is None:
-        opts = cache[op] = kind()
-        opts.reduceOp = op
-        opts.asyncOp = True
-    return opts
-
-
 # The group's size for ``CommStats`` is asked of the group itself when it is one (a C++
 # call): get_world_size's Python lookups cost more than some small collectives' copies.
 
@@ -314,11 +318,11 @@ def all_gather(
     shard: torch.Tensor,
     group: dist.ProcessGroup | None,
     stats: CommStats | None = None,
-    label: str | annotate = "fsdp.all_gather",
+    label: annotate = _ALL_GATHER_RANGE,
     padding: float = 0.0,
 ) -> dist.Work:
     """``padding``: the fraction of ``output`` that is padding (for ``stats``)."""
-    with _range(label):
+    with label:
         if stats is not None:
             numel = output.numel()
             stats.record(
@@ -339,11 +343,11 @@ def reduce_scatter(
     group: dist.ProcessGroup | None,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     stats: CommStats | None = None,
-    label: str | annotate = "fsdp.reduce_scatter",
+    label: annotate = _REDUCE_SCATTER_RANGE,
     padding: float = 0.0,
 ) -> dist.Work:
     """``padding``: the fraction of ``unsharded`` that is padding (for ``stats``)."""
-    with _range(label):
+    with label:
         if stats is not None:
             stats.record(
                 CollectiveKind.REDUCE_SCATTER,
@@ -355,10 +359,10 @@ def reduce_scatter(
         if (
             dist.reduce_scatter_tensor is _TORCH_REDUCE_SCATTER
             and type(op) is _RED_OP
+            and op in _RS_OPTS
             and _direct(group, output, unsharded)
         ):  # Note [direct collectives]
-            opts = _options(_RS_OPTS, _c10d.ReduceScatterOptions, op)
-            return getattr(group, _RS)(output, unsharded, opts)
+            return getattr(group, _RS)(output, unsharded, _RS_OPTS[op])
         return dist.reduce_scatter_tensor(output, unsharded, op=op, group=group, async_op=True)
 
 
@@ -367,9 +371,9 @@ def all_reduce(
     group: dist.ProcessGroup | None,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     stats: CommStats | None = None,
-    label: str | annotate = "fsdp.all_reduce",
+    label: annotate = _ALL_REDUCE_RANGE,
 ) -> dist.Work:
-    with _range(label):
+    with label:
         if stats is not None:
             stats.record(
                 CollectiveKind.ALL_REDUCE,
@@ -380,9 +384,10 @@ def all_reduce(
         if (
             dist.all_reduce is _TORCH_ALL_REDUCE
             and type(op) is _RED_OP
+            and op in _AR_OPTS
             and _direct(group, tensor, tensor)
         ):  # Note [direct collectives]
-            return group.allreduce([tensor], _options(_AR_OPTS, _c10d.AllreduceOptions, op))  # type: ignore[union-attr]
+            return group.allreduce([tensor], _AR_OPTS[op])  # type: ignore[union-attr]
         return dist.all_reduce(tensor, op=op, group=group, async_op=True)
 
 

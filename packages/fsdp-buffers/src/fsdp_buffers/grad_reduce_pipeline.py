@@ -80,6 +80,7 @@ class GradReducePipeline:
         # (bucket, what it is for errors, the reduction)
         self._inflight: deque[tuple[int, str, PendingCollective]] = deque()
         self._what = {g: describe_bucket(buffer, g, "gradient reduction") for g in trainable}
+        self._range_finish = annotate("fsdp.finish_grad_sync")  # made once, re-entrant
         self._begin_backward()
 
     def _begin_backward(self) -> None:
@@ -157,7 +158,7 @@ class GradReducePipeline:
         gradients for that came after its reduction (``agree`` makes each rank's list,
         one flag per bucket of ``reduce_order``, the same on every rank); wait for all
         reductions, and start afresh."""
-        with annotate("fsdp.finish_grad_sync"):
+        with self._range_finish:
             self._ready.update(self._expected)
             self._launch_in_order()
             order = self.reduce_order
@@ -237,7 +238,7 @@ class GradReducePipeline:
         # result, and before its input and output (allocated on compute) are dropped
         # (Note [streams and frees]).
         gid, what, pending = self._inflight.popleft()
-        comm = self.buffer.comm
+        comm = self.buckets[gid].ctx.comm  # the buffer's, shared by its buckets
         comm.wait(pending, what, StreamKind.REDUCE, gid)
         comm.free(StreamKind.COMPUTE, StreamKind.REDUCE, gid, "reduction input and output")
 

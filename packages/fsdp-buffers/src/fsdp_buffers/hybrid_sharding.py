@@ -42,6 +42,7 @@ from fsdp_buffers.collectives import PendingCollective, StreamKind
 from fsdp_buffers.data_parallel_buffer import DataParallelBuffer
 from fsdp_buffers.layout import FlatLayout
 from fsdp_buffers.param_group import ParameterGroup
+from fsdp_buffers.profiling import annotate
 
 __all__ = ["OuterSharding", "hybrid_mesh"]
 
@@ -72,6 +73,9 @@ class OuterSharding:
         self._group = group
         self._ctx = ctx
         self._sharding = sharding
+        # Profiler ranges made once (re-entrant).
+        self._range_param_sync = annotate(f"fsdp.outer_param_sync.{gid}")
+        self._range_reduce = annotate(f"fsdp.outer_reduce.{gid}")
 
     @property
     def _model(self) -> DataParallelBuffer:
@@ -173,7 +177,7 @@ class OuterSharding:
             send,
             self.comm.group,
             self._ctx.stats,
-            label=f"fsdp.outer_param_sync.{self._gid}",
+            label=self._range_param_sync,
         )
         return PendingCollective(work, keepalive=(send,))
 
@@ -191,8 +195,8 @@ class OuterSharding:
         gbuf = self._main_grads
         pg = self.comm.group
         ctx, gid = self._ctx, self._gid
-        comm_dtype = ctx.policy.grad_comm_dtype_for(self._group.dtype)
-        stats, label = ctx.stats, f"fsdp.outer_reduce.{gid}"
+        comm_dtype = ctx.grad_comm_dtypes[self._group.dtype]
+        stats, label = ctx.stats, self._range_reduce
         with torch.no_grad():
             if self.sharded:
                 send = gbuf.data if comm_dtype == gbuf.dtype else gbuf.data.to(comm_dtype)

@@ -84,8 +84,15 @@ class ParamSlot:
     chunk_rows: int  # rows per rank's region: ceil(rows / N); 1 for a replicated slot
     replicated: bool = False  # 0-d: every rank holds the element
     owner: int | None = None  # whole placement: the one shard holding all of it
+    # Derived once (read per parameter per step): whether one shard (``owner``) holds the
+    # whole parameter (Note [whole placement]); the elements of its region in each rank's
+    # shard (in its owner's, for a whole slot).
+    whole: bool = field(init=False, repr=False, compare=False)
+    width: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "whole", self.owner is not None)
+        object.__setattr__(self, "width", self.chunk_rows * self.row_numel)
         numel = math.prod(self.shape)
         row_numel = math.prod(self.shape[1:])
         if self.numel != numel or self.row_numel != row_numel:
@@ -113,19 +120,9 @@ class ParamSlot:
             )
 
     @property
-    def whole(self) -> bool:
-        """Whether one shard (``owner``) holds the whole parameter (Note [whole placement])."""
-        return self.owner is not None
-
-    @property
     def rows(self) -> int:
         """Number of dim-0 rows: ``shape[0]``, or 1 for a 0-d parameter."""
         return self.shape[0] if self.shape else 1
-
-    @property
-    def width(self) -> int:
-        """Elements of its region in each rank's shard (in its owner's, for a whole slot)."""
-        return self.chunk_rows * self.row_numel
 
 
 @dataclass(frozen=True)
@@ -141,6 +138,11 @@ class FlatLayout:
     shard_count: int
     shard_numel: int  # S
     alignment: int
+    # Derived once (read per gather and reduction): elements of the gathered (and of the
+    # parameter-major) buffer, ``N * S``; the share of them that is padding (0.0 for an
+    # empty buffer).
+    total_numel: int = field(init=False, repr=False, compare=False)
+    padding_fraction: float = field(init=False, repr=False, compare=False)
     _used_numel: int = field(init=False, repr=False, compare=False)
     _region_end: int = field(init=False, repr=False, compare=False)
     _uniform: tuple[ParamSlot, ...] = field(init=False, repr=False, compare=False)
@@ -202,6 +204,9 @@ class FlatLayout:
             raise ValueError(
                 f"FlatLayout regions end at {max(rank_end)}, past the shard of {s} elements"
             )
+        total = n * s
+        object.__setattr__(self, "total_numel", total)
+        object.__setattr__(self, "padding_fraction", (total - used) / total if total else 0.0)
         object.__setattr__(self, "_used_numel", used)
         object.__setattr__(self, "_region_end", cursor)
         object.__setattr__(self, "_uniform", tuple(x for x in self.slots if not x.whole))
@@ -216,11 +221,6 @@ class FlatLayout:
 
     # ---- sizes ------------------------------------------------------------------------
     @property
-    def total_numel(self) -> int:
-        """Elements of the gathered (and of the parameter-major) buffer: ``N * S``."""
-        return self.shard_count * self.shard_numel
-
-    @property
     def used_numel(self) -> int:
         """Elements that belong to parameters (a replicated slot counts once)."""
         return self._used_numel
@@ -228,12 +228,6 @@ class FlatLayout:
     @property
     def padding_numel(self) -> int:
         return self.total_numel - self._used_numel
-
-    @property
-    def padding_fraction(self) -> float:
-        """Padding over total elements; 0.0 for an empty buffer."""
-        total = self.total_numel
-        return (total - self._used_numel) / total if total else 0.0
 
     # ---- who holds what ---------------------------------------------------------------
     def _check_rank(self, shard_rank: int) -> None:

@@ -104,6 +104,9 @@ class ParamAndGradBuffer:
             grads=GradConfig(GradStaging.parse(grad_staging)),
             comm=CommContext(self.device),
         )
+        # The profiler ranges of the calls made every step, made once (re-entrant).
+        self._range_install = annotate("fsdp.install_optimized_model_weights")
+        self._range_zero_grad = annotate("fsdp.zero_grad_buffer")
         # The wrapper classifies the parameters for tp once, at its checks, and passes it.
         self.tp = (
             tensor_parallel if tensor_parallel is not None else TensorParallel(module, dist_index)
@@ -118,6 +121,7 @@ class ParamAndGradBuffer:
             communication_unit_size=communication_unit_size,
             communication_unit_max_units=communication_unit_max_units,
         )
+        self.policy = self._ctx.policy  # resolves the groups' gradient communication dtypes
         self.communication_unit_size = communication_unit_size
         self.communication_unit_max_units = communication_unit_max_units
         self.gradient_scaling_factor = (
@@ -244,6 +248,11 @@ class ParamAndGradBuffer:
 
     @policy.setter
     def policy(self, policy: MixedPrecisionPolicy) -> None:
+        self._ctx.grad_comm_dtypes = {
+            g.dtype: policy.grad_comm_dtype_for(g.dtype)
+            for g in self.groups
+            if g.requires_grad and g.is_float
+        }
         self._ctx.policy = policy
 
     @property
@@ -301,7 +310,7 @@ class ParamAndGradBuffer:
         marked STALE instead (``Bucket.mark_stale``, only where ``can_be_stale``): the
         next gather of each (``AllGatherPipeline``) is its all-gather."""
         pending: list[PendingCollective] = []
-        with torch.no_grad(), annotate("fsdp.install_optimized_model_weights"):
+        with torch.no_grad(), self._range_install:
             for bucket in self.buckets:
                 if bucket.gid in stale and bucket.can_be_stale:
                     bucket.mark_stale()
@@ -345,7 +354,7 @@ class ParamAndGradBuffer:
         them as its ``.grad`` (e.g. after ``zero_grad(set_to_none=False)``: as in torch,
         that gradient stays allocated, zeroed)."""
         views = self.views
-        with torch.no_grad(), annotate("fsdp.zero_grad_buffer"):
+        with torch.no_grad(), self._range_zero_grad:
             for bucket in self.buckets:
                 if bucket.grads.zero_grads(release=not views.grads_in_use(bucket.gid)):
                     views.park_grads(bucket.gid)

@@ -150,7 +150,7 @@ def measured_forward(wrapper: Any, meter: ActivationMeter, forward: Callable[[],
                 total += mw.layout.total_numel * mw.element_size
         return total
 
-    regather = wrapper.hooks.saved_weights_hooks()
+    regather = wrapper.hooks.saved_weights.saved_weights_hooks()
     if isinstance(regather, torch.autograd.graph.saved_tensors_hooks):
         inner = (regather.pack_hook, regather.unpack_hook)
         return meter.run(forward, persistent, gathered_bytes, inner)

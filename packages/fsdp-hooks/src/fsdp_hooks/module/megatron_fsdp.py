@@ -343,7 +343,9 @@ class MegatronFSDP(InnerModuleAttributes):
 
     # ---- forward --------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        return self._root_call(self.module, inputs, kwargs)
+        # ``self.module`` as nn.Module finds it, without the step passing through
+        # ``InnerModuleAttributes.__getattr__`` (its fallback) first.
+        return self._root_call(self._modules["module"], inputs, kwargs)
 
     def _root_call(self, fn: Callable[..., Any], inputs: tuple, kwargs: dict) -> Any:
         """``fn(*inputs, **kwargs)`` as one root forward: the root groups gathered and the
@@ -354,7 +356,7 @@ class MegatronFSDP(InnerModuleAttributes):
         inputs, kwargs = self.hooks.root_pre_forward(inputs, kwargs)
         meter = self.__dict__.get("_activation_meter")
         if meter is None:
-            with self.hooks.saved_weights_hooks():
+            with self.hooks.saved_weights.saved_weights_hooks():
                 output = fn(*inputs, **kwargs)
         else:
             output = measured_forward(self, meter, lambda: fn(*inputs, **kwargs))

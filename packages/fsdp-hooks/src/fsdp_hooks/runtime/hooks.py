@@ -76,7 +76,6 @@ trainable parameters), and its buckets are reduced at the end of backward.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any
 
@@ -181,11 +180,14 @@ class FSDPHooks:
         self._check_dropped = False
         self._nonfinite: list[tuple[str, torch.Tensor]] = []
         self.param_names = {p: name for name, _g, _i, p in buffer.named_params()}
-        # The per-unit hooks' profiler ranges, made once (re-entrant; the hooks of one
-        # model never run on two threads at once).
+        # The hooks' profiler ranges, made once (re-entrant; the hooks of one model never
+        # run on two threads at once).
+        self._range_root_pre_forward = annotate("fsdp.root_pre_forward")
+        self._range_root_post_forward = annotate("fsdp.root_post_forward")
         self._range_pre_forward = annotate("fsdp.pre_forward")
         self._range_post_forward = annotate("fsdp.post_forward")
         self._range_pre_backward = annotate("fsdp.pre_backward")
+        self._range_end_of_backward = annotate("fsdp.end_of_backward")
 
         module = config.module
         root = set(self.root_groups)
@@ -224,8 +226,8 @@ class FSDPHooks:
             dparam._fsdp_model_ref = callbacks.owner  # type: ignore[attr-defined]
         plan = plan_swaps(module, buffer, self.units, by_param)
         # Reads of released unit weights: refused, copied or gathered again (their module).
-        self._saved_weights = SavedWeightHooks(self, config.regather_saved_weights)
-        self.swap = ParamSwapping(buffer, plan, by_param, self._saved_weights)
+        self.saved_weights = SavedWeightHooks(self, config.regather_saved_weights)
+        self.swap = ParamSwapping(buffer, plan, by_param, self.saved_weights)
         self.params = ParamState(buffer, by_param, config)
         self._reached_add = self.params.reached.add  # per gradient (the set is kept)
         # Opt-in (FSDP_CHECK_SCHEDULE=1): ranks agree on each point that issues collectives.
@@ -268,15 +270,9 @@ class FSDPHooks:
         self.root_pre_forward = _eager(self.root_pre_forward)  # type: ignore[method-assign]
         self.root_post_forward = _eager(self.root_post_forward)  # type: ignore[method-assign]
 
-    # ---- weights saved for backward -------------------------------------------------
-    def saved_weights_hooks(self) -> contextlib.AbstractContextManager:
-        """Around the whole forward: ``SavedWeightHooks.saved_weights_hooks`` (nothing
-        unless ``regather_saved_weights=True``)."""
-        return self._saved_weights.saved_weights_hooks()
-
     # ---- root -----------------------------------------------------------------------
     def root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        with annotate("fsdp.root_pre_forward"):
+        with self._range_root_pre_forward:
             self.recover_if_backward_aborted()
             # A forward inside this model's backward is activation recompute (the whole
             # model checkpointed): not a new step.
@@ -297,10 +293,10 @@ class FSDPHooks:
 
     def root_post_forward(self, output: Any) -> Any:
         # Outputs that view a root bucket are copied: it is released at the step's end.
-        output = self._saved_weights.copy_out_root_views(output)
+        output = self.saved_weights.copy_out_root_views(output)
         if self.root_state is TrainingState.PRE_BACKWARD:
             return output  # recompute inside backward: the backward goes on
-        with annotate("fsdp.root_post_forward"):
+        with self._range_root_post_forward:
             self.gather.land_stale()  # buckets no unit of this forward used
             for group in self.unit_groups:  # members this forward skipped
                 group.finish_skipped(output)
@@ -317,7 +313,7 @@ class FSDPHooks:
 
     def _root_pre_backward(self) -> None:
         """The first gradient of a backward reached the output of a root forward."""
-        self._saved_weights.check_double_backward(None)
+        self.saved_weights.check_double_backward(None)
         self.begin_backward()
         self.root_state = TrainingState.PRE_BACKWARD
         if not self.swap.using_compute:
@@ -398,7 +394,7 @@ class FSDPHooks:
     ):
         # Outputs that view the unit's buckets are copied before any release (recompute
         # too: the same ops as the first forward).
-        output = self._saved_weights.copy_out_views(unit, output)
+        output = self.saved_weights.copy_out_views(unit, output)
         with self._range_post_forward:
             group.post_forward(unit, output)
         return output
@@ -408,7 +404,7 @@ class FSDPHooks:
             if unit is not None:  # else nothing is gathered: the members' outputs do it
                 if self.schedule is not None:
                     self.schedule.check(Phase.UNIT_BACKWARD, unit.index)
-                self._saved_weights.check_double_backward(unit)
+                self.saved_weights.check_double_backward(unit)
             self.begin_backward()
             self.root_state = TrainingState.PRE_BACKWARD
             group.pre_backward(unit, last)
@@ -424,7 +420,7 @@ class FSDPHooks:
     def _on_param_grad(self, param: torch.Tensor) -> None:
         if self._check_dropped:
             self._forget_dropped_grads()
-        saved = self._saved_weights
+        saved = self.saved_weights
         if not saved.regather_saved_weights:  # else there is nothing to check (the default)
             saved.check_side_path(param)  # type: ignore[arg-type]
         self._reached_add(id(param))  # ParamState.reached
@@ -437,7 +433,7 @@ class FSDPHooks:
             self.reduce.accumulate(param)  # type: ignore[arg-type]
 
     def _end_of_backward(self) -> None:
-        with annotate("fsdp.end_of_backward"):
+        with self._range_end_of_backward:
             self.root_state = TrainingState.POST_BACKWARD
             try:
                 if self.schedule is not None:
@@ -486,7 +482,7 @@ class FSDPHooks:
 
     def attach_grads(self, only_with_grads: bool) -> None:
         self.buffer.views.attach_grads(only_with_grads=only_with_grads)
-        self.params.drop_unreached_grads()
+        self.buffer.views.drop_grads(self.params.unreached)  # None where no backward reached
         self.grads_published = True
         self._check_dropped = True
 

@@ -19,7 +19,6 @@ main weights); forward and backward use compute parameters (views into buckets).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from operator import attrgetter
 
 import torch
@@ -38,12 +37,6 @@ _local_tensor = attrgetter("_local_tensor")
 _requires_grad = attrgetter("requires_grad")
 
 
-def _counters(inner: Iterable, sharded: Iterable) -> tuple[list[int], list[int]]:
-    """The version counters ``ParamState`` compares: each parameter's own, and each
-    sharded one's local tensor's."""
-    return list(map(_version, inner)), list(map(_version, map(_local_tensor, sharded)))
-
-
 class ParamState:
     def __init__(
         self,
@@ -52,7 +45,6 @@ class ParamState:
         config: RuntimeConfig,
     ) -> None:
         self._buffer = buffer
-        self._config = config
         names = {p: name for name, _g, _i, p in buffer.named_params()}
         # (name, compute, DTensor parameter, trainable bucket) in a rank-independent order.
         self.entries: list[tuple[str, nn.Parameter, nn.Parameter, bool]] = []
@@ -76,6 +68,16 @@ class ParamState:
         self._hookable = [d for d in self._trainable_dparams if not is_whole_parameter(d)]
         self._trainable_ids = [id(c) for c in self._trainable_compute]
         self._versions: tuple[list[int], list[int]] = ([], [])
+        # Where ``agree`` meets the other ranks, fixed at wrap: the device of its flags, the
+        # data-parallel group, and the expert one when ranks hold different experts.
+        self._device = control_device(buffer.device)
+        index = config.dist_index
+        self._dp_group = index.get_dp_group() if dist.is_initialized() else None
+        self._expert_dp_group = (
+            index.get_dp_group(is_expert_parallel=True)
+            if self._dp_group is not None and config.experts_differ_across_ranks
+            else None
+        )
         # ids of the compute parameters a gradient reached (a Tensor hashes in Python;
         # the parameters live as long as the model).
         self.reached: set[int] = set()  # cleared, never replaced (the hooks bind .add)
@@ -90,7 +92,10 @@ class ParamState:
     # a step: C-level maps, no Python call per parameter. The local tensor is looked up
     # each time (not cached), so one swapped in under a DTensor is still seen.
     def _all_versions(self) -> tuple[list[int], list[int]]:
-        return _counters(self._inner, self._sharded)
+        return (
+            list(map(_version, self._inner)),
+            list(map(_version, map(_local_tensor, self._sharded))),
+        )
 
     def record_versions(self) -> None:
         self._versions = self._all_versions()
@@ -129,17 +134,14 @@ class ParamState:
             list(map(self.reached.__contains__, self._trainable_ids)), dtype=torch.uint8
         )
         n = len(reached)
-        if dist.is_initialized():
-            index = self._config.dist_index
-            device = control_device(self._buffer.device)
+        if self._dp_group is not None:
+            device = self._device
             flags = torch.cat([reached, torch.tensor(late, dtype=torch.uint8)]).to(device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=index.get_dp_group())
-            if self._config.experts_differ_across_ranks and any(self._expert):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._dp_group)
+            if self._expert_dp_group is not None and any(self._expert):
                 # Ranks hold different experts: agree over the expert group instead.
                 mine = reached.to(device)
-                dist.all_reduce(
-                    mine, op=dist.ReduceOp.MAX, group=index.get_dp_group(is_expert_parallel=True)
-                )
+                dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self._expert_dp_group)
                 expert = torch.tensor(self._expert, dtype=torch.bool, device=device)
                 flags = torch.cat([torch.where(expert, mine, flags[:n]), flags[n:]])
             agreed = flags.tolist()  # the one device-to-host read of the agreement
@@ -149,7 +151,7 @@ class ParamState:
         self.unreached = [
             d for (_c, d), hit in zip(self._trainable, reached, strict=True) if not hit
         ]
-        self.drop_unreached_grads()
+        self._buffer.views.drop_grads(self.unreached)
         return late
 
     def run_grad_hooks(self) -> None:
@@ -163,6 +165,3 @@ class ParamState:
             if hooks and dparam.grad is not None:
                 for hook in tuple(hooks.values()):
                     hook(dparam)
-
-    def drop_unreached_grads(self) -> None:
-        self._buffer.views.drop_grads(self.unreached)

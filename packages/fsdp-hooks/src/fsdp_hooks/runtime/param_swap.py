@@ -167,25 +167,21 @@ class ParamSwapping:
         self._kept_units = plan.kept_units
         self.distributed_by_compute = by_param
         self._guard = guard
-        self._using_compute = True
-
-    @property
-    def using_compute(self) -> bool:
-        """Whether the locations hold the compute parameters (forward to end of backward)."""
-        return self._using_compute
+        # Whether the locations hold the compute parameters (forward to end of backward).
+        self.using_compute = True
 
     def use_compute_params(self) -> None:
-        if not self._using_compute:
+        if not self.using_compute:
             for module, attr, compute, _dist in self.locations:
                 module._parameters[attr] = compute
-            self._using_compute = True
+            self.using_compute = True
 
     def use_distributed_params(self) -> None:
         self._guard.hide_all()  # every bucket is released with it
-        if self._using_compute:
+        if self.using_compute:
             for module, attr, _compute, dparam in self.locations:
                 module._parameters[attr] = dparam
-            self._using_compute = False
+            self.using_compute = False
 
     def hold_stale_units(self) -> None:
         """Root pre-forward: units whose buckets are not current (STALE after a step, or
@@ -204,7 +200,7 @@ class ParamSwapping:
             self._guard.hide(unit)
         # Outside the compute phase every location already holds its DTensor. A unit
         # whose buckets stay gathered (ZeRO-1/2) keeps its compute parameters.
-        if self._using_compute:
+        if self.using_compute:
             if compute:
                 for module, to_compute, _to_dist in unit.swaps:
                     module._parameters.update(to_compute)
@@ -239,15 +235,8 @@ class _Owner(Protocol):
 
 # Read until 2026-11: on by default, "0" turned regathering off. Now only warned about.
 _REGATHER_ENV = "FSDP_REGATHER_SAVED_WEIGHTS"
-_set_version = torch._C._autograd._unsafe_set_version_counter
-
-
-def _set_versions(tensors: tuple[torch.Tensor, ...], versions: tuple[int, ...]) -> None:
-    try:
-        _set_version(tensors, versions)
-    except TypeError:  # older torch (2.6) takes one tensor and one version
-        for t, v in zip(tensors, versions, strict=True):
-            _set_version(t, v)  # type: ignore[arg-type]
+# Sets each tensor's version counter (tuples of tensors and versions: torch >= 2.7).
+_set_versions = torch._C._autograd._unsafe_set_version_counter
 
 
 @dataclass(frozen=True, eq=False)

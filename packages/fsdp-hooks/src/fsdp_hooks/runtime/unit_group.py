@@ -124,6 +124,7 @@ class UnitGroup:
         # post-backward has not (MAIN_GRAD: a second pass's pre-backward may come first
         # and needs its staging kept).
         self._open_backwards = 0
+        self._range_post_backward = annotate("fsdp.post_backward")  # made once, re-entrant
 
     # ---- forward --------------------------------------------------------------------
     def pre_forward(self, unit: FSDPUnit, recompute: bool, args: tuple, kwargs: dict):
@@ -209,21 +210,21 @@ class UnitGroup:
         for gid in unit.groups:
             self.reduce.prepare(gid)
 
-    @annotate("fsdp.post_backward")
     def post_backward(self) -> None:
-        self._set_state(TrainingState.POST_BACKWARD)
-        self._recompute_hooked = False
-        self._open_backwards = max(0, self._open_backwards - 1)
-        for gid in self.release_groups:
-            if gid in self.marks:
-                # Every pass: what arrived since the last reduction (Note [gradient
-                # staging]); later gradients are reduced at the end of backward.
-                self.reduce.mark_bucket_ready(gid)
-                if self._open_backwards and self._stages_main_grad:
-                    self.reduce.prepare(gid)  # another pass's main_grad writes come
-        self._release()
-        for unit in self.members:
-            self._use(unit, False)
+        with self._range_post_backward:
+            self._set_state(TrainingState.POST_BACKWARD)
+            self._recompute_hooked = False
+            self._open_backwards = max(0, self._open_backwards - 1)
+            for gid in self.release_groups:
+                if gid in self.marks:
+                    # Every pass: what arrived since the last reduction (Note [gradient
+                    # staging]); later gradients are reduced at the end of backward.
+                    self.reduce.mark_bucket_ready(gid)
+                    if self._open_backwards and self._stages_main_grad:
+                        self.reduce.prepare(gid)  # another pass's main_grad writes come
+            self._release()
+            for unit in self.members:
+                self._use(unit, False)
 
     def reset(self) -> None:
         """End of a backward, or a forward no backward follows: no pass under way."""
