@@ -40,7 +40,9 @@ once, at wrap time (``GradStaging`` in the buffer's frozen ``GradConfig``):
 
 A bucket may be reduced several times in one backward (a unit called twice): reduction
 is linear, so each reduction of what arrived since the last one, added into the main
-grads, sums to the reduction of the whole.
+grads, sums to the reduction of the whole. Its staging is not made or written again
+while a reduction of it is in flight: that reduction reads it in place or frees it when
+waited on, so ``GradReducePipeline`` waits for it first.
 
 Note [released gradients]. Sharded main grads (strategies 2 and 3) exist only from a
 backward's first reduction of the bucket until the gradients are cleared, as FSDP2's
