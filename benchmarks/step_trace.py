@@ -4,7 +4,9 @@
 step runs; this counts it. A profile hook (``sys.setprofile``) on rank 0 of world 2
 (gloo) records every Python function called during the third step (forward, backward,
 ``optimizer.step()``, ``zero_grad()``) whose file is in one of fsdp's packages, or, for
-FSDP2, in ``torch/distributed/fsdp/_fully_shard/``. Properties and closures count;
+FSDP2, in ``torch/distributed/fsdp/_fully_shard/``, and how many calls they took (the
+Python calls a step makes in the library: host time per step on a GPU is mostly these).
+Properties and closures count;
 comprehensions, generator expressions and lambdas do not. torch's optimizer step is
 counted for neither. The model: three units of ``Linear(128, 512)`` + ``Linear(512,
 128)`` between two root ``Linear``s, SGD, one unit per communication unit.
@@ -17,7 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from types import FrameType
 from typing import Any
 
@@ -86,13 +88,13 @@ def _wrap(library: str, module: nn.Module) -> tuple[nn.Module, torch.optim.Optim
     )
 
 
-def trace_rank(library: str) -> dict[str, list[str]]:
+def trace_rank(library: str) -> dict[str, dict[str, int]]:
     """On each rank: train ``STEPS`` steps, profiling the last; rank 0's functions by
-    file (relative to their package folder)."""
+    file (relative to their package folder), each with its number of calls."""
     torch.manual_seed(0)
     model, optimizer = _wrap(library, _Model())
     roots = _roots(library)
-    called: dict[str, set[str]] = defaultdict(set)
+    called: dict[str, Counter[str]] = defaultdict(Counter)
 
     def profile(frame: FrameType, event: str, _arg: Any) -> None:
         if event != "call":
@@ -103,7 +105,7 @@ def trace_rank(library: str) -> dict[str, list[str]]:
         for root in roots:
             if code.co_filename.startswith(root):
                 rel = os.path.relpath(code.co_filename, os.path.dirname(root))
-                called[rel].add(code.co_qualname)
+                called[rel][code.co_qualname] += 1
                 return
 
     x = torch.randn(BATCH, DIM, generator=torch.Generator().manual_seed(dist.get_rank()))
@@ -116,7 +118,7 @@ def trace_rank(library: str) -> dict[str, list[str]]:
             optimizer.zero_grad()
         finally:
             sys.setprofile(None)
-    return {f: sorted(fns) for f, fns in sorted(called.items())}
+    return {f: dict(sorted(fns.items())) for f, fns in sorted(called.items())}
 
 
 def main() -> None:
@@ -128,12 +130,13 @@ def main() -> None:
     for library in ("fsdp", "fsdp2"):
         files = run_distributed(trace_rank, 2, args=(library,), timeout=120, device_type="cpu")[0]
         total = sum(len(fns) for fns in files.values())
-        print(f"{library}: {total} functions in {len(files)} files")
+        calls = sum(sum(fns.values()) for fns in files.values())
+        print(f"{library}: {total} functions in {len(files)} files, {calls} calls")
         for name, fns in files.items():
-            print(f"  {len(fns):4d}  {name}")
+            print(f"  {len(fns):4d} functions {sum(fns.values()):5d} calls  {name}")
             if args.list:
-                for fn in fns:
-                    print(f"          {fn}")
+                for fn, n in fns.items():
+                    print(f"          {n:5d}  {fn}")
 
 
 if __name__ == "__main__":
