@@ -191,6 +191,10 @@ SCENARIOS = {
         "zero_dp_strategy": 3,
         "mixed_precision_policy": MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16),
     },
+    # Gradients staged in main_grad (the Megatron-Core adapters'): the replicated
+    # buffer reduced in place (ZeRO-1), staging buckets packed and freed (ZeRO-3).
+    "zero1_main_grad": {"zero_dp_strategy": 1, "grad_staging": "main_grad"},
+    "zero3_main_grad": {"zero_dp_strategy": 3, "grad_staging": "main_grad"},
     "zero2_bf16comm": {
         "zero_dp_strategy": 2,
         "mixed_precision_policy": MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16),
