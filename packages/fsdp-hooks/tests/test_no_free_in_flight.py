@@ -13,7 +13,8 @@ process group's methods is watched until its caller waits on it (or is told it h
 completed). A storage that shrinks while a watched collective reads or writes it fails the
 rank, naming the collective and where both calls came from. Training steps run under
 ZeRO-1/2/3, with unit coalescing, prefetch two deep, double buffering, gradients
-communicated in another dtype, microbatches, hybrid sharding and gradient clipping.
+communicated in another dtype or staged in ``main_grad``, microbatches, hybrid sharding
+and gradient clipping.
 
 On CUDA the same rule has a stream half (Note [streams and frees] in
 ``fsdp_buffers.collectives``): a collective runs on its own stream, so memory is free
