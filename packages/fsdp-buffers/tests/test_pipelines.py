@@ -230,6 +230,13 @@ def _expect(grads_by_rank, name, rows, present):
     return want if rows is None else want[rows[0] : rows[1]]
 
 
+def _agree(late: list[bool]) -> list[bool]:
+    """The hook layer's agreement: a bucket some rank flags is flagged on every rank."""
+    flags = torch.tensor(late, dtype=torch.uint8)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [bool(x) for x in flags.tolist()]
+
+
 def _logging(gr, buf, log):
     issued = []
 
@@ -367,12 +374,7 @@ def _unused_on_one_rank(strategy):
     if rank == 0:  # one rank only: the agreement makes both reduce again
         model.vit.weight.grad = torch.full_like(model.vit.weight, 100.0)
 
-    def agree(late: list[bool]) -> list[bool]:
-        flags = torch.tensor(late, dtype=torch.uint8)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return [bool(x) for x in flags.tolist()]
-
-    gr.finish(agree=agree)
+    gr.finish(agree=_agree)
     got, _ = _reduced(buf, "vit.weight")
     assert torch.all(got == 2.0 + 100.0 / world), got  # the mean, late gradient included
     return rank
@@ -493,12 +495,7 @@ def _late_while_in_flight(strategy):
         late.grad = torch.full_like(late, 100.0)
         gr.accumulate(late)
 
-    def agree(flags: list[bool]) -> list[bool]:
-        t = torch.tensor(flags, dtype=torch.uint8)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return [bool(x) for x in t.tolist()]
-
-    gr.finish(agree=agree)
+    gr.finish(agree=_agree)
     got, _ = _reduced(buf, "blocks.3.lin.weight")
     assert torch.all(got == 2.0 + 100.0 / world), got.unique()
     got, _ = _reduced(buf, "blocks.3.lin.bias")

@@ -366,6 +366,22 @@ class BucketGradients:
         """SHARD_REDUCED -> REDUCED: called when the outer reduction has landed."""
         self.state = GradState.REDUCED
 
+    @property
+    def reduction_holds_storage(self) -> bool:
+        """Whether a reduction of this bucket in flight still reads or rewrites the
+        storage its gradients go into: replicated gradients (reduced in place, or
+        rewritten by the follow-up) or a staging bucket reduced in place. Otherwise
+        (sharded gradients packed into a copy) the reduction holds only its copy, and the
+        next gradients may be staged meanwhile."""
+        gbuf = self.main_grads
+        if not gbuf.is_data_distributed:
+            return True
+        return (  # start_reduce's in-place branch, for staged (not packed) gradients
+            self.stages_main_grad
+            and gbuf.layout.is_rank_major(gbuf.coarse)
+            and self._ctx.grad_comm_dtypes[self._group.dtype] == gbuf.dtype
+        )
+
     def start_reduce(self) -> PendingCollective:
         """Scale and reduce the gradients this bucket took since its last reduction in
         the shard group. Every rank must call it for the same buckets in the same
@@ -400,11 +416,11 @@ class BucketGradients:
             # Gradients to rank-major pieces (Note [shard layout]); a staging bucket is
             # free once they are packed.
             layout = gbuf.layout
-            in_place = False
+            in_place = False  # a staging bucket the reduction reads: freed once waited on
             if gbuf.is_data_distributed and autograd:
                 send = self._pack_grads(comm_dtype)
             elif layout.is_rank_major(gbuf.coarse) and comm_dtype == gbuf.dtype:
-                send, in_place = unsharded, True  # freed once the reduction is waited on
+                send, in_place = unsharded, gbuf.is_data_distributed
             else:
                 send = torch.empty(layout.total_numel, dtype=comm_dtype, device=unsharded.device)
                 with self._range_copy_in:

@@ -98,7 +98,7 @@ class GradReducePipeline:
         e.g. Transformer Engine's fused wgrad)."""
         if gid in self._expected:
             grads = self.buckets[gid].grads
-            if grads.stages_main_grad:
+            if grads.stages_main_grad and grads.reduction_holds_storage:
                 self._wait_reduction_of(gid)
             grads.prepare_grads()
 
@@ -109,7 +109,7 @@ class GradReducePipeline:
         grads = self.buckets[gid].grads
         if gid in self._launched:
             self._late.add(gid)  # reduced by a later mark of it, else by finish()
-            if grads.stages_main_grad:
+            if grads.stages_main_grad and grads.reduction_holds_storage:
                 self._wait_reduction_of(gid)
         grads.accumulate(i, param)
 
@@ -148,7 +148,8 @@ class GradReducePipeline:
         if not self.sync_grads and not bucket.sharding.grads:
             bucket.grads.stage_locally()  # accumulate only; reduce at the next sync
             return
-        self._wait_reduction_of(gid)
+        if bucket.grads.reduction_holds_storage:
+            self._wait_reduction_of(gid)
         self._wait_for_room()
         self._inflight.append((gid, self._what[gid], bucket.grads.start_reduce()))
 
@@ -218,10 +219,10 @@ class GradReducePipeline:
     def _wait_reduction_of(self, gid: int) -> None:
         """Wait, in order, until no reduction of bucket ``gid`` is in flight: before its
         gradient storage is made or written again (a gradient after the bucket's
-        reduction, a unit's second pass, a second reduction). The reduction reads that
-        storage (replicated gradients, a rank-major staging bucket: in place), and its
-        follow-up frees the staging bucket or rewrites the replicated one; a gradient
-        added meanwhile would race the collective or be dropped with it."""
+        reduction, a unit's second pass, a second reduction) while a reduction holds it
+        (``BucketGradients.reduction_holds_storage``: it reads it in place, or its
+        follow-up frees or rewrites it); a gradient added meanwhile would race the
+        collective or be dropped with it."""
         while any(g == gid for g, _w, _p in self._inflight):
             self._wait_oldest()
 
