@@ -40,9 +40,11 @@ once, at wrap time (``GradStaging`` in the buffer's frozen ``GradConfig``):
 
 A bucket may be reduced several times in one backward (a unit called twice): reduction
 is linear, so each reduction of what arrived since the last one, added into the main
-grads, sums to the reduction of the whole. Its staging is not made or written again
-while a reduction of it is in flight: that reduction reads it in place or frees it when
-waited on, so ``GradReducePipeline`` waits for it first.
+grads, sums to the reduction of the whole. While a reduction holds the gradients'
+storage (``reduction_holds_storage``: it reads a staging bucket or the replicated buffer
+in place, or its follow-up rewrites the latter), ``GradReducePipeline`` waits for it
+before that storage is written again; a packed staging bucket is freed at the launch,
+and the next gradients stage in a new one meanwhile, which that follow-up leaves alone.
 
 Note [released gradients]. Sharded main grads (strategies 2 and 3) exist only from a
 backward's first reduction of the bucket until the gradients are cleared, as FSDP2's
