@@ -18,6 +18,8 @@ gradients are cleared, as FSDP2's do:
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -104,6 +106,24 @@ def _live_storages(model):
     ]
 
 
+def _released(weakrefs, timeout=10.0):
+    """Whether every storage in ``weakrefs`` is freed, waiting up to ``timeout`` s for
+    gloo to drop its own references.
+
+    fsdp drops its references inside ``zero_grad``, but a gloo collective's work still
+    holds its tensors after ``wait()`` returns: its worker thread releases them only
+    after marking the work complete, and freeing a tensor whose Python object C++
+    owns then needs the GIL, which this thread holds while it runs. So expiry is
+    polled, with the GIL released between reads; a reference fsdp kept never expires
+    and fails after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not all(w.expired() for w in weakrefs):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1e-3)  # releases the GIL for gloo's worker thread
+    return True
+
+
 def _train(scenario, world):
     """Train on the schedule; check what is allocated after each zero_grad."""
     rank = dist.get_rank()
@@ -148,7 +168,7 @@ def _train(scenario, world):
         opt.zero_grad(set_to_none=to_none)
         # Released where nothing holds the gradients (set_to_none), kept (zeroed) where
         # the optimizer's .grad still does.
-        stored.append((to_none, [w.expired() for w in live]))
+        stored.append((to_none, [_released([w]) if to_none else w.expired() for w in live]))
         if not to_none:
             for p in model.parameters():
                 assert p.grad is not None and not p.grad.to_local().any(), scenario
