@@ -27,7 +27,6 @@ Its gradients have an owner of their own, ``grads`` (``BucketGradients`` in
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -50,7 +49,7 @@ from fsdp_buffers.data_parallel_buffer import (
     DoubleBufferAllocator,
 )
 from fsdp_buffers.hybrid_sharding import OuterSharding
-from fsdp_buffers.layout import FlatLayout
+from fsdp_buffers.layout import FlatLayout, UnpackTargets
 from fsdp_buffers.no_shard import FSDP_WHOLE_ATTR
 from fsdp_buffers.param_group import ParameterGroup
 from fsdp_buffers.profiling import annotate
@@ -160,9 +159,9 @@ class Bucket:
         self._range_copy_out = annotate(f"fsdp.copy_out.{gid}")
         self._range_release = annotate(f"fsdp.release.{gid}")
         self._range_param_sync = annotate(f"fsdp.param_sync.{gid}")
-        # (bucket tensor, Layout.unpacker of it): the copy-out without the layout's
-        # lookups per gather (``_copy_out_for``).
-        self._unpacker: tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None = None
+        # (bucket tensor, coarse, FlatLayout.unpack_targets of it): the copy-out without
+        # the layout's lookups per gather (``_copy_out``).
+        self._unpack_targets: tuple[torch.Tensor, int | None, UnpackTargets] | None = None
         # (compute buffer tensor, an alias of it with its own version counter): where
         # an install unpacks (see ``start_install``).
         self._install_alias: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -377,19 +376,24 @@ class Bucket:
         # no no_grad context per gather.
         with self._range_copy_out:
             comm.note("read", StreamKind.COMPUTE, self.gid, "gather output")
-            self._copy_out_for(buf.fetch_bucket(), buf.coarse)(gathered)
+            self._copy_out(gathered, buf.fetch_bucket(), buf.coarse)
         comm.free(StreamKind.GATHER, StreamKind.COMPUTE, self.gid, "gather output")
         del gathered
 
-    def _copy_out_for(
-        self, pm: torch.Tensor, coarse: int | None = None
-    ) -> Callable[[torch.Tensor], None]:
-        """``Layout.unpacker`` of ``pm``, made once per tensor (the bucket's, or the
-        compute buffer's or its alias for installs: a bucket uses one of them)."""
-        kept = self._unpacker
-        if kept is None or kept[0] is not pm:
-            kept = self._unpacker = (pm, self.model.layout.unpacker(pm, coarse))
-        return kept[1]
+    def _copy_out(
+        self, gathered: torch.Tensor, pm: torch.Tensor, coarse: int | None = None
+    ) -> None:
+        """Copy the rank-major all-gather output ``gathered`` into the parameter-major
+        ``pm`` (``FlatLayout.unpack``): one ``split_with_sizes_copy`` into the layout's
+        views of ``pm``, made once per tensor (the bucket's, or the compute buffer's or
+        its alias for installs: a bucket uses one of them)."""
+        kept = self._unpack_targets
+        if kept is None or kept[0] is not pm or kept[1] != coarse:
+            kept = self._unpack_targets = (pm, coarse, self.model.layout.unpack_targets(pm, coarse))
+        t = kept[2]
+        torch.split_with_sizes_copy(
+            gathered.view(t.gathered_shape).transpose(0, 1), t.split_sizes, 2, out=t.regions
+        )
 
     def wait_gather(self, what: str) -> None:
         """-> READY_TO_USE, gathering first if nothing is in flight."""
@@ -493,8 +497,9 @@ class Bucket:
         )
         if gathered is model.data:
             return PendingCollective(work, keepalive=(send, gathered))
-        copy_out = self._copy_out_for(model.data if main is not None else self._alias())
-        return PendingCollective(work, functools.partial(copy_out, gathered), (send, gathered))
+        pm = model.data if main is not None else self._alias()
+        copy_out = functools.partial(self._copy_out, gathered, pm)
+        return PendingCollective(work, copy_out, (send, gathered))
 
     def _alias(self) -> torch.Tensor:
         """The compute buffer's tensor under a version counter of its own."""

@@ -48,7 +48,8 @@ serve both kinds. Owners are balanced by ``assign_owners`` (greedy, largest firs
 shard, the rest is padding.
 
 This module is the layout's arithmetic plus the two copies (``slot_placement`` lays the
-slots out); no process groups.
+slots out; a ``Bucket`` runs the copy-out itself, into the ``unpack_targets`` it keeps);
+no process groups.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ __all__ = [
     "FlatLayout",
     "ParamSlot",
     "StagingTargets",
+    "UnpackTargets",
 ]
 
 DEFAULT_ALIGNMENT: int = 16
@@ -353,21 +355,20 @@ class FlatLayout:
 
     def unpack(self, gathered: torch.Tensor, pm: torch.Tensor, coarse: int | None = None) -> None:
         """Copy an all-gather's output (rank-major, over ``coarse`` ranks) into the
-        parameter-major tensor ``pm``."""
-        self.unpacker(pm, coarse)(gathered)
+        parameter-major tensor ``pm``: one ``split_with_sizes_copy`` into
+        ``unpack_targets`` (a bucket runs the same copy with its targets kept,
+        ``Bucket._copy_out``)."""
+        t = self.unpack_targets(pm, coarse)
+        torch.split_with_sizes_copy(
+            gathered.view(t.gathered_shape).transpose(0, 1), t.split_sizes, 2, out=t.regions
+        )
 
-    def unpacker(
-        self, pm: torch.Tensor, coarse: int | None = None
-    ) -> Callable[[torch.Tensor], None]:
-        """``unpack`` into ``pm`` with its views made now, for a caller that keeps it (a
-        bucket, per gather). Valid while ``pm`` is the same tensor object."""
+    def unpack_targets(self, pm: torch.Tensor, coarse: int | None = None) -> UnpackTargets:
+        """Where ``unpack`` puts an all-gather's output in ``pm``, with its views made
+        now, for a caller that keeps them (a bucket, per gather). Valid while ``pm`` is
+        the same tensor object."""
         g, c = self._coarse(coarse)
-        shape, sizes, regions = (c, g, self.shard_numel), self._split_sizes, self._regions(pm, g, c)
-
-        def copy_out(gathered: torch.Tensor) -> None:
-            torch.split_with_sizes_copy(gathered.view(shape).transpose(0, 1), sizes, 2, out=regions)
-
-        return copy_out
+        return UnpackTargets((c, g, self.shard_numel), self._split_sizes, self._regions(pm, g, c))
 
     def pack(self, pm: torch.Tensor, out: torch.Tensor, coarse: int | None = None) -> None:
         """Copy the parameter-major ``pm`` into ``out``, rank-major over ``coarse`` ranks
@@ -502,6 +503,19 @@ class FlatLayout:
         elif self._region_end < s:
             padding.append(grid[:, :, self._region_end :])
         return StagingTargets(tuple(writes), tuple(regions), tuple(padding))
+
+
+@dataclass(frozen=True)
+class UnpackTargets:
+    """Views of a parameter-major tensor for the copy-out of an all-gather's output
+    (``unpack_targets``): the rank-major output viewed as ``gathered_shape`` ``(c, g,
+    shard_numel)`` and transposed to ``(g, c, shard_numel)`` splits along its last dim
+    by ``split_sizes`` into ``regions``, each uniform parameter's ``(g, c, width)``
+    regions and then the shard tails."""
+
+    gathered_shape: tuple[int, int, int]
+    split_sizes: list[int]
+    regions: list[torch.Tensor]
 
 
 @dataclass(frozen=True)

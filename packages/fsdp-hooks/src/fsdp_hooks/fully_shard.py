@@ -47,12 +47,9 @@ for it runs unchanged. Differences a user may notice:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-import types
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -62,12 +59,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_buffers import GradStaging, MixedPrecisionPolicy, ShardingStrategy
-from fsdp_buffers.whole_param import inner_of, is_whole_parameter
+from fsdp_buffers.whole_param import inner_of
 from fsdp_hooks.features.whole_state import register_whole_optimizer_state
 from fsdp_hooks.module.config import DistributedDataParallelConfig
 from fsdp_hooks.module.megatron_fsdp import MegatronFSDP
-from fsdp_hooks.optim.local_step import LocalStep
-from fsdp_hooks.optim.optim_init import InitialState, init_optimizer_state
+from fsdp_hooks.optim.local_step import StepRound, patch_optimizer
+from fsdp_hooks.optim.optim_init import init_optimizer_state
 from fsdp_hooks.optim.optimizers import (
     check_optimizer_supported,
     inner_parameters,
@@ -339,7 +336,7 @@ def fully_shard_optimizer(
     preproc_state_dict_for_dcp_ckpt: bool = True,
     *,
     model: MegatronFSDP | None = None,
-    _step_round: _StepRound | None = None,
+    _step_round: StepRound | None = None,
 ) -> torch.optim.Optimizer:
     """Make ``optimizer`` step the model's sharded main weights, in place.
 
@@ -398,7 +395,7 @@ def fully_shard_optimizer(
     # That step restored the weights bit for bit but bumped their version counters: not
     # a user's write to re-install at the next forward.
     model.hooks.params.record_versions()
-    _patch_optimizer(optimizer, model, initial, _step_round)
+    patch_optimizer(optimizer, model, initial, _step_round)
     if any(hasattr(p, "_fsdp_whole_owner") for g in optimizer.param_groups for p in g["params"]):
         show_whole_parameters(optimizer)
         register_whole_optimizer_state(optimizer, model.buffer.views)
@@ -413,90 +410,6 @@ def fully_shard_optimizer(
         ]
         refuse_positional_expert_state_in_dcp(optimizer, is_expert)
     return optimizer
-
-
-class _StepRound:
-    """Optimizers passed to ``fully_shard`` together share one gradient sync and one
-    install per step: the first to step syncs, the last installs."""
-
-    def __init__(self, count: int) -> None:
-        self.count = count
-        self.stepped: set[int] = set()
-
-    def check_complete(self, *_args: Any) -> None:
-        if self.stepped:
-            raise RuntimeError(
-                f"forward after {len(self.stepped)} of the {self.count} optimizers passed to "
-                "fully_shard together stepped: the weights are installed once all of them "
-                "have stepped; call step() on every one of them before the next forward"
-            )
-
-
-def _patch_optimizer(
-    optimizer: torch.optim.Optimizer,
-    model: MegatronFSDP,
-    initial: InitialState,
-    step_round: _StepRound | None = None,
-) -> None:
-    """Wrap ``step`` and ``zero_grad`` of this optimizer instance. They stay bound
-    methods (``types.MethodType``): torch's ``LRScheduler`` built afterwards wraps
-    ``optimizer.step`` through its ``__func__``."""
-    optimizer._fsdp_model_ref = weakref.ref(model)  # type: ignore[attr-defined]
-    # For model.memory_stats(); weak, so the model does not keep the optimizer alive.
-    model.__dict__["_fsdp_optimizer_ref"] = weakref.ref(optimizer)
-    base_step = optimizer.step
-    base_zero_grad = optimizer.zero_grad
-    # Element-wise optimizers step the plain local shards (Note [local step]).
-    local_step = LocalStep(optimizer)
-    optimizer._fsdp_local_step = local_step  # type: ignore[attr-defined]
-
-    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        sync = kwargs.pop("sync_grad_before_optimizer_step", True)
-        install = kwargs.pop("install_optimized_model_weights", True)
-        if step_round is not None:
-            if id(self) in step_round.stepped:
-                raise RuntimeError(
-                    "this optimizer stepped twice before the other optimizers passed to "
-                    "fully_shard with it stepped once; step each of them once per step"
-                )
-            sync = sync and not step_round.stepped
-            step_round.stepped.add(id(self))
-            if len(step_round.stepped) < step_round.count:
-                install = False
-            else:
-                step_round.stepped.clear()
-        if sync:
-            model.finish_grad_sync()
-        else:
-            model.attach_grad_to_optimizer_state()
-        # Whole placement only: the param groups hold the tensors fsdp steps meanwhile.
-        shows_whole = getattr(self, "_fsdp_shows_whole", False)
-        with inner_parameters(optimizer) if shows_whole else contextlib.nullcontext():
-            if initial.created:
-                initial.drop_untouched(optimizer)
-            result = local_step.step(optimizer, base_step, args, kwargs)
-        if install:
-            # With overlap_param_gather, ZeRO-1/2 gathers overlap the next forward.
-            model.install_optimized_model_weights(defer=model.ddp_config.overlap_param_gather)
-        return result
-
-    def zero_grad(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
-        zero_buffer = kwargs.pop("zero_grad_buffer", True)
-        shows_whole = getattr(self, "_fsdp_shows_whole", False)
-        with inner_parameters(optimizer) if shows_whole else contextlib.nullcontext():
-            base_zero_grad(*args, **kwargs)
-        if shows_whole and kwargs.get("set_to_none", args[0] if args else True):
-            for group in self.param_groups:  # WholeParameters: as torch does to the others
-                for p in group["params"]:
-                    if is_whole_parameter(p):
-                        p.grad = None
-        if zero_buffer:
-            model.zero_grad_buffer()
-
-    step.__doc__ = base_step.__doc__
-    zero_grad.__doc__ = base_zero_grad.__doc__
-    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
-    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
 
 
 def fully_shard(
@@ -546,7 +459,7 @@ def fully_shard(
         for opt in optimizers:
             mark_whole_placement(opt)
     model = fully_shard_model(module, **kwargs)
-    step_round = _StepRound(len(optimizers)) if many else None
+    step_round = StepRound(len(optimizers)) if many else None
     if step_round is not None:
         model.register_forward_pre_hook(step_round.check_complete)
     wrapped = [

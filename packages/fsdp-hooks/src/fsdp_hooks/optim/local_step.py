@@ -1,4 +1,15 @@
-"""Stepping an element-wise optimizer on the plain local shards (no DTensor dispatch).
+"""The optimizer's step under fsdp: the gradients synchronised, the step (on the plain
+local shards where that is exact), the updated weights installed.
+
+``patch_optimizer`` (the last thing ``fully_shard_optimizer`` does) wraps one optimizer
+instance's ``step`` and ``zero_grad``: ``step()`` finishes the gradient sync, steps
+(``LocalStep``) and installs the main weights into the compute weights; ``zero_grad()``
+also zeros the model's gradient buffers. Both take Megatron-FSDP's extra keywords
+(``sync_grad_before_optimizer_step``, ``install_optimized_model_weights``,
+``zero_grad_buffer``). Optimizers passed to ``fully_shard`` together share a
+``StepRound``: the first to step syncs, the last installs. The model is reached through
+``FSDPModel``, the methods of ``MegatronFSDP`` these call (``optim`` sits below
+``module``).
 
 Note [local step]: the optimizer's parameters are DTensors over this rank's shard of the
 main weights (``dtensor_views``), its gradients DTensors over the main-grad shard, its
@@ -32,8 +43,8 @@ every state dict with its keys and values are the same objects as when it was bu
 entry replaced, a new gradient) plans anew with the per-parameter checks below. A step
 that replaced or added a state value is written back and the next one plans anew.
 
-- the optimizer's class is not one of ``_KINDS`` exactly (a subclass may override the
-  update), or a group is ``differentiable``;
+- the optimizer's class is not one of those ``optimizers.state_keys`` lists, exactly (a
+  subclass may override the update), or a group is ``differentiable``;
 - ``step`` gets arguments (a closure) or step hooks are registered (they would see the
   shadows);
 - a state entry is not a known per-element key holding a DTensor placed as the parameter
@@ -45,66 +56,25 @@ that replaced or added a state value is written back and the next one plans anew
 
 from __future__ import annotations
 
+import contextlib
+import types
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter, is_, itemgetter
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import optimizer as torch_optimizer
 
-__all__ = ["LocalStep", "state_keys"]
+from fsdp_buffers.whole_param import is_whole_parameter
+from fsdp_hooks.optim.optim_init import InitialState
+from fsdp_hooks.optim.optimizers import StateKeys, inner_parameters, state_keys
 
-
-@dataclass(frozen=True)
-class _Kind:
-    """The state keys of one element-wise optimizer class: per-element tensors (shaped
-    like the parameter) and scalars (0-d tensors or numbers, alike for every element);
-    ``stateless``: a group option under which the class keeps no state at all."""
-
-    per_element: frozenset[str]
-    scalars: frozenset[str]
-    stateless: Callable[[dict[str, Any]], bool] | None = None
-
-
-def _kind(per_element: str, scalars: str = "step", stateless=None) -> _Kind:
-    return _Kind(frozenset(per_element.split()), frozenset(scalars.split()), stateless)
-
-
-# Checked against torch 2.15's implementations: every update is element-wise given the
-# group's hyperparameters and the scalar state.
-_KINDS_BY_NAME: dict[str, _Kind] = {
-    "SGD": _kind("momentum_buffer", "", stateless=lambda group: group["momentum"] == 0),
-    "Adam": _kind("exp_avg exp_avg_sq max_exp_avg_sq"),
-    "AdamW": _kind("exp_avg exp_avg_sq max_exp_avg_sq"),
-    "Adamax": _kind("exp_avg exp_inf"),
-    "NAdam": _kind("exp_avg exp_avg_sq", "step mu_product"),
-    "RAdam": _kind("exp_avg exp_avg_sq"),
-    "Adagrad": _kind("sum"),
-    "Adadelta": _kind("square_avg acc_delta"),
-    "RMSprop": _kind("square_avg momentum_buffer grad_avg"),
-    "Rprop": _kind("prev step_size"),
-    "ASGD": _kind("ax", "step eta mu"),
-}
-_KINDS: dict[type, _Kind] = {
-    cls: kind
-    for name, kind in _KINDS_BY_NAME.items()
-    if (cls := getattr(torch.optim, name, None)) is not None
-}
-
-
-def state_keys(optimizer: torch.optim.Optimizer) -> _Kind | None:
-    """The state keys of ``optimizer``'s class, or of its nearest listed base class (a
-    subclass creates its base's state, whatever it does to the update); None: unknown."""
-    for cls in type(optimizer).__mro__:
-        kind = _KINDS.get(cls)
-        if kind is not None:
-            return kind
-    return None
+__all__ = ["FSDPModel", "LocalStep", "StepRound", "patch_optimizer"]
 
 
 def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
@@ -266,7 +236,7 @@ class LocalStep:
     [local step]); one per patched optimizer."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self._kind = _KINDS.get(type(optimizer))
+        self._kind = state_keys(optimizer, exact=True)
         self._shadows: dict[int, _Shadow] = {}  # by id of the DTensor parameter
         # The last plan and what it was built from, reused while that is unchanged.
         self._snapshot: _Snapshot | None = None
@@ -437,14 +407,14 @@ class LocalStep:
             entry.entries = None  # checked again next step
 
     @staticmethod
-    def _wrap(key: str, value: Any, p: DTensor, shadow: torch.Tensor, kind: _Kind) -> Any:
+    def _wrap(key: str, value: Any, p: DTensor, shadow: torch.Tensor, kind: StateKeys) -> Any:
         if key in kind.per_element:
             if not (isinstance(value, torch.Tensor) and value.shape == shadow.shape):
                 raise RuntimeError(
                     f"{type(value).__name__} {key!r} of the optimizer state came out of a "
                     f"local step with shape {getattr(value, 'shape', None)}, not the local "
                     f"shard's {tuple(shadow.shape)}: this optimizer's update is not "
-                    "element-wise (report it; fsdp_hooks.optim.local_step lists the optimizers "
+                    "element-wise (report it; fsdp_hooks.optim.optimizers lists the optimizers "
                     "stepped locally)"
                 )
             return DTensor.from_local(
@@ -460,9 +430,115 @@ class LocalStep:
         raise RuntimeError(
             f"the optimizer state key {key!r} came out of a local step and is neither a "
             "known per-element tensor nor a scalar of this optimizer; its update may not "
-            "be element-wise (report it; fsdp_hooks.optim.local_step lists the optimizers "
+            "be element-wise (report it; fsdp_hooks.optim.optimizers lists the optimizers "
             "stepped locally)"
         )
 
 
 _MISSING = object()
+
+
+# ---- the patched step and zero_grad --------------------------------------------------
+class _InstallOptions(Protocol):
+    @property
+    def overlap_param_gather(self) -> bool: ...
+
+
+class FSDPModel(Protocol):
+    """What the patched ``step`` and ``zero_grad`` call on the model (``MegatronFSDP``'s
+    methods of these names)."""
+
+    @property
+    def ddp_config(self) -> _InstallOptions: ...
+
+    def finish_grad_sync(self) -> None: ...
+
+    def attach_grad_to_optimizer_state(self) -> None: ...
+
+    def install_optimized_model_weights(self, *, defer: bool = False) -> None: ...
+
+    def zero_grad_buffer(self) -> None: ...
+
+
+class StepRound:
+    """Optimizers passed to ``fully_shard`` together share one gradient sync and one
+    install per step: the first to step syncs, the last installs."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.stepped: set[int] = set()
+
+    def check_complete(self, *_args: Any) -> None:
+        if self.stepped:
+            raise RuntimeError(
+                f"forward after {len(self.stepped)} of the {self.count} optimizers passed to "
+                "fully_shard together stepped: the weights are installed once all of them "
+                "have stepped; call step() on every one of them before the next forward"
+            )
+
+
+def patch_optimizer(
+    optimizer: torch.optim.Optimizer,
+    model: FSDPModel,
+    initial: InitialState,
+    step_round: StepRound | None = None,
+) -> None:
+    """Wrap ``step`` and ``zero_grad`` of this optimizer instance. They stay bound
+    methods (``types.MethodType``): torch's ``LRScheduler`` built afterwards wraps
+    ``optimizer.step`` through its ``__func__``."""
+    optimizer._fsdp_model_ref = weakref.ref(model)  # type: ignore[attr-defined]
+    # For model.memory_stats(); weak, so the model does not keep the optimizer alive.
+    model.__dict__["_fsdp_optimizer_ref"] = weakref.ref(optimizer)
+    base_step = optimizer.step
+    base_zero_grad = optimizer.zero_grad
+    # Element-wise optimizers step the plain local shards (Note [local step]).
+    local_step = LocalStep(optimizer)
+    optimizer._fsdp_local_step = local_step  # type: ignore[attr-defined]
+
+    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        sync = kwargs.pop("sync_grad_before_optimizer_step", True)
+        install = kwargs.pop("install_optimized_model_weights", True)
+        if step_round is not None:
+            if id(self) in step_round.stepped:
+                raise RuntimeError(
+                    "this optimizer stepped twice before the other optimizers passed to "
+                    "fully_shard with it stepped once; step each of them once per step"
+                )
+            sync = sync and not step_round.stepped
+            step_round.stepped.add(id(self))
+            if len(step_round.stepped) < step_round.count:
+                install = False
+            else:
+                step_round.stepped.clear()
+        if sync:
+            model.finish_grad_sync()
+        else:
+            model.attach_grad_to_optimizer_state()
+        # Whole placement only: the param groups hold the tensors fsdp steps meanwhile.
+        shows_whole = getattr(self, "_fsdp_shows_whole", False)
+        with inner_parameters(optimizer) if shows_whole else contextlib.nullcontext():
+            if initial.created:
+                initial.drop_untouched(optimizer)
+            result = local_step.step(optimizer, base_step, args, kwargs)
+        if install:
+            # With overlap_param_gather, ZeRO-1/2 gathers overlap the next forward.
+            model.install_optimized_model_weights(defer=model.ddp_config.overlap_param_gather)
+        return result
+
+    def zero_grad(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        zero_buffer = kwargs.pop("zero_grad_buffer", True)
+        shows_whole = getattr(self, "_fsdp_shows_whole", False)
+        with inner_parameters(optimizer) if shows_whole else contextlib.nullcontext():
+            base_zero_grad(*args, **kwargs)
+        if shows_whole and kwargs.get("set_to_none", args[0] if args else True):
+            for group in self.param_groups:  # WholeParameters: as torch does to the others
+                for p in group["params"]:
+                    if is_whole_parameter(p):
+                        p.grad = None
+        if zero_buffer:
+            model.zero_grad_buffer()
+
+    step.__doc__ = base_step.__doc__
+    zero_grad.__doc__ = base_zero_grad.__doc__
+    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]

@@ -1,4 +1,5 @@
-"""Which ``torch.optim`` optimizers can step fsdp's sharded main weights, and moving
+"""Which ``torch.optim`` optimizers can step fsdp's sharded main weights, the state keys
+of the element-wise ones (``state_keys``, what the local step relies on), and moving
 state an optimizer already holds onto them.
 
 The optimizer steps DTensor parameters holding this rank's shard (ZeRO-1/2/3) or a
@@ -30,7 +31,7 @@ tensor. Refused at wrap, with the reason:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,10 +41,10 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from fsdp_buffers.no_shard import FSDP_WHOLE_ATTR
 from fsdp_buffers.whole_param import inner_of, is_whole_parameter
-from fsdp_hooks.optim.local_step import state_keys
 from fsdp_mesh.versions import dtensor_masked_assign_keeps_shard
 
 __all__ = [
+    "StateKeys",
     "check_optimizer_supported",
     "inner_parameters",
     "is_whole_matrix_optimizer",
@@ -51,11 +52,61 @@ __all__ = [
     "move_state_to_main_weights",
     "refuse_positional_expert_state_in_dcp",
     "show_whole_parameters",
+    "state_keys",
 ]
 
 
 def _class(name: str) -> type | None:
     return getattr(torch.optim, name, None)
+
+
+@dataclass(frozen=True)
+class StateKeys:
+    """The state keys of one element-wise optimizer class: per-element tensors (shaped
+    like the parameter) and scalars (0-d tensors or numbers, alike for every element);
+    ``stateless``: a group option under which the class keeps no state at all."""
+
+    per_element: frozenset[str]
+    scalars: frozenset[str]
+    stateless: Callable[[dict[str, Any]], bool] | None = None
+
+
+def _keys(per_element: str, scalars: str = "step", stateless=None) -> StateKeys:
+    return StateKeys(frozenset(per_element.split()), frozenset(scalars.split()), stateless)
+
+
+# Checked against torch 2.15's implementations: every update is element-wise given the
+# group's hyperparameters and the scalar state (what Note [local step] relies on).
+_ELEMENT_WISE_BY_NAME: dict[str, StateKeys] = {
+    "SGD": _keys("momentum_buffer", "", stateless=lambda group: group["momentum"] == 0),
+    "Adam": _keys("exp_avg exp_avg_sq max_exp_avg_sq"),
+    "AdamW": _keys("exp_avg exp_avg_sq max_exp_avg_sq"),
+    "Adamax": _keys("exp_avg exp_inf"),
+    "NAdam": _keys("exp_avg exp_avg_sq", "step mu_product"),
+    "RAdam": _keys("exp_avg exp_avg_sq"),
+    "Adagrad": _keys("sum"),
+    "Adadelta": _keys("square_avg acc_delta"),
+    "RMSprop": _keys("square_avg momentum_buffer grad_avg"),
+    "Rprop": _keys("prev step_size"),
+    "ASGD": _keys("ax", "step eta mu"),
+}
+_ELEMENT_WISE: dict[type, StateKeys] = {
+    cls: keys for name, keys in _ELEMENT_WISE_BY_NAME.items() if (cls := _class(name)) is not None
+}
+
+
+def state_keys(optimizer: torch.optim.Optimizer, exact: bool = False) -> StateKeys | None:
+    """The state keys of ``optimizer``'s class, or (unless ``exact``: the local step
+    needs the class's own update, which a subclass may override) of its nearest listed
+    base class (a subclass creates its base's state, whatever it does to the update);
+    None: unknown."""
+    if exact:
+        return _ELEMENT_WISE.get(type(optimizer))
+    for cls in type(optimizer).__mro__:
+        keys = _ELEMENT_WISE.get(cls)
+        if keys is not None:
+            return keys
+    return None
 
 
 def _whole_matrix_classes() -> tuple[type, ...]:
@@ -286,10 +337,10 @@ def _is_per_element(
         or value.shape != original.shape
     ):
         return False
-    kind = state_keys(optimizer)
-    if kind is not None and key in kind.per_element:
+    keys = state_keys(optimizer)
+    if keys is not None and key in keys.per_element:
         return True
-    if key == "step" or (kind is not None and key in kind.scalars):
+    if key == "step" or (keys is not None and key in keys.scalars):
         return False
     if original.ndim > 0:
         return True
