@@ -46,6 +46,8 @@ def _log(*ops: tuple) -> StreamRecorder:
 
 
 _LAUNCH = [("wait_stream", GATHER, 0, "", COMPUTE), ("launch", GATHER, 0)]
+_REDUCE = [("wait_stream", REDUCE, 0, "", COMPUTE), ("launch", REDUCE, 0)]
+_FOLLOW_UP = ("wait", REDUCE, 0, "", REDUCE, REDUCE)
 _GOOD = [
     *_LAUNCH,
     ("wait", COMPUTE, 0, "", GATHER),
@@ -54,10 +56,12 @@ _GOOD = [
     ("free", GATHER, 0, "gather output", COMPUTE),
     ("read", COMPUTE, 0, "gathered bucket"),
     ("free", COMPUTE, 0, "gathered bucket", COMPUTE),
-    ("wait_stream", REDUCE, 0, "", COMPUTE),
-    ("launch", REDUCE, 0),
-    ("wait", COMPUTE, 0, "", REDUCE),
+    *_REDUCE,
+    ("wait", REDUCE, 0, "", REDUCE, REDUCE),  # the follow-up, on the reduce stream
+    ("wait_event", COMPUTE, 0, "", REDUCE),
     ("free", COMPUTE, 0, "reduction input", REDUCE),
+    ("read", COMPUTE, 0, "main grads", REDUCE),
+    ("write", COMPUTE, 0, "gradients", REDUCE),
 ]
 
 
@@ -75,12 +79,49 @@ _GOOD = [
             "freed before gather waited on compute's last read",
         ),
         (
+            [*_REDUCE, ("free", COMPUTE, 0, "x", REDUCE)],
+            "freed before the reduce stream waited on the collective using it",
+        ),
+        (  # the reduce stream still reads it (the follow-up)
+            [*_REDUCE, _FOLLOW_UP, ("free", COMPUTE, 0, "x", REDUCE)],
+            "freed before compute waited on the follow-up of the reduction using it",
+        ),
+        (  # the old order: compute waits on the collective and runs the follow-up
+            [*_REDUCE, ("wait", COMPUTE, 0, "", REDUCE)],
+            "a reduction's follow-up runs on the reduce stream, not compute",
+        ),
+        (
+            [*_REDUCE, ("wait", REDUCE, 0, "", REDUCE)],
+            "made while compute was current, not reduce",
+        ),
+        ([_FOLLOW_UP], "waited on a reduction never launched"),
+        (
+            [*_REDUCE, ("read", COMPUTE, 0, "main grads", REDUCE)],
+            "read before compute waited on the follow-up of the reduction in flight",
+        ),
+        (  # compute waits on an event recorded before the follow-up was queued
             [
-                ("wait_stream", REDUCE, 0, "", COMPUTE),
-                ("launch", REDUCE, 0),
-                ("free", COMPUTE, 0, "x", REDUCE),
+                *_REDUCE,
+                ("wait_event", COMPUTE, 0, "", REDUCE),
+                _FOLLOW_UP,
+                ("write", COMPUTE, 0, "gradients", REDUCE),
             ],
-            "freed before compute waited on the reduce collective",
+            "write before compute waited on the follow-up of the reduction in flight",
+        ),
+        (  # two reductions of one bucket in flight: the second one's is not waited on
+            [
+                *_REDUCE,
+                *_REDUCE,
+                _FOLLOW_UP,
+                ("wait_event", COMPUTE, 0, "", REDUCE),
+                ("free", COMPUTE, 0, "x", REDUCE),
+                ("write", COMPUTE, 0, "main grads", REDUCE),
+            ],
+            "write before compute waited on the follow-up of the reduction in flight",
+        ),
+        (
+            [*_REDUCE, _FOLLOW_UP, ("wait_event", COMPUTE, 0, "", REDUCE), ("read", COMPUTE, 0, "main grads", REDUCE, REDUCE)],
+            "made while reduce was current, not compute",
         ),
         (
             [*_LAUNCH, ("wait_event", GATHER, 0, "", COMPUTE), ("free", GATHER, 0, "x", COMPUTE)],

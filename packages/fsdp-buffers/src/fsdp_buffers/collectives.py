@@ -203,26 +203,38 @@ class CommStats:
 
 
 class PendingCollective:
-    """A collective in flight and the work to do once it has finished."""
+    """A collective in flight and the work to do once it has finished: ``then``, the
+    follow-up that reads its result (accumulate), and ``release``, what frees memory the
+    collective or the follow-up used (run once that memory is free to reuse; see
+    Note [streams and frees])."""
 
-    __slots__ = ("_done", "_then", "_work", "keepalive")
+    __slots__ = ("_done", "_release", "_then", "_work", "keepalive")
 
     def __init__(
         self,
         work: dist.Work | None,
         then: Callable[[], None] | None = None,
         keepalive: tuple[torch.Tensor, ...] = (),
+        release: Callable[[], None] | None = None,
     ) -> None:
         self._work = work
         self._then = then
+        self._release = release
         self._done = False
         self.keepalive = keepalive
 
     def wait(self, what: str = "a collective") -> None:
+        """``complete`` then ``close``: on one stream."""
+        self.complete(what)
+        self.close()
+
+    def complete(self, what: str = "a collective") -> None:
+        """Wait on the collective (the current stream waits on NCCL; the host blocks on
+        gloo) and run its follow-up, once."""
         if self._done:
             return
         self._done = True
-        with _WAIT_RANGE:  # the wait and the follow-up (accumulate, free)
+        with _WAIT_RANGE:  # the wait and the follow-up (accumulate)
             work = self._work
             if work is not None:
                 if _timeout_s[0] is None:
@@ -236,6 +248,13 @@ class PendingCollective:
             if self._then is not None:
                 then, self._then = self._then, None
                 then()
+
+    def close(self) -> None:
+        """Free what the collective and its follow-up used (``release``, the
+        ``keepalive`` tensors), once it is ``complete``."""
+        if self._release is not None:
+            release, self._release = self._release, None
+            release()
         self.keepalive = ()
 
     @property
@@ -528,16 +547,34 @@ class CommContext:
         return ops.use(stream)
 
     def wait(self, pending: PendingCollective, what: str, kind: StreamKind, gid: int) -> None:
-        """COMPUTE (the current stream) waits on the collective ``pending`` launched on
-        ``kind``'s stream, and runs its follow-up; before any read of its result."""
-        self.note("wait", StreamKind.COMPUTE, gid, peer=kind)
-        pending.wait(what)
+        """Wait on the collective ``pending`` launched on ``kind``'s stream, run its
+        follow-up and free what it used (Note [streams and frees]). A gather: COMPUTE
+        (the current stream) waits on it, before any read of its result. A reduction:
+        the reduce stream waits on it and runs the follow-up (the accumulation into the
+        main grads), then COMPUTE waits on an event recorded after that, before the
+        memory they used (allocated on COMPUTE) is freed and before anything on COMPUTE
+        touches the main grads. Without streams the host waits, as gloo's work does."""
+        if kind is not StreamKind.REDUCE:
+            self.note("wait", StreamKind.COMPUTE, gid, peer=kind)
+            pending.wait(what)
+            return
+        ops = self.ops
+        stream = self._streams.get(kind)  # None without streams: no-op orders below
+        with ops.use(stream):
+            self.note("wait", kind, gid, peer=kind)
+            pending.complete(what)
+            event = ops.record(stream)
+        ops.wait_event(ops.current(), event)
+        self.note("wait_event", StreamKind.COMPUTE, gid, peer=kind)
+        self.free(StreamKind.COMPUTE, kind, gid, "reduction input and output")
+        pending.close()
 
     def free(self, allocated_on: StreamKind, used_by: StreamKind, gid: int, what: str) -> None:
         """Before memory allocated on ``allocated_on`` and used on ``used_by`` is freed.
         Allocated on a communication stream and read on COMPUTE: that stream waits on an
         event recorded on COMPUTE now (after the reads). Allocated on COMPUTE and used by
-        a collective: COMPUTE already waited on it (``wait``); nothing to add."""
+        a collective (and a reduction's follow-up): COMPUTE already waited on it, or on
+        the event after the follow-up (``wait``); nothing to add."""
         if not self.has_streams:
             return
         if allocated_on is not used_by and allocated_on is not StreamKind.COMPUTE:
