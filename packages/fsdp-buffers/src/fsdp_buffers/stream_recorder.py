@@ -8,12 +8,18 @@ first operation that breaks a rule:
 
 - a read of a bucket's gathered data on COMPUTE (a copy-out, the model's use) before
   COMPUTE waited on that bucket's latest gather;
+- a reduction's wait (and so its follow-up) made anywhere but on the REDUCE stream with
+  REDUCE current; a read or write on COMPUTE of what reductions' follow-ups write (the
+  main grads, a staging bucket a reduction holds: ``peer`` REDUCE) while a reduction of
+  that bucket is launched and COMPUTE has not waited on an event recorded on REDUCE
+  after its follow-up;
 - a free of memory allocated on a communication stream before that stream waited on
-  COMPUTE after COMPUTE's last read of it, or of memory allocated on COMPUTE that a
-  collective used before COMPUTE waited on that collective;
+  COMPUTE after COMPUTE's last read of it; of memory allocated on COMPUTE that a gather
+  used before COMPUTE waited on that gather; of a reduction's memory (allocated on
+  COMPUTE) before COMPUTE waited on the event after its follow-up;
 - a launch on a communication stream not preceded by that stream waiting on COMPUTE;
-- a wait on a collective, a read or a free made while a communication stream is current
-  (inside a ``launch``): COMPUTE must be current, or the wrong stream waits.
+- a read, write or free made while a communication stream is current (inside a
+  ``launch`` or a follow-up): COMPUTE must be current, or the wrong stream orders it.
 
 The collectives themselves run for real (gloo); only the stream calls are recorded.
 """
