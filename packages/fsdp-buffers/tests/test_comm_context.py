@@ -377,3 +377,23 @@ def test_cuda_launch_runs_on_the_gather_stream_after_compute():
     comm.free(GATHER, COMPUTE, 0, "y")
     compute.wait_stream(gather)
     assert torch.equal(y, torch.full_like(x, 6.0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA streams")
+def test_cuda_follow_up_runs_on_the_reduce_stream_and_compute_waits_for_it():
+    device = torch.device("cuda", torch.cuda.current_device())
+    comm = CommContext(device)
+    compute, reduce = torch.cuda.current_stream(device), comm.stream(REDUCE)
+    main = torch.zeros(1 << 20, device=device)
+    out = torch.ones(1 << 20, device=device)
+    seen = []
+
+    def follow_up() -> None:
+        seen.append(torch.cuda.current_stream(device))
+        torch.cuda._sleep(10_000_000)  # the reduce stream busy: compute must wait for it
+        main.add_(out)
+
+    comm.wait(PendingCollective(None, follow_up, keepalive=(out,)), "x", REDUCE, 0)
+    assert seen == [reduce] and torch.cuda.current_stream(device) == compute
+    main.mul_(2)  # queued on compute: after the add only if compute waited on its event
+    assert torch.equal(main, torch.full_like(main, 2.0))

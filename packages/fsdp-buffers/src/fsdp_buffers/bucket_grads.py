@@ -177,7 +177,7 @@ class BucketGradients:
         torch's optimizers need a gradient in its parameter's dtype. The copy has the
         same layout, so the same views; it is kept, and refilled by each call."""
         gbuf = self.optimizer_grads
-        self._note_main_grads("read")
+        self._ctx.comm.note("read", StreamKind.COMPUTE, self._gid, "main grads", StreamKind.REDUCE)
         dtype = self._main_dtype
         if gbuf.dtype == dtype:
             return gbuf
@@ -400,7 +400,7 @@ class BucketGradients:
         local gradients (zeros stand in)."""
         gbuf = self.main_grads
         comm = self._ctx.comm
-        if self.reduction_holds_storage:  # compute writes or reads it below
+        if comm.has_streams and self.reduction_holds_storage:  # compute touches it below
             comm.note("write", StreamKind.COMPUTE, self._gid, "gradients", StreamKind.REDUCE)
         self.begin_accumulating()
         autograd = not self.stages_main_grad
@@ -505,7 +505,7 @@ class BucketGradients:
         only the reduced gradients go; gradients a backward under way gave the compute
         parameters (``.grad``, a staging bucket) stay."""
         gbuf = self._group.main_grad_buffer
-        self._note_main_grads("write")
+        self._ctx.comm.note("write", StreamKind.COMPUTE, self._gid, "main grads", StreamKind.REDUCE)
         cast = self._grads_cast
         released = release and gbuf is not None and gbuf.is_data_distributed
         if gbuf is not None:

@@ -247,7 +247,10 @@ class PendingCollective:
     def wait(self, what: str = "a collective") -> None:
         """``complete`` then ``close``: on one stream."""
         self.complete(what)
-        self.close()
+        if self._release is not None:  # close(), inline: one call fewer per collective
+            release, self._release = self._release, None
+            release()
+        self.keepalive = ()
 
     def complete(self, what: str = "a collective") -> None:
         """Wait on the collective (the current stream waits on NCCL; the host blocks on
@@ -574,13 +577,15 @@ class CommContext:
         the reduce stream waits on it and runs the follow-up (the accumulation into the
         main grads), then COMPUTE waits on an event recorded after that, before the
         memory they used (allocated on COMPUTE) is freed and before anything on COMPUTE
-        touches the main grads. Without streams the host waits, as gloo's work does."""
+        touches the main grads. Without streams the host waits (gloo), then runs both."""
+        if not self.has_streams:
+            pending.wait(what)
+            return
         if kind is not StreamKind.REDUCE:
             self.note("wait", StreamKind.COMPUTE, gid, peer=kind)
             pending.wait(what)
             return
-        ops = self.ops
-        stream = self._streams.get(kind)  # None without streams: no-op orders below
+        ops, stream = self.ops, self._streams[kind]
         with ops.use(stream):
             self.note("wait", kind, gid, peer=kind)
             pending.complete(what)
