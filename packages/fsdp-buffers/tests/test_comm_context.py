@@ -1,8 +1,10 @@
 """``CommContext`` (Note [streams and frees]): no streams and no-op orders on CPU, the
 order of a bucket's gather, copy-out, reads and frees as a ``StreamRecorder`` logs it,
-the recorder's rules failing on what breaks them, and the context not replaced while a
-gather is in flight. On CUDA: the launch runs on the gather stream, which waited on
-compute (the rest is the GPU check's)."""
+a reduction's pre-divide and follow-up on the reduce stream with compute waiting on the
+follow-up's event before frees and main-grad reads, the recorder's rules failing on what
+breaks them, and the context not replaced while a gather is in flight. On CUDA: the
+launch runs on the gather stream, which waited on compute, and compute waits for a
+follow-up on the reduce stream (the rest is the GPU check's)."""
 
 from __future__ import annotations
 

@@ -577,7 +577,8 @@ class CommContext:
         the reduce stream waits on it and runs the follow-up (the accumulation into the
         main grads), then COMPUTE waits on an event recorded after that, before the
         memory they used (allocated on COMPUTE) is freed and before anything on COMPUTE
-        touches the main grads. Without streams the host waits (gloo), then runs both."""
+        touches the main grads. Without streams the host waits (gloo), then the follow-up
+        and the frees run."""
         if not self.has_streams:
             pending.wait(what)
             return
