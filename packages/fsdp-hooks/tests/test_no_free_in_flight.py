@@ -19,8 +19,10 @@ and gradient clipping.
 On CUDA the same rule has a stream half (Note [streams and frees] in
 ``fsdp_buffers.collectives``): a collective runs on its own stream, so memory is free
 for reuse only once the stream that allocated it is ordered after every stream that
-reads it, and a gathered bucket is read on the compute stream only after that stream
-waited on its gather. The same training runs with a ``StreamRecorder`` as the buffer's
+reads it, a gathered bucket is read on the compute stream only after that stream
+waited on its gather, and the main grads a reduction's follow-up writes on the reduce
+stream are read or written on compute only after compute waited on an event recorded
+after that follow-up. The same training runs with a ``StreamRecorder`` as the buffer's
 stream operations (no streams here: it logs what the context orders), and
 ``StreamRecorder.check`` fails the rank on the first read before its wait, free before
 its order, or launch before its stream waited on compute. A context that frees without
@@ -244,6 +246,10 @@ def _train(kwargs: dict, hybrid: bool, context: type[CommContext] = CommContext)
         assert streams.count("launch", StreamKind.GATHER) > 0, streams.ops[:5]
         assert streams.count("free", StreamKind.GATHER) > 0, streams.ops[:5]
     assert streams.count("launch", StreamKind.REDUCE) > 0, streams.ops[:5]
+    # Follow-ups ran on the reduce stream, and compute's reads and writes of the main
+    # grads (the optimizer's, zero_grad's) were checked against them.
+    assert streams.count("wait", StreamKind.REDUCE) == streams.count("launch", StreamKind.REDUCE)
+    assert any(o.what == "main grads" and o.op == "read" for o in streams.ops), streams.ops[:5]
     return sorted(names)
 
 

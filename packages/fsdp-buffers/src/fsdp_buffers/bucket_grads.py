@@ -177,6 +177,7 @@ class BucketGradients:
         torch's optimizers need a gradient in its parameter's dtype. The copy has the
         same layout, so the same views; it is kept, and refilled by each call."""
         gbuf = self.optimizer_grads
+        self._ctx.comm.note("read", StreamKind.COMPUTE, self._gid, "main grads", StreamKind.REDUCE)
         dtype = self._main_dtype
         if gbuf.dtype == dtype:
             return gbuf
@@ -232,6 +233,7 @@ class BucketGradients:
         state = self.state
         if state is not GradState.ACCUMULATING:
             if state is GradState.REDUCED and self._outer is not None:
+                self._note_main_grads("write")
                 self._outer.rebase()
             if state is not GradState.EMPTY and not gbuf.is_data_distributed:
                 self._rebase_shard()
@@ -352,6 +354,7 @@ class BucketGradients:
         """Turn shard-reduced gradients R back into an unreduced contribution that the
         next reduction maps to R again (Note [gradient states])."""
         gbuf = self.main_grads
+        self._note_main_grads("write")
         n, f = self._shard.size, self.grad_scale
         with torch.no_grad():
             if self._sharding.main_weights:  # reduce-scattered: only the local shard is R
@@ -360,6 +363,11 @@ class BucketGradients:
                 gbuf.set_local_shard(local.div_(f))
             elif abs(n * f - 1.0) > 1e-12:
                 gbuf.data.div_(n * f)
+
+    def _note_main_grads(self, op: str) -> None:
+        """For a ``StreamRecorder``: the compute stream reads or writes the main grads
+        now, which a reduction's follow-up writes on the reduce stream."""
+        self._ctx.comm.note(op, StreamKind.COMPUTE, self._gid, "main grads", StreamKind.REDUCE)
 
     def _shard_reduced(self) -> None:
         self.state = GradState.REDUCED if self._outer is None else GradState.SHARD_REDUCED
@@ -385,10 +393,15 @@ class BucketGradients:
         )
 
     def start_reduce(self) -> PendingCollective:
-        """Scale and reduce the gradients this bucket took since its last reduction in
-        the shard group. Every rank must call it for the same buckets in the same
-        order, with or without local gradients (zeros stand in)."""
+        """Reduce the gradients this bucket took since its last reduction in the shard
+        group. The copy-in (pack, cast) runs on the compute stream; the scaling, the
+        collective and the follow-up on the reduce stream (Note [streams and frees]).
+        Every rank must call it for the same buckets in the same order, with or without
+        local gradients (zeros stand in)."""
         gbuf = self.main_grads
+        comm = self._ctx.comm
+        if comm.has_streams and self.reduction_holds_storage:  # compute touches it below
+            comm.note("write", StreamKind.COMPUTE, self._gid, "gradients", StreamKind.REDUCE)
         self.begin_accumulating()
         autograd = not self.stages_main_grad
         factor, op = self._scale_and_op()
@@ -404,9 +417,9 @@ class BucketGradients:
                 self._detach_main_grads()  # reduced from here on: later writes are lost
             if not (self._sharding.grads or self._sharding.main_weights):
                 send = unsharded if comm_dtype == gbuf.dtype else unsharded.to(comm_dtype)
-                if factor != 1.0:
-                    send.mul_(factor)
-                with self._ctx.comm.launch(StreamKind.REDUCE, self._gid):
+                with comm.launch(StreamKind.REDUCE, self._gid):
+                    if factor != 1.0:  # the pre-divide, on the reduce stream
+                        send.mul_(factor)
                     work = collectives.all_reduce(send, pg, op, stats, label)
 
                 def finish_all_reduce() -> None:
@@ -429,37 +442,45 @@ class BucketGradients:
                     layout.pack(unsharded, send, gbuf.coarse)
                 if self._sharding.grads:
                     gbuf.free_bucket()
-            if factor != 1.0:
-                send.mul_(factor)
             out = torch.empty(
                 len(gbuf.owned_shards) * layout.shard_numel, dtype=comm_dtype, device=send.device
             )
-            with self._ctx.comm.launch(StreamKind.REDUCE, self._gid):
+            with comm.launch(StreamKind.REDUCE, self._gid):
+                if factor != 1.0:  # the pre-divide, on the reduce stream
+                    send.mul_(factor)
                 work = collectives.reduce_scatter(
                     out, send, pg, op, stats, label, layout.padding_fraction
                 )
             if self._sharding.grads:
+                # The main-grad shard adopted by the first reduction since zero_grads
+                # (Note [released gradients]): ``out``, or a copy in the main grads'
+                # dtype made here, on compute, as is everything that outlives the
+                # follow-up on the reduce stream.
+                adopt = out
+                if out.dtype != gbuf.dtype:
+                    adopt = torch.empty_like(out, dtype=gbuf.dtype) if gbuf.is_released else None
 
                 def finish() -> None:
-                    if gbuf.is_released:  # the first reduction since zero_grads: adopt it
-                        gbuf.data = out if out.dtype == gbuf.dtype else out.to(gbuf.dtype)
+                    if adopt is not None and gbuf.is_released:
+                        if adopt is not out:
+                            adopt.copy_(out)
+                        gbuf.data = adopt
                     else:
                         gbuf.data.add_(out)
-                    # Only the staging bucket this reduction read in place; never one
-                    # made meanwhile (GradReducePipeline waits for this first anyway).
-                    if in_place:
-                        gbuf.free_bucket()
                     self._shard_reduced()
 
-            else:
+                # Only the staging bucket this reduction read in place; never one made
+                # meanwhile (GradReducePipeline waits for this first anyway).
+                release = gbuf.free_bucket if in_place else None
+                return PendingCollective(work, finish, (send, out), release)
 
-                def finish() -> None:
-                    # Only the local shard is meaningful after a reduce-scatter.
-                    gbuf.data.zero_()
-                    gbuf.set_local_shard(out)
-                    self._shard_reduced()
+            def finish_local_shard() -> None:
+                # Only the local shard is meaningful after a reduce-scatter.
+                gbuf.data.zero_()
+                gbuf.set_local_shard(out)
+                self._shard_reduced()
 
-            return PendingCollective(work, finish, keepalive=(send, out))
+            return PendingCollective(work, finish_local_shard, keepalive=(send, out))
 
     def start_outer_reduce(self) -> PendingCollective | None:
         """SHARD_REDUCED -> REDUCED across the outer group (hybrid sharding); None when
@@ -467,10 +488,12 @@ class BucketGradients:
         if self.state is not GradState.SHARD_REDUCED:
             return None
         assert self._outer is not None
+        self._note_main_grads("read")  # the copy-in, on compute
         return self._outer.start_grad_reduce(self.outer_reduced)
 
     def scale_grads(self, factor: float) -> None:
         """Multiply the main grads, and the optimizer's cast copy of them, by ``factor``."""
+        self._note_main_grads("write")
         for buf in (self._group.main_grad_buffer, self._grads_cast):
             if buf is not None and not buf.is_released:  # released: zeros already
                 buf.data.mul_(factor)
@@ -482,6 +505,7 @@ class BucketGradients:
         only the reduced gradients go; gradients a backward under way gave the compute
         parameters (``.grad``, a staging bucket) stay."""
         gbuf = self._group.main_grad_buffer
+        self._ctx.comm.note("write", StreamKind.COMPUTE, self._gid, "main grads", StreamKind.REDUCE)
         cast = self._grads_cast
         released = release and gbuf is not None and gbuf.is_data_distributed
         if gbuf is not None:
@@ -512,4 +536,5 @@ class BucketGradients:
     def main_grad_shard(self) -> torch.Tensor:
         """This rank's shard of the main gradients (a copy when they are replicated)."""
         gbuf = self.main_grads
+        self._note_main_grads("read")
         return gbuf.local_shard if gbuf.is_data_distributed else gbuf.copy_local_shard()

@@ -2,12 +2,13 @@
 for gloo and NCCL.
 
 Every collective is issued with ``async_op=True`` and returns a ``PendingCollective``
-whose ``wait()`` runs the follow-up work (accumulate, free) exactly once. On NCCL the
-collective already runs on the communicator's own stream, ordered after the work the
-current stream had queued when it was issued, and ``wait()`` makes the current stream
-wait for it; on gloo it runs on gloo's threads and ``wait()`` blocks the host. The
-tensors a collective uses are referenced by the pending object until it is waited on,
-so the caching allocator cannot hand their memory to anyone else early.
+whose ``wait()`` runs the follow-up work exactly once: ``complete`` (the wait, then the
+follow-up: accumulate) and ``close`` (the frees). On NCCL the collective already runs on
+the communicator's own stream, ordered after the work the current stream had queued
+when it was issued, and the wait makes the current stream wait for it; on gloo it runs
+on gloo's threads and the wait blocks the host. The tensors a collective uses are
+referenced by the pending object until it is closed, so the caching allocator cannot
+hand their memory to anyone else early.
 
 ``CommStats`` counts what was issued: the number of collectives, the unsharded
 elements and bytes they covered, and the per-rank traffic of a ring algorithm
@@ -29,7 +30,8 @@ bucket, so the ordering rules below are checked on CPU.
 Note [streams and frees]. Three streams, named by ``StreamKind``:
 
 - COMPUTE: the current stream when a bucket verb runs (the model's forward, backward and
-  the optimizer step). Copy-outs and the follow-ups of reductions run here, as in FSDP2.
+  the optimizer step). Copy-outs of gathers, and the copy-ins of reductions (packing
+  gradients into the collective's input, casts), run here, as in FSDP2.
 - GATHER: the unit all-gathers. ``launch(GATHER)`` first orders it after COMPUTE (what
   the collective reads, the local shard, and the memory it writes were last written or
   read there: an optimizer step, an install, a released bucket), then issues the
@@ -41,30 +43,49 @@ Note [streams and frees]. Three streams, named by ``StreamKind``:
   for is what was queued before the unit that prefetches it).
 - REDUCE: the reductions (reduce-scatter, all-reduce, the outer reduction of hybrid
   sharding: their communicators have their own streams already, so the outer reduction
-  overlaps the next shard-group one without a third stream). ``launch(REDUCE)`` orders it
-  after COMPUTE first: a reduction reads gradients only after the compute that wrote them.
+  overlaps the next shard-group one without a third stream) and what FSDP2's
+  ``foreach_reduce`` runs on its reduce-scatter stream around them: the pre-divide (the
+  ``grad_scale`` applied to the unreduced data, inside the launch) and the follow-up
+  (adopting the output as the main-grad shard, or adding it in; the outer reduction's
+  likewise). ``launch(REDUCE)`` orders it after COMPUTE first: a reduction reads
+  gradients only after the compute that wrote them (the copy-in).
 
-Reading a collective's result: COMPUTE waits on the collective itself (``wait``: the
-work's ``wait()`` with COMPUTE current makes that stream wait on the communicator's, and
-on gloo blocks the host), before any read of the result (a copy-out, the model's use of
-a gathered bucket, the accumulation of a reduced shard, the optimizer).
+Reading a gather's result: COMPUTE waits on the collective itself (``wait``: the work's
+``wait()`` with COMPUTE current makes that stream wait on the communicator's, and on
+gloo blocks the host), before any read of it (a copy-out, the model's use of a gathered
+bucket). A reduction's result: ``wait`` makes the REDUCE stream wait on the collective
+the same way and queues the follow-up there, then COMPUTE waits on an event recorded on
+REDUCE after the follow-up, before anything on COMPUTE reads or writes those main grads
+(a later gradient, a rebase, the optimizer, ``zero_grad``) and before the reduction's
+memory is freed. The host keeps its schedule (``GradReducePipeline`` waits where it
+did): only the kernels move, so the add overlaps the compute queued before the wait
+instead of following it, and the scale overlaps the next unit's backward. FSDP2 waits on
+its ``post_reduce_event`` only at the end of backward; it keeps each reduction's input
+alive until then (``reduce_scatter_states``), which the COMPUTE wait here, made when the
+host drops the reduction, avoids.
 
-Freeing: memory allocated on one stream and read on another is freed only after the
-allocating stream has waited on an event recorded on the reading stream after its last
-read (``free``). The caching allocator hands a freed block to the next allocation on the
-stream that made it, at once, in host order; without the wait, the next gather could
-write a block that a copy-out queued on COMPUTE has not read yet. FSDP2 does the same
-with its copy-out event and ``wait_all_gather_streams_on_event``; events rather than
-``record_stream``, whose delay of the reuse depends on when the allocator next looks.
-Gather outputs are allocated on GATHER (a rank-major bucket gathered in place, or the
-rank-major output copied out to a parameter-major bucket, which is allocated on COMPUTE
-at copy-out and freed there). Reductions' inputs and outputs are allocated on COMPUTE
-and read by the communicator; COMPUTE waits on the collective before they are dropped
-(``PendingCollective`` keeps them until then). While every launch orders GATHER after
-COMPUTE, a later gather would be ordered after the reads anyway; the free's own wait is
-what keeps frees right if launches are ordered less often (FSDP2's once per forward),
-and costs one event per free. The watch of ``test_no_free_in_flight`` checks the host
-side of the same rule: no storage is shrunk while an unwaited collective uses it.
+Freeing: memory allocated on one stream and used on another is freed only after the
+allocating stream has waited on an event recorded on the using stream after its last
+use (``free``; for a reduction, ``wait``'s event). The caching allocator hands a freed
+block to the next allocation on the stream that made it, at once, in host order;
+without the wait, the next gather could write a block that a copy-out queued on COMPUTE
+has not read yet, or compute could write a block the reduce stream still reads. FSDP2
+does the same with its copy-out event and ``wait_all_gather_streams_on_event``, and with
+``allocation_stream.wait_event`` before it drops a reduce-scatter input; events rather
+than ``record_stream``, whose delay of the reuse depends on when the allocator next
+looks (so the peak memory would depend on timing). Gather outputs are allocated on
+GATHER (a rank-major bucket gathered in place, or the rank-major output copied out to a
+parameter-major bucket, which is allocated on COMPUTE at copy-out and freed there).
+Everything a reduction uses or leaves is allocated on COMPUTE: its input and output,
+the staging bucket it reads in place, and the main-grad shard the follow-up adopts (a
+cast copy of the output is allocated at the launch when the main grads are released);
+a follow-up allocates only temporaries it frees itself. ``PendingCollective`` keeps the
+input and output, and frees the staging bucket (``release``), only after COMPUTE's
+wait on the follow-up's event. While every launch orders GATHER after COMPUTE, a later
+gather would be ordered after the reads anyway; the free's own wait is what keeps frees
+right if launches are ordered less often (FSDP2's once per forward), and costs one event
+per free. The watch of ``test_no_free_in_flight`` checks the host side of the same
+rule: no storage is shrunk while an unwaited collective uses it.
 """
 
 from __future__ import annotations
@@ -203,26 +224,41 @@ class CommStats:
 
 
 class PendingCollective:
-    """A collective in flight and the work to do once it has finished."""
+    """A collective in flight and the work to do once it has finished: ``then``, the
+    follow-up that reads its result (accumulate), and ``release``, what frees memory the
+    collective or the follow-up used (run once that memory is free to reuse; see
+    Note [streams and frees])."""
 
-    __slots__ = ("_done", "_then", "_work", "keepalive")
+    __slots__ = ("_done", "_release", "_then", "_work", "keepalive")
 
     def __init__(
         self,
         work: dist.Work | None,
         then: Callable[[], None] | None = None,
         keepalive: tuple[torch.Tensor, ...] = (),
+        release: Callable[[], None] | None = None,
     ) -> None:
         self._work = work
         self._then = then
+        self._release = release
         self._done = False
         self.keepalive = keepalive
 
     def wait(self, what: str = "a collective") -> None:
+        """``complete`` then ``close``: on one stream."""
+        self.complete(what)
+        if self._release is not None:  # close(), inline: one call fewer per collective
+            release, self._release = self._release, None
+            release()
+        self.keepalive = ()
+
+    def complete(self, what: str = "a collective") -> None:
+        """Wait on the collective (the current stream waits on NCCL; the host blocks on
+        gloo) and run its follow-up, once."""
         if self._done:
             return
         self._done = True
-        with _WAIT_RANGE:  # the wait and the follow-up (accumulate, free)
+        with _WAIT_RANGE:  # the wait and the follow-up (accumulate)
             work = self._work
             if work is not None:
                 if _timeout_s[0] is None:
@@ -236,6 +272,13 @@ class PendingCollective:
             if self._then is not None:
                 then, self._then = self._then, None
                 then()
+
+    def close(self) -> None:
+        """Free what the collective and its follow-up used (``release``, the
+        ``keepalive`` tensors), once it is ``complete``."""
+        if self._release is not None:
+            release, self._release = self._release, None
+            release()
         self.keepalive = ()
 
     @property
@@ -528,16 +571,37 @@ class CommContext:
         return ops.use(stream)
 
     def wait(self, pending: PendingCollective, what: str, kind: StreamKind, gid: int) -> None:
-        """COMPUTE (the current stream) waits on the collective ``pending`` launched on
-        ``kind``'s stream, and runs its follow-up; before any read of its result."""
-        self.note("wait", StreamKind.COMPUTE, gid, peer=kind)
-        pending.wait(what)
+        """Wait on the collective ``pending`` launched on ``kind``'s stream, run its
+        follow-up and free what it used (Note [streams and frees]). A gather: COMPUTE
+        (the current stream) waits on it, before any read of its result. A reduction:
+        the reduce stream waits on it and runs the follow-up (the accumulation into the
+        main grads), then COMPUTE waits on an event recorded after that, before the
+        memory they used (allocated on COMPUTE) is freed and before anything on COMPUTE
+        touches the main grads. Without streams the host waits (gloo), then the follow-up
+        and the frees run."""
+        if not self.has_streams:
+            pending.wait(what)
+            return
+        if kind is not StreamKind.REDUCE:
+            self.note("wait", StreamKind.COMPUTE, gid, peer=kind)
+            pending.wait(what)
+            return
+        ops, stream = self.ops, self._streams[kind]
+        with ops.use(stream):
+            self.note("wait", kind, gid, peer=kind)
+            pending.complete(what)
+            event = ops.record(stream)
+        ops.wait_event(ops.current(), event)
+        self.note("wait_event", StreamKind.COMPUTE, gid, peer=kind)
+        self.free(StreamKind.COMPUTE, kind, gid, "reduction input and output")
+        pending.close()
 
     def free(self, allocated_on: StreamKind, used_by: StreamKind, gid: int, what: str) -> None:
         """Before memory allocated on ``allocated_on`` and used on ``used_by`` is freed.
         Allocated on a communication stream and read on COMPUTE: that stream waits on an
         event recorded on COMPUTE now (after the reads). Allocated on COMPUTE and used by
-        a collective: COMPUTE already waited on it (``wait``); nothing to add."""
+        a collective (and a reduction's follow-up): COMPUTE already waited on it, or on
+        the event after the follow-up (``wait``); nothing to add."""
         if not self.has_streams:
             return
         if allocated_on is not used_by and allocated_on is not StreamKind.COMPUTE:

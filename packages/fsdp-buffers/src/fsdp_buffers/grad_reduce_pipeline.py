@@ -100,6 +100,7 @@ class GradReducePipeline:
             grads = self.buckets[gid].grads
             if grads.stages_main_grad and grads.reduction_holds_storage:
                 self._wait_reduction_of(gid)
+                self._note_write(gid)
             grads.prepare_grads()
 
     def accumulate(self, param: nn.Parameter) -> None:
@@ -111,6 +112,7 @@ class GradReducePipeline:
             self._late.add(gid)  # reduced by a later mark of it, else by finish()
             if grads.stages_main_grad and grads.reduction_holds_storage:
                 self._wait_reduction_of(gid)
+                self._note_write(gid)
         grads.accumulate(i, param)
 
     def mark_bucket_ready(self, gid: int) -> None:
@@ -226,6 +228,12 @@ class GradReducePipeline:
         while any(g == gid for g, _w, _p in self._inflight):
             self._wait_oldest()
 
+    def _note_write(self, gid: int) -> None:
+        """For a ``StreamRecorder``: the compute stream is about to write bucket
+        ``gid``'s gradient storage, which its last reduction held."""
+        comm = self.buckets[gid].ctx.comm
+        comm.note("write", StreamKind.COMPUTE, gid, "gradients", StreamKind.REDUCE)
+
     def _wait_for_room(self) -> None:
         while len(self._inflight) >= self.max_inflight:
             self._wait_oldest()
@@ -235,13 +243,12 @@ class GradReducePipeline:
             self._wait_oldest()
 
     def _wait_oldest(self) -> None:
-        # The compute stream waits on the reduction before its follow-up reads the
-        # result, and before its input and output (allocated on compute) are dropped
-        # (Note [streams and frees]).
+        # The reduce stream waits on the reduction and runs its follow-up (into the
+        # main grads); the compute stream waits on an event recorded after that before
+        # the reduction's input and output (allocated on compute) are dropped, and so
+        # before it touches those main grads again (Note [streams and frees]).
         gid, what, pending = self._inflight.popleft()
-        comm = self.buckets[gid].ctx.comm  # the buffer's, shared by its buckets
-        comm.wait(pending, what, StreamKind.REDUCE, gid)
-        comm.free(StreamKind.COMPUTE, StreamKind.REDUCE, gid, "reduction input and output")
+        self.buckets[gid].ctx.comm.wait(pending, what, StreamKind.REDUCE, gid)
 
     @property
     def inflight(self) -> int:
