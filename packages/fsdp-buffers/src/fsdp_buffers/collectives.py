@@ -41,51 +41,40 @@ Note [streams and frees]. Three streams, named by ``StreamKind``:
   pre-forward); this layer cannot see a root forward and orders them at each launch,
   which keeps the same overlap for a gather issued one unit ahead (the compute it waits
   for is what was queued before the unit that prefetches it).
-- REDUCE: the reductions (reduce-scatter, all-reduce, the outer reduction of hybrid
-  sharding: their communicators have their own streams already, so the outer reduction
-  overlaps the next shard-group one without a third stream) and what FSDP2's
-  ``foreach_reduce`` runs on its reduce-scatter stream around them: the pre-divide (the
-  ``grad_scale`` applied to the unreduced data, inside the launch) and the follow-up
-  (adopting the output as the main-grad shard, or adding it in; the outer reduction's
-  likewise). ``launch(REDUCE)`` orders it after COMPUTE first: a reduction reads
-  gradients only after the compute that wrote them (the copy-in).
+- REDUCE: the reductions (reduce-scatter, all-reduce, hybrid sharding's outer one: its
+  communicator has its own stream, so it overlaps the next shard-group one without a
+  third) and, as on FSDP2's reduce-scatter stream, the pre-divide (``grad_scale``, inside
+  the launch) and the follow-up (adopting the output as the main-grad shard, or adding
+  it in). ``launch(REDUCE)`` orders it after COMPUTE first: a reduction reads gradients
+  only after the compute that wrote them (the copy-in).
 
-Reading a gather's result: COMPUTE waits on the collective itself (``wait``: the work's
-``wait()`` with COMPUTE current makes that stream wait on the communicator's, and on
-gloo blocks the host), before any read of it (a copy-out, the model's use of a gathered
-bucket). A reduction's result: ``wait`` makes the REDUCE stream wait on the collective
-the same way and queues the follow-up there, then COMPUTE waits on an event recorded on
-REDUCE after the follow-up, before anything on COMPUTE reads or writes those main grads
-(a later gradient, a rebase, the optimizer, ``zero_grad``) and before the reduction's
-memory is freed. The host keeps its schedule (``GradReducePipeline`` waits where it
-did): only the kernels move, so the add overlaps the compute queued before the wait
-instead of following it, and the scale overlaps the next unit's backward. FSDP2 waits on
-its ``post_reduce_event`` only at the end of backward; it keeps each reduction's input
-alive until then (``reduce_scatter_states``), which the COMPUTE wait here, made when the
-host drops the reduction, avoids.
+Reading a result: for a gather, COMPUTE waits on the collective (``wait``: the work's
+``wait()`` with COMPUTE current; on gloo it blocks the host) before any read of it. For
+a reduction, ``wait`` makes REDUCE wait on the collective and queues the follow-up
+there, then COMPUTE waits on an event recorded after the follow-up, before it reads or
+writes those main grads (a later gradient, a rebase, the optimizer, ``zero_grad``) and
+before the reduction's memory is freed. The host keeps its schedule; only the kernels
+move, so the add and the scale overlap compute. FSDP2 waits on its
+``post_reduce_event`` only at the end of backward, keeping every reduction's input alive
+until then (``reduce_scatter_states``); waiting when the host drops a reduction avoids
+that memory.
 
 Freeing: memory allocated on one stream and used on another is freed only after the
 allocating stream has waited on an event recorded on the using stream after its last
-use (``free``; for a reduction, ``wait``'s event). The caching allocator hands a freed
-block to the next allocation on the stream that made it, at once, in host order;
-without the wait, the next gather could write a block that a copy-out queued on COMPUTE
-has not read yet, or compute could write a block the reduce stream still reads. FSDP2
-does the same with its copy-out event and ``wait_all_gather_streams_on_event``, and with
-``allocation_stream.wait_event`` before it drops a reduce-scatter input; events rather
-than ``record_stream``, whose delay of the reuse depends on when the allocator next
-looks (so the peak memory would depend on timing). Gather outputs are allocated on
-GATHER (a rank-major bucket gathered in place, or the rank-major output copied out to a
-parameter-major bucket, which is allocated on COMPUTE at copy-out and freed there).
-Everything a reduction uses or leaves is allocated on COMPUTE: its input and output,
-the staging bucket it reads in place, and the main-grad shard the follow-up adopts (a
-cast copy of the output is allocated at the launch when the main grads are released);
-a follow-up allocates only temporaries it frees itself. ``PendingCollective`` keeps the
-input and output, and frees the staging bucket (``release``), only after COMPUTE's
-wait on the follow-up's event. While every launch orders GATHER after COMPUTE, a later
-gather would be ordered after the reads anyway; the free's own wait is what keeps frees
-right if launches are ordered less often (FSDP2's once per forward), and costs one event
-per free. The watch of ``test_no_free_in_flight`` checks the host side of the same
-rule: no storage is shrunk while an unwaited collective uses it.
+use (``free``; for a reduction, ``wait``'s event): the caching allocator hands a freed
+block to the next allocation on the stream that made it at once, in host order. FSDP2
+does the same (its copy-out event, ``wait_all_gather_streams_on_event``); events, not
+``record_stream``, whose delay of the reuse, and so the peak, depends on when the
+allocator next looks. Gather outputs are allocated on GATHER (the parameter-major bucket
+a copy-out fills on COMPUTE). Everything a reduction uses or leaves is allocated on
+COMPUTE: its input and output, the staging bucket it reads in place, the main-grad
+shard the follow-up adopts (a cast copy is made at the launch); a follow-up allocates
+only temporaries it frees itself. ``PendingCollective`` drops the input and output, and
+frees the staging bucket (``release``), only after COMPUTE's wait on that event. While
+every launch orders GATHER after COMPUTE a later gather is ordered after the reads
+anyway; the free's own wait keeps frees right if launches are ordered less often
+(FSDP2's once per forward), for one event per free. ``test_no_free_in_flight`` checks
+the host side: no storage is shrunk while an unwaited collective uses it.
 """
 
 from __future__ import annotations
