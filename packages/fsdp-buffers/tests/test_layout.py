@@ -15,6 +15,7 @@ from torch.distributed.tensor.placement_types import Shard
 
 from fsdp_buffers.layout import DEFAULT_ALIGNMENT, FlatLayout, ParamSlot
 from fsdp_buffers.slot_placement import assign_owners, compute_layout
+from fsdp_mesh.testing import harness_device
 
 ALIGNMENTS = [1, 2, 3, 4, 8, 16, 64]
 
@@ -421,3 +422,25 @@ def test_whole_placement_rejects_bad_owners():
             shard_numel=8,
             alignment=1,
         )
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("coarse", [None, 1, 2, 4, 8])
+def test_unpack_on_the_test_device(coarse):
+    """The copy-out on the test device (CUDA under ``--fsdp-device cuda``) puts every
+    parameter back, for fine and coarse shards. A coarse copy-out reads its source
+    transposed, dense but not row-major, which CUDA's ``split_with_sizes_copy`` reads as
+    row-major (``UnpackTargets.copy`` copies it first)."""
+    shapes = [(5, 3), (), (4,), (7, 2), (16,)]
+    layout = compute_layout(shapes, 8, 4)
+    values = [torch.randn(sh) for sh in shapes]
+    pm = torch.zeros(layout.total_numel)
+    for i, v in enumerate(values):
+        pm[layout.param_offset(i) : layout.param_offset(i) + v.numel()] = v.reshape(-1)
+    gathered = torch.empty(layout.total_numel)
+    layout.pack(pm, gathered, coarse=coarse)
+    out = torch.zeros(layout.total_numel, device=harness_device())
+    layout.unpack(gathered.to(out.device), out, coarse=coarse)
+    for i, v in enumerate(values):
+        start = layout.param_offset(i)
+        assert torch.equal(out[start : start + v.numel()].cpu(), v.reshape(-1)), (coarse, i)

@@ -384,16 +384,13 @@ class Bucket:
         self, gathered: torch.Tensor, pm: torch.Tensor, coarse: int | None = None
     ) -> None:
         """Copy the rank-major all-gather output ``gathered`` into the parameter-major
-        ``pm`` (``FlatLayout.unpack``): one ``split_with_sizes_copy`` into the layout's
-        views of ``pm``, made once per tensor (the bucket's, or the compute buffer's or
+        ``pm`` (``FlatLayout.unpack``): ``UnpackTargets.copy`` into the layout's views
+        of ``pm``, made once per tensor (the bucket's, or the compute buffer's or
         its alias for installs: a bucket uses one of them)."""
         kept = self._unpack_targets
         if kept is None or kept[0] is not pm or kept[1] != coarse:
             kept = self._unpack_targets = (pm, coarse, self.model.layout.unpack_targets(pm, coarse))
-        t = kept[2]
-        torch.split_with_sizes_copy(
-            gathered.view(t.gathered_shape).transpose(0, 1), t.split_sizes, 2, out=t.regions
-        )
+        kept[2].copy(gathered)
 
     def wait_gather(self, what: str) -> None:
         """-> READY_TO_USE, gathering first if nothing is in flight."""

@@ -355,13 +355,9 @@ class FlatLayout:
 
     def unpack(self, gathered: torch.Tensor, pm: torch.Tensor, coarse: int | None = None) -> None:
         """Copy an all-gather's output (rank-major, over ``coarse`` ranks) into the
-        parameter-major tensor ``pm``: one ``split_with_sizes_copy`` into
-        ``unpack_targets`` (a bucket runs the same copy with its targets kept,
-        ``Bucket._copy_out``)."""
-        t = self.unpack_targets(pm, coarse)
-        torch.split_with_sizes_copy(
-            gathered.view(t.gathered_shape).transpose(0, 1), t.split_sizes, 2, out=t.regions
-        )
+        parameter-major tensor ``pm`` (``UnpackTargets.copy``; a bucket keeps its
+        targets, ``Bucket._copy_out``)."""
+        self.unpack_targets(pm, coarse).copy(gathered)
 
     def unpack_targets(self, pm: torch.Tensor, coarse: int | None = None) -> UnpackTargets:
         """Where ``unpack`` puts an all-gather's output in ``pm``, with its views made
@@ -516,6 +512,16 @@ class UnpackTargets:
     gathered_shape: tuple[int, int, int]
     split_sizes: list[int]
     regions: list[torch.Tensor]
+
+    def copy(self, gathered: torch.Tensor) -> None:
+        """The copy-out: one ``split_with_sizes_copy`` of ``gathered`` into ``regions``."""
+        c, g, _ = self.gathered_shape
+        src = gathered.view(self.gathered_shape).transpose(0, 1)
+        if g > 1 and c > 1:
+            # Transposed, the source is dense but not row-major, and CUDA's
+            # split_with_sizes_copy reads any dense source as row-major: copy it first.
+            src = src.contiguous()
+        torch.split_with_sizes_copy(src, self.split_sizes, 2, out=self.regions)
 
 
 @dataclass(frozen=True)
