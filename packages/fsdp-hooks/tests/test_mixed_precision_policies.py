@@ -193,9 +193,11 @@ def reference(
 
 
 def _full_main_weights(model) -> list[torch.Tensor]:
+    """On the CPU: all_gather_object would unpickle another rank's CUDA tensor on that
+    rank's GPU, and torch.cat refuses tensors on two devices."""
     out = []
     for p in model.parameters():
-        local = p.to_local().detach().clone()
+        local = p.to_local().detach().cpu().clone()
         if p.placements[0].is_replicate():
             out.append(local)
             continue
@@ -250,9 +252,8 @@ def _train(world: int, strategy: int, outer: str | None) -> dict[str, Any]:
             "losses": losses,
             "params": _full_main_weights(model),
             "dtypes": dtypes,
-            "initial_exact": all(  # original: the module's values before wrapping, on the CPU
-                torch.equal(a, b.to(device=a.device, dtype=a.dtype))
-                for a, b in zip(initial, original, strict=True)
+            "initial_exact": all(
+                torch.equal(a, b.to(a.dtype)) for a, b in zip(initial, original, strict=True)
             ),
             "state_dict": {k: v.full_tensor() for k, v in model.state_dict().items()},
             "names": [n for n, _ in module.named_parameters()],
