@@ -9,7 +9,8 @@ Peers, each in fresh rank processes (``fsdp_mesh.testing.run_distributed``), one
 rank:
 
 - ``fsdp``: ``fsdp.fully_shard`` ZeRO-3, the module in bf16 with fp32 main weights and
-  main gradients (``MixedPrecisionPolicy()``); AdamW on the fp32 main weights.
+  main gradients (``MixedPrecisionPolicy()``); AdamW on the fp32 main weights. The rope
+  tables stay fp32, as in the other two.
 - ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every decoder layer and the root,
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, fp32 parameters; AdamW.
 - ``plain`` (world 1 only): the unwrapped model, fp32 parameters under
@@ -190,6 +191,17 @@ def _bf16(spec: Spec) -> bool:
     return spec.model == "llama1b"
 
 
+def _to_bf16(module: nn.Module) -> nn.Module:
+    """``module`` in bf16 but for the Llama rope tables, which stay the fp32 ones FSDP2
+    (which casts parameters only) and the autocast plain model use: cast and cast back,
+    they would be bf16 roundings."""
+    tables = {name: getattr(module, name) for name in ("cos", "sin") if hasattr(module, name)}
+    module = module.to(torch.bfloat16)
+    for name, table in tables.items():
+        setattr(module, name, table)
+    return module
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -210,8 +222,7 @@ def bench_rank(spec: Spec) -> dict[str, Any]:
     autocast: Any = contextlib.nullcontext
     if spec.impl == "fsdp":
         if bf16:
-            module = module.to(torch.bfloat16)
-            module.cos, module.sin = module.cos.float(), module.sin.float()
+            module = _to_bf16(module)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
         model, optimizer = fsdp.fully_shard(
             module,
@@ -288,7 +299,7 @@ def predicted_peak(spec: Spec) -> int | None:
     with torch.device("meta"):
         module, unit, *_ = _build(spec, torch.device("meta"))
     if _bf16(spec):
-        module = module.to(torch.bfloat16)
+        module = _to_bf16(module)
     result = fsdp.plan(
         module,
         spec.world,
@@ -376,6 +387,15 @@ def _gib(x: int | None) -> str:
     return "" if not x else f"{x / 2**30:.3g}"
 
 
+# Below the table when it has a world-1 row of fsdp or FSDP2 (the measurement is as is).
+WORLD1_NOTE = (
+    "Note: world 1 is not like for like: fsdp shards nothing over a 1-rank group, while "
+    "FSDP2 still unshards and reshards every unit in each forward and backward (copies and, "
+    "in bf16, casts of its parameters; no collective in recent torch): compare the two at "
+    "world > 1."
+)
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| model | impl | world | tokens/step | median step (ms) | tokens/s | MFU | "
@@ -393,7 +413,10 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             + f"{_gib(r.get('peak_allocated'))} | {_gib(r.get('peak_reserved'))} | "
             + f"{_gib(r.get('predicted_peak'))} | {note.replace('|', '/')} |"
         )
-    return head + "\n".join(lines) + "\n"
+    notes = ""
+    if any(r["world"] == 1 and r["impl"] in ("fsdp", "fsdp2") for r in rows):
+        notes = f"\n{WORLD1_NOTE}\n"
+    return head + "\n".join(lines) + "\n" + notes
 
 
 def _report(rows: list[dict[str, Any]], device: str) -> str:

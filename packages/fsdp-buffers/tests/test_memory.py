@@ -78,7 +78,8 @@ def _memory(dtype):
     held = {}
     for strategy in (0, 1, 2, 3):
         torch.manual_seed(0)
-        model = Net().to(dtype)
+        # On the rank's device: the buffers are allocated where the parameters are.
+        model = Net().to(device=harness_device(), dtype=dtype)
         numel = sum(p.numel() for p in model.parameters())
         buf = ParamAndGradBuffer(model, index, strategy=strategy, fsdp_unit_modules=[Block])
         ag, gr = AllGatherPipeline(buf), GradReducePipeline(buf)

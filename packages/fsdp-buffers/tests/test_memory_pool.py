@@ -179,6 +179,35 @@ def test_explicit_device_is_kept(monkeypatch):
     assert buf.get_tensor((4,), torch.float32, "x").device == torch.device("meta")
 
 
+def test_an_accelerator_without_an_index_is_its_current_device(monkeypatch):
+    # An allocation on "cuda" reports "cuda:0", and torch.device("cuda") != that: the
+    # buffer compared them as given and allocated anew at every request.
+    monkeypatch.setattr(
+        torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda")
+    )
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 3)
+    buf = GlobalMemoryBuffer(device="cuda")
+    assert buf.device == torch.device("cuda", 3)
+    # At each allocation, as torch.empty(device="cuda") resolves it (set_device may
+    # come after the buffer is made).
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 1)
+    assert buf.device == torch.device("cuda", 1)
+    assert GlobalMemoryBuffer(device="cuda:2").device == torch.device("cuda", 2)
+    assert GlobalMemoryBuffer(device="cpu").device == torch.device("cpu")
+    assert GlobalMemoryBuffer(device="meta").device == torch.device("meta")
+    # Not this process's accelerator: left as given, for the allocation to refuse.
+    assert GlobalMemoryBuffer(device="xpu").device == torch.device("xpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_without_an_index_reuses_the_allocation():
+    buf = GlobalMemoryBuffer(device="cuda")
+    first = buf.get_tensor((4, 4), torch.float32, "x")
+    assert buf.get_tensor((4, 4), torch.float32, "x").data_ptr() == first.data_ptr()
+    assert first.device == buf.device == torch.device("cuda", torch.cuda.current_device())
+
+
 def test_global_buffer_is_one_per_process(monkeypatch):
     monkeypatch.setattr(memory_pool, "_GLOBAL_MEMORY_BUFFER", None)
     results = []
@@ -195,6 +224,7 @@ def test_global_buffer_is_one_per_process(monkeypatch):
     assert isinstance(results[0], GlobalMemoryBuffer)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_mem_pool_context():
     pool = torch.cuda.MemPool()

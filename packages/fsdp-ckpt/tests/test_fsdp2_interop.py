@@ -82,8 +82,9 @@ def _step(model, opt, step: int) -> float:
 
 
 def _fsdp2_full(model: GPT) -> dict[str, torch.Tensor]:
-    # FSDP2's DTensors are torch.chunk-sized, so DTensor's own gather is exact.
-    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+    # FSDP2's DTensors are torch.chunk-sized, so DTensor's own gather is exact. On the
+    # CPU, as get_full_model_state_dict's are.
+    return {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
 
 
 def _ours_full(model) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 from fsdp_ckpt import load_checkpoint, save_checkpoint
 from fsdp_hooks import fully_shard
-from fsdp_mesh.testing import run_distributed
+from fsdp_mesh.testing import harness_device, harness_device_type, run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
 
 # Runs on CUDA + NCCL under --fsdp-device cuda (root conftest.py).
@@ -23,9 +23,16 @@ GLOBAL_BATCH = 4
 STEPS = 6
 
 
+def _device() -> torch.device:
+    """Where this process trains: a rank on its own device; the test process (the
+    one-process runs) on the device type the ranks use, so that both run the same
+    kernels, as the 1e-6 comparison assumes (CPU and CUDA kernels round differently)."""
+    return harness_device() if dist.is_initialized() else torch.device(harness_device_type())
+
+
 def _fresh(seed: int) -> tuple[GPT, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = GPT(CFG)
+    model = GPT(CFG).to(_device())
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
@@ -35,7 +42,7 @@ def _train(model, opt, start: int, stop: int) -> list[float]:
     b = GLOBAL_BATCH // world
     losses = []
     for step in range(start, stop):
-        x, y = token_batch(step, GLOBAL_BATCH, CFG.max_seq_len, CFG.vocab_size)
+        x, y = token_batch(step, GLOBAL_BATCH, CFG.max_seq_len, CFG.vocab_size, device=_device())
         x, y = x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()

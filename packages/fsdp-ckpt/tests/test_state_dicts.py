@@ -142,9 +142,9 @@ def _check_strategy(root: Path, strategy: int, dtype: torch.dtype) -> None:
         assert torch.equal(value, _locals(model)[key]), key
 
     if strategy == 3 and dtype == torch.float32:
-        full = get_full_model_state_dict(model, rank0_only=False)
+        full = get_full_model_state_dict(model, rank0_only=False)  # on the CPU
         for name, *_ in model.buffer.named_params():
-            assert torch.equal(full[name], model.buffer.views.full_parameter(name)), name
+            assert torch.equal(full[name], model.buffer.views.full_parameter(name).cpu()), name
         assert full["head.weight"] is full["tok.weight"]  # tied: gathered once
         save_full_model_state_dict(model, root / "full.safetensors")
         save_full_model_state_dict(model, root / "full.pt")
@@ -270,7 +270,8 @@ def _keys_differ_across_ranks(root: Path) -> None:
     for key, value in _locals(loaded).items():
         assert torch.equal(value, _locals(saved)[key]), key
     expected = dict(_foreign_module(0).state_dict())
-    expected.update({f"2.w{r}": _rank_value(0, r) for r in range(dist.get_world_size())})
+    # The full state dict is on the CPU; _rank_value on the rank's device.
+    expected.update({f"2.w{r}": _rank_value(0, r).cpu() for r in range(dist.get_world_size())})
     for rank0_only in (True, False):
         full = get_full_model_state_dict(saved, rank0_only=rank0_only)
         if rank0_only and dist.get_rank() != 0:

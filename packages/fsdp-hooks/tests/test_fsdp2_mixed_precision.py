@@ -62,7 +62,8 @@ def _body() -> dict[str, object]:
         out["frozen_fp32"] = str(e)
 
     torch.manual_seed(0)
-    ref = GPT(CFG).to(torch.bfloat16)
+    # On the rank's device, as the wrapped models and x are: the same kernels.
+    ref = GPT(CFG).to(device=harness_device(), dtype=torch.bfloat16)
     x, _ = token_batch(0, 2, CFG.max_seq_len, CFG.vocab_size)
     with torch.no_grad():
         want = ref(x)

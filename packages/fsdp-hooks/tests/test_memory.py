@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fsdp_hooks import fully_shard
-from fsdp_mesh.testing import held_storage_bytes, run_distributed
+from fsdp_mesh.testing import harness_device_type, held_storage_bytes, run_distributed
 from fsdp_mesh.testing.models import GPT, Block, GPTConfig, token_batch
 
 # Runs on CUDA + NCCL under --fsdp-device cuda (root conftest.py).
@@ -148,13 +148,15 @@ def _body():
 
 
 def _reference(tied):
+    # On the device type the ranks train on, so that both run the same kernels.
+    device = torch.device(harness_device_type())
     cfg = _cfg(tied)
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = GPT(cfg).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(STEPS):
-        x, y = token_batch(step, ROWS * WORLD, cfg.max_seq_len, cfg.vocab_size)
+        x, y = token_batch(step, ROWS * WORLD, cfg.max_seq_len, cfg.vocab_size, device=device)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()

@@ -41,7 +41,7 @@ from torch import nn
 from fsdp_buffers import MixedPrecisionPolicy
 from fsdp_hooks import fully_shard
 from fsdp_mesh import build_device_mesh
-from fsdp_mesh.testing import harness_device, run_distributed
+from fsdp_mesh.testing import harness_device, harness_device_type, run_distributed
 
 # Runs on CUDA + NCCL under --fsdp-device cuda (root conftest.py).
 pytestmark = pytest.mark.cuda
@@ -97,10 +97,14 @@ def build(dtype: torch.dtype) -> nn.Module:
     return nn.Sequential(Layer(DIM), Layer(DIM), nn.Linear(DIM, 3)).to(dtype)
 
 
-def batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    step: int, world: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drawn on the CPU, then moved to ``device`` (None: ``harness_device()``)."""
     g = torch.Generator().manual_seed(100 + step)
     x, y = torch.randn(world * ROWS, DIM, generator=g), torch.randn(world * ROWS, 3, generator=g)
-    return x.to(harness_device()), y.to(harness_device())
+    device = harness_device() if device is None else device
+    return x.to(device), y.to(device)
 
 
 def loss_of(model: nn.Module, dtype: torch.dtype, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -147,19 +151,22 @@ def reference(
     m, g, c, compute = resolved(model_dtype, policy)
     if grads_in_main:
         g = c = m
+    # On the device type the ranks train on, so that both run the same kernels (CPU and
+    # CUDA ones round differently, and RTOL leaves room for fp32 ordering only).
+    device = torch.device(harness_device_type())
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as on the ranks: CPU kernels' reduction order depends on it
     try:
         # Main weights from the model's own values; the compute model is their rounding
         # to the compute dtype, made anew from the main weights after every step.
-        model = build(model_dtype)
+        model = build(model_dtype).to(device)
         main = [p.detach().to(m).clone().requires_grad_() for p in model.parameters()]
         model = model.to(compute)
         params = list(model.parameters())
         opt = torch.optim.AdamW(main, lr=LR)
         losses = []
         for step in range(STEPS):
-            x, y = batch(step, world)
+            x, y = batch(step, world, device)
             per_rank: list[list[torch.Tensor]] = []
             total = 0.0
             for r in range(world):
@@ -176,7 +183,8 @@ def reference(
             with torch.no_grad():
                 for p, w in zip(params, main, strict=True):
                     p.copy_(w)
-        return {"losses": losses, "params": [w.detach().clone() for w in main]}
+        # On the CPU, where the ranks' results come back.
+        return {"losses": losses, "params": [w.detach().cpu().clone() for w in main]}
     finally:
         torch.set_num_threads(threads)
 
@@ -185,9 +193,11 @@ def reference(
 
 
 def _full_main_weights(model) -> list[torch.Tensor]:
+    """On the CPU: all_gather_object would unpickle another rank's CUDA tensor on that
+    rank's GPU, and torch.cat refuses tensors on two devices."""
     out = []
     for p in model.parameters():
-        local = p.to_local().detach().clone()
+        local = p.to_local().detach().cpu().clone()
         if p.placements[0].is_replicate():
             out.append(local)
             continue
