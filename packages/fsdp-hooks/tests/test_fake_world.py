@@ -65,7 +65,7 @@ PER_UNIT = (("suggested_communication_unit_size", 0),)
 LAYOUTS = {
     "zero1": Layout(1),
     "zero2": Layout(2),
-    "zero3": Layout(3),  # the default coalescing: the blocks gathered as one group
+    "zero3": Layout(3),  # the default coalescing: consecutive blocks gathered together
     "zero3_per_unit": Layout(3, options=PER_UNIT),
     "zero3_double_buffer": Layout(3, options=(*PER_UNIT, ("fsdp_double_buffer", True))),
     "hsdp_no_shard": Layout(3, "no_shard"),
@@ -127,6 +127,8 @@ def _check_buckets_sharded(model, name: str) -> None:
     options = dict(LAYOUTS[name].options)
     if options.get("suggested_communication_unit_size") == 0:
         assert len(buckets) == CFG.n_layers + 1, name  # one per block, one for the root
+    else:  # the default coalescing: consecutive blocks share a bucket
+        assert any(len(g.coalesced_unit_ids) > 1 for _, g in buckets), name
     if options.get("fsdp_double_buffer"):  # the blocks' gathered weights take turns
         slotted = [isinstance(b.model.allocator, DoubleBufferAllocator) for b, _ in buckets]
         assert sum(slotted) == CFG.n_layers, (name, slotted)
