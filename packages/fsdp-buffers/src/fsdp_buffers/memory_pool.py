@@ -42,9 +42,7 @@ class GlobalMemoryBuffer:
             process computes on, resolved at each allocation: the current CUDA device
             when CUDA is available, else the CPU. Resolving late matters because the
             process-wide buffer is often created before ``torch.cuda.set_device`` picks
-            this rank's GPU. An accelerator named without an index (``"cuda"``) is
-            likewise the current one of its type at each allocation, as for
-            ``torch.empty(device="cuda")``.
+            this rank's GPU.
     """
 
     def __init__(self, device: torch.device | str | int | None = None) -> None:
@@ -53,8 +51,8 @@ class GlobalMemoryBuffer:
 
     @property
     def device(self) -> torch.device:
-        """The device the next allocation will be made on, with its index."""
-        return _with_index(self._device) if self._device is not None else current_device()
+        """The device the next allocation will be made on."""
+        return self._device if self._device is not None else current_device()
 
     def get_tensor(
         self,
@@ -98,22 +96,6 @@ class GlobalMemoryBuffer:
     def allocated_bytes(self) -> int:
         """Total bytes held by the current allocations."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-
-def _with_index(device: torch.device) -> torch.device:
-    """``device`` as a tensor allocated there reports it: an accelerator named without
-    an index (``"cuda"``) is the current device of its type (``"cuda:0"``); a device
-    with an index, the CPU and the meta device are returned as they are.
-
-    Reuse is decided by comparing an allocation's ``.device`` with the one asked for;
-    ``torch.device("cuda") != torch.device("cuda", 0)``, so without this every request
-    to a buffer built with ``device="cuda"`` would allocate anew."""
-    if device.index is not None or device.type in ("cpu", "meta"):
-        return device
-    accelerator = torch.accelerator.current_accelerator(check_available=True)
-    if accelerator is None or accelerator.type != device.type:
-        return device  # not this process's accelerator: the allocation will say so
-    return torch.device(device.type, torch.accelerator.current_device_index())
 
 
 def _as_shape(tensor_shape: Sequence[int] | torch.Size | int) -> tuple[int, ...]:
