@@ -150,12 +150,11 @@ class ParamState:
         if self._dp_group is not None or self._expert_dp_group is not None:
             n = len(reached)
             flags = self._on_device(reached + late)
-            if self._expert_mask is not None:
-                # Ranks hold different experts: theirs agree over the expert group instead.
-                mine = flags[:n].clone()
+            # Ranks hold different experts: theirs agree over the expert group instead.
+            mine = flags[:n].clone() if self._expert_mask is not None else None
             if self._dp_group is not None:
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._dp_group)
-            if self._expert_mask is not None:
+            if mine is not None:
                 dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self._expert_dp_group)
                 flags = torch.cat([torch.where(self._expert_mask, mine, flags[:n]), flags[n:]])
             agreed = flags.tolist()  # the one device-to-host read of the agreement
@@ -167,6 +166,7 @@ class ParamState:
         return late
 
     def _on_device(self, flags: list[bool]) -> torch.Tensor:
+        """``flags`` as uint8 on the agreement's device (CUDA: through the staging)."""
         host = torch.tensor(flags, dtype=torch.uint8)
         if not self._pin:
             return host.to(self._device)
