@@ -302,10 +302,17 @@ class BucketGradients:
         return grads
 
     def _absorb_grads(self) -> None:
-        """Add the ``.grad``s into the replicated main grads (``AUTOGRAD`` staging)."""
-        for view, grad in zip(self._grad_views, self._take_grads(), strict=True):
-            if grad is not None:
-                view.add_(grad)
+        """Add the ``.grad``s into the replicated main grads (``AUTOGRAD`` staging), in
+        one ``_foreach_add_`` (the same adds; it falls back to one ``add_`` per pair where
+        devices, dtypes or strides differ)."""
+        pairs = [
+            (v, g)
+            for v, g in zip(self._grad_views, self._take_grads(), strict=True)
+            if g is not None
+        ]
+        if pairs:
+            views, grads = zip(*pairs, strict=True)
+            torch._foreach_add_(list(views), list(grads))
 
     def _chunk_cat_applies(self) -> bool:
         """Whether ``torch._chunk_cat`` lays gradients out as the shard layout does:

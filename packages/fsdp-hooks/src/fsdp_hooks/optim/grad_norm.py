@@ -165,10 +165,20 @@ def clip_grad_norm_(
             f"they cannot be clipped; pass error_if_nonfinite=False to clip anyway"
         )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    # As torch's ``_clip_grads_with_norm_``: one ``_foreach_mul_`` per (device, dtype),
+    # the coefficient converted once per group (to the gradients' dtype, as before).
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     with torch.no_grad():
         for _name, param in buffer.views.optimizer_named_parameters():
             grad = getattr(param, buffer.views.grad_attr, None)
             if grad is not None:
                 local = grad.to_local() if isinstance(grad, DTensor) else grad
-                local.mul_(coef.to(device=local.device, dtype=local.dtype))
+                groups.setdefault((local.device, local.dtype), []).append(local)
+        for (device, dtype), locals_ in groups.items():
+            scale = coef.to(device=device, dtype=dtype)
+            if foreach is False:
+                for local in locals_:
+                    local.mul_(scale)
+            else:
+                torch._foreach_mul_(locals_, scale)
     return total

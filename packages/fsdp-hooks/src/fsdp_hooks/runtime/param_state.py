@@ -69,15 +69,30 @@ class ParamState:
         self._trainable_ids = [id(c) for c in self._trainable_compute]
         self._versions: tuple[list[int], list[int]] = ([], [])
         # Where ``agree`` meets the other ranks, fixed at wrap: the device of its flags, the
-        # data-parallel group, and the expert one when ranks hold different experts.
+        # data-parallel group, and the expert one when ranks hold different experts. A
+        # group of one rank is left out (None): its own flags are the agreement, and with
+        # no group left ``agree`` issues no collective and no device sync.
         self._device = control_device(buffer.device)
         index = config.dist_index
-        self._dp_group = index.get_dp_group() if dist.is_initialized() else None
-        self._expert_dp_group = (
+        dp_group = index.get_dp_group() if dist.is_initialized() else None
+        expert_group = (
             index.get_dp_group(is_expert_parallel=True)
-            if self._dp_group is not None and config.experts_differ_across_ranks
+            if dp_group is not None and config.experts_differ_across_ranks and any(self._expert)
             else None
         )
+        self._dp_group = _with_others(dp_group)
+        self._expert_dp_group = _with_others(expert_group)
+        self._expert_mask = (
+            torch.tensor(self._expert, dtype=torch.bool, device=self._device)
+            if self._expert_dp_group is not None
+            else None
+        )
+        # CUDA: the flags go to the device from this pinned tensor, without blocking the
+        # host (made at the first agreement; its size, trainable parameters + buckets, is
+        # fixed). ``agree``'s read of the result waits for that copy, so the next
+        # agreement may refill it.
+        self._pin = self._device.type == "cuda" and torch.cuda.is_available()
+        self._staging: torch.Tensor | None = None
         # ids of the compute parameters a gradient reached (a Tensor hashes in Python;
         # the parameters live as long as the model).
         self.reached: set[int] = set()  # cleared, never replaced (the hooks bind .add)
@@ -126,33 +141,38 @@ class ParamState:
         self.unreached = []
 
     def agree(self, late: list[bool]) -> list[bool]:
-        """End of a backward, in one collective (a MAX over the data-parallel group):
-        which trainable parameters got a gradient on some rank since ``zero_grad``, and
-        which buckets some rank holds gradients for that arrived after their reduction
-        (``late``, one flag per bucket in the reduce pipeline's order; returned agreed)."""
-        reached = torch.tensor(
-            list(map(self.reached.__contains__, self._trainable_ids)), dtype=torch.uint8
-        )
-        n = len(reached)
-        if self._dp_group is not None:
-            device = self._device
-            flags = torch.cat([reached, torch.tensor(late, dtype=torch.uint8)]).to(device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._dp_group)
-            if self._expert_dp_group is not None and any(self._expert):
-                # Ranks hold different experts: agree over the expert group instead.
-                mine = reached.to(device)
+        """End of a backward, in one collective (a MAX over the data-parallel group; none
+        when it has one rank): which trainable parameters got a gradient on some rank
+        since ``zero_grad``, and which buckets some rank holds gradients for that arrived
+        after their reduction (``late``, one flag per bucket in the reduce pipeline's
+        order; returned agreed)."""
+        reached = list(map(self.reached.__contains__, self._trainable_ids))
+        if self._dp_group is not None or self._expert_dp_group is not None:
+            n = len(reached)
+            flags = self._on_device(reached + late)
+            # Ranks hold different experts: theirs agree over the expert group instead.
+            mine = flags[:n].clone() if self._expert_mask is not None else None
+            if self._dp_group is not None:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._dp_group)
+            if mine is not None:
                 dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self._expert_dp_group)
-                expert = torch.tensor(self._expert, dtype=torch.bool, device=device)
-                flags = torch.cat([torch.where(expert, mine, flags[:n]), flags[n:]])
+                flags = torch.cat([torch.where(self._expert_mask, mine, flags[:n]), flags[n:]])
             agreed = flags.tolist()  # the one device-to-host read of the agreement
             reached, late = agreed[:n], [bool(x) for x in agreed[n:]]
-        else:
-            reached = reached.tolist()
         self.unreached = [
             d for (_c, d), hit in zip(self._trainable, reached, strict=True) if not hit
         ]
         self._buffer.views.drop_grads(self.unreached)
         return late
+
+    def _on_device(self, flags: list[bool]) -> torch.Tensor:
+        """``flags`` as uint8 on the agreement's device (CUDA: through the staging)."""
+        host = torch.tensor(flags, dtype=torch.uint8)
+        if not self._pin:
+            return host.to(self._device)
+        if self._staging is None or self._staging.numel() != host.numel():
+            self._staging = torch.empty_like(host).pin_memory()
+        return self._staging.copy_(host).to(self._device, non_blocking=True)
 
     def run_grad_hooks(self) -> None:
         """Once the reduced gradients are attached: the post-accumulate-grad hooks users
@@ -165,3 +185,8 @@ class ParamState:
             if hooks and dparam.grad is not None:
                 for hook in tuple(hooks.values()):
                     hook(dparam)
+
+
+def _with_others(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """``group``, or None when it has this rank alone (nothing to agree with)."""
+    return group if group is not None and dist.get_world_size(group) > 1 else None
