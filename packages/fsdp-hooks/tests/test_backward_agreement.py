@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from fsdp_hooks import fully_shard
@@ -161,3 +162,54 @@ def test_agreement_only_with_other_data_parallel_ranks(mesh_name, strategy):
         assert got["with_grad"] == ref["with_grad"], where
         assert all("unused.weight" not in names for names in got["with_grad"]), where
         assert_same_training(got, ref, where=where)
+
+
+class _MoE(nn.Module):
+    """One expert (``experts.0``: its own expert on each rank under expert parallelism)
+    behind a shared input layer; ``use`` says whether this rank routes tokens to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.experts = nn.ModuleList([nn.Linear(DIM, DIM)])
+
+    def forward(self, x: torch.Tensor, use: bool) -> torch.Tensor:
+        h = self.inp(x)
+        return self.experts[0](h) if use else h
+
+
+def _expert_unused_on_rank0(strategy: int) -> dict[str, object]:
+    rank = dist.get_rank()
+    meshes = build_device_mesh(dp_shard=2, expert_parallel=2)
+    torch.manual_seed(rank)  # each rank's expert is its own
+    module = _MoE()
+    before = module.experts[0].weight.detach().clone()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1, weight_decay=0.5)
+    model, optimizer = fully_shard(
+        module, optimizer, **meshes.fsdp_kwargs(), zero_dp_strategy=strategy
+    )
+    with count_max_all_reduces() as counted:
+        model(torch.randn(ROWS, DIM), rank == 1).sum().backward()
+    grads = {n: p.grad is not None for n, p in model.module.named_parameters()}
+    optimizer.step()
+    weight = model.module.experts[0].weight
+    after = weight.full_tensor() if isinstance(weight, DTensor) else weight.detach()
+    return {"grads": grads, "moved": not torch.equal(after, before), "max_all_reduces": counted[0]}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_expert_alone_in_its_expert_group_agrees_with_itself(strategy):
+    """Experts differ across ranks and each expert's data-parallel group is one rank:
+    the expert rank 0 routed no tokens to gets no gradient and AdamW leaves it as it
+    was (as one process that holds it would), whatever the other rank's expert got;
+    the shared layer agrees over both ranks."""
+    out = run_distributed(_expert_unused_on_rank0, 2, args=(strategy,), timeout=120)
+    assert out[0]["grads"] == {
+        "inp.weight": True,
+        "inp.bias": True,
+        "experts.0.weight": False,
+        "experts.0.bias": False,
+    }, out[0]
+    assert out[1]["grads"] == dict.fromkeys(out[1]["grads"], True), out[1]
+    assert not out[0]["moved"] and out[1]["moved"], out
+    assert out[0]["max_all_reduces"] == out[1]["max_all_reduces"] == 1, out

@@ -472,6 +472,12 @@ class BucketGradients:
                         if adopt is not out:
                             adopt.copy_(out)
                         gbuf.data = adopt
+                    elif gbuf.is_released:  # would re-make them here, on the reduce stream
+                        raise RuntimeError(
+                            f"bucket {self._gid}'s main grads were released while its "
+                            "reduction was in flight; zero_grad() must not run between a "
+                            "backward and the end of its reductions"
+                        )
                     else:
                         gbuf.data.add_(out)
                     self._shard_reduced()

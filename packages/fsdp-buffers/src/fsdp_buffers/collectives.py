@@ -41,12 +41,12 @@ Note [streams and frees]. Three streams, named by ``StreamKind``:
   pre-forward); this layer cannot see a root forward and orders them at each launch,
   which keeps the same overlap for a gather issued one unit ahead (the compute it waits
   for is what was queued before the unit that prefetches it).
-- REDUCE: the reductions (reduce-scatter, all-reduce, hybrid sharding's outer one: its
-  communicator has its own stream, so it overlaps the next shard-group one without a
-  third) and, as on FSDP2's reduce-scatter stream, the pre-divide (``grad_scale``, inside
-  the launch) and the follow-up (adopting the output as the main-grad shard, or adding
-  it in). ``launch(REDUCE)`` orders it after COMPUTE first: a reduction reads gradients
-  only after the compute that wrote them (the copy-in).
+- REDUCE: the reductions (reduce-scatter, all-reduce, and hybrid sharding's outer ones,
+  which run after every shard-group one was waited for) and, as on FSDP2's
+  reduce-scatter stream, the pre-divide (``grad_scale``, inside the launch) and the
+  follow-up (adopting the output as the main-grad shard, or adding it in).
+  ``launch(REDUCE)`` orders it after COMPUTE first: a reduction reads gradients only
+  after the compute that wrote them (the copy-in).
 
 Reading a result: for a gather, COMPUTE waits on the collective (``wait``: the work's
 ``wait()`` with COMPUTE current; on gloo it blocks the host) before any read of it. For
@@ -54,10 +54,9 @@ a reduction, ``wait`` makes REDUCE wait on the collective and queues the follow-
 there, then COMPUTE waits on an event recorded after the follow-up, before it reads or
 writes those main grads (a later gradient, a rebase, the optimizer, ``zero_grad``) and
 before the reduction's memory is freed. The host keeps its schedule; only the kernels
-move, so the add and the scale overlap compute. FSDP2 waits on its
-``post_reduce_event`` only at the end of backward, keeping every reduction's input alive
-until then (``reduce_scatter_states``); waiting when the host drops a reduction avoids
-that memory.
+move, so the add and the scale overlap compute. FSDP2 frees each reduction's input at
+a later post-backward and waits on its ``post_reduce_event`` at the end of backward;
+here COMPUTE waits when the host drops the reduction.
 
 Freeing: memory allocated on one stream and used on another is freed only after the
 allocating stream has waited on an event recorded on the using stream after its last

@@ -210,9 +210,9 @@ class GradReducePipeline:
         shard-reduced gradients have not been yet, and wait; True when there were any."""
         reduced = False
         for gid in self.reduce_order:
+            self._wait_for_room()  # before the launch, which allocates its input
             pending = self.buckets[gid].grads.start_outer_reduce()
             if pending is not None:
-                self._wait_for_room()
                 self._inflight.append((gid, f"outer {self._what[gid]}", pending))
                 reduced = True
         self.wait_all()

@@ -514,13 +514,16 @@ class UnpackTargets:
     regions: list[torch.Tensor]
 
     def copy(self, gathered: torch.Tensor) -> None:
-        """The copy-out: one ``split_with_sizes_copy`` of ``gathered`` into ``regions``."""
+        """The copy-out of ``gathered`` into ``regions`` (one ``split_with_sizes_copy``)."""
         c, g, _ = self.gathered_shape
         src = gathered.view(self.gathered_shape).transpose(0, 1)
         if g > 1 and c > 1:
             # Transposed, the source is dense but not row-major, and CUDA's
-            # split_with_sizes_copy reads any dense source as row-major: copy it first.
-            src = src.contiguous()
+            # split_with_sizes_copy reads any dense source as row-major: one copy per
+            # region instead (its own general path), no third copy of the bucket.
+            for region, part in zip(self.regions, src.split(self.split_sizes, 2), strict=True):
+                region.copy_(part)
+            return
         torch.split_with_sizes_copy(src, self.split_sizes, 2, out=self.regions)
 
 

@@ -82,9 +82,11 @@ class ParamState:
         )
         self._dp_group = _with_others(dp_group)
         self._expert_dp_group = _with_others(expert_group)
+        # Experts' flags are agreed over the expert group, never the data-parallel one
+        # (its other ranks hold other experts): their own where that group has one rank.
         self._expert_mask = (
             torch.tensor(self._expert, dtype=torch.bool, device=self._device)
-            if self._expert_dp_group is not None
+            if expert_group is not None
             else None
         )
         # CUDA: the flags go to the device from this pinned tensor, without blocking the
@@ -155,7 +157,8 @@ class ParamState:
             if self._dp_group is not None:
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._dp_group)
             if mine is not None:
-                dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self._expert_dp_group)
+                if self._expert_dp_group is not None:
+                    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self._expert_dp_group)
                 flags = torch.cat([torch.where(self._expert_mask, mine, flags[:n]), flags[n:]])
             agreed = flags.tolist()  # the one device-to-host read of the agreement
             reached, late = agreed[:n], [bool(x) for x in agreed[n:]]
