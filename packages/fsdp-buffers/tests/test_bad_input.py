@@ -114,6 +114,7 @@ def _mixed_devices():
     return dist.get_rank()
 
 
+@pytest.mark.cuda  # runs under --fsdp-device cuda (scripts/gpu-check)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_parameters_on_different_devices():
     assert run_distributed(_mixed_devices, 1, device_type="cpu") == [0]

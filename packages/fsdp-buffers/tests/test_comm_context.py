@@ -361,6 +361,7 @@ def test_compute_going_on_without_the_follow_ups_event_is_caught(strategy):
         assert "before compute waited on the follow-up of the reduction" in message, message
 
 
+@pytest.mark.cuda  # runs under --fsdp-device cuda (scripts/gpu-check)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA streams")
 def test_cuda_launch_runs_on_the_gather_stream_after_compute():
     device = torch.device("cuda", torch.cuda.current_device())
@@ -381,6 +382,7 @@ def test_cuda_launch_runs_on_the_gather_stream_after_compute():
     assert torch.equal(y, torch.full_like(x, 6.0))
 
 
+@pytest.mark.cuda  # runs under --fsdp-device cuda (scripts/gpu-check)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA streams")
 def test_cuda_follow_up_runs_on_the_reduce_stream_and_compute_waits_for_it():
     device = torch.device("cuda", torch.cuda.current_device())

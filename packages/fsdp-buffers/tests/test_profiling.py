@@ -147,6 +147,7 @@ def test_bad_labels(label, error):
         annotate(label)
 
 
+@pytest.mark.cuda  # runs under --fsdp-device cuda (scripts/gpu-check)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_shows_in_a_cuda_trace():
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
