@@ -27,6 +27,9 @@ workspaces). MFU = (6 N + 6 L s d) tokens / step time / peak: N the parameters (
 head counted once), L layers, s the sequence, d the attention width (causal attention,
 forward and backward); peak 989 TFLOP/s (H100/H200 dense bf16) or ``--peak-tflops``.
 A run that fails (out of memory, say) is a row that says so; the others still run.
+Under the table, one line from ``alignment_probe``: a matmul on a weight two elements off
+16-byte alignment against an aligned one (whether a bucket should align parameter
+starts).
 """
 
 from __future__ import annotations
@@ -419,9 +422,38 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return head + "\n".join(lines) + "\n" + notes
 
 
-def _report(rows: list[dict[str, Any]], device: str) -> str:
+def alignment_probe(device: torch.device, tiny: bool) -> str:
+    """One line: a matmul (bf16 on CUDA) on a weight that starts two elements past a
+    16-byte boundary, against the same weight aligned. A bucket packs parameters back to
+    back, so a 1-D parameter whose length the world does not divide (dim 4096 at 3 or 6
+    ranks) shifts every later parameter of its bucket off alignment; FSDP2 allocates
+    each parameter on its own. This says whether aligning slot offsets is worth a
+    layout change."""
+    n, rows, reps = (64, 32, 3) if tiny else (4096, 8192, 20)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    storage = torch.randn(n * n + 8, device=device).to(dtype)
+    x = torch.randn(rows, n, device=device).to(dtype)
+    ms = {}
+    for offset in (0, 2, 0, 2):  # twice each, alternated: the second of each is kept
+        weight = storage[offset : offset + n * n].view(n, n)
+        x @ weight.t()  # warm-up (cuBLAS heuristics, workspace)
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(reps):
+            x @ weight.t()
+        _sync(device)
+        ms[offset] = (time.perf_counter() - start) / reps * 1e3
+    return (
+        f"Alignment probe ({dtype}, [{rows}, {n}] @ [{n}, {n}]): {ms[0]:.3f} ms aligned, "
+        f"{ms[2]:.3f} ms with the weight {2 * x.element_size()} bytes off 16-byte alignment "
+        f"({ms[2] / ms[0]:.2f}x)."
+    )
+
+
+def _report(rows: list[dict[str, Any]], device: str, probe: str = "") -> str:
     card = next((r["card"] for r in rows if r.get("card")), device)
-    return f"Card: {card}; torch {torch.__version__}\n\n{markdown_table(rows)}"
+    tail = f"\n{probe}\n" if probe else ""
+    return f"Card: {card}; torch {torch.__version__}\n\n{markdown_table(rows)}{tail}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -504,7 +536,11 @@ def main(argv: list[str] | None = None) -> int:
             ),
             flush=True,
         )
-    text = _report(rows, a.device)
+    try:
+        probe = alignment_probe(torch.device(a.device), a.tiny)
+    except Exception:
+        probe = "Alignment probe failed: " + traceback.format_exc().strip().splitlines()[-1]
+    text = _report(rows, a.device, probe)
     print(text)
     if a.out:
         a.out.write_text(text)
