@@ -177,7 +177,7 @@ class BucketGradients:
         torch's optimizers need a gradient in its parameter's dtype. The copy has the
         same layout, so the same views; it is kept, and refilled by each call."""
         gbuf = self.optimizer_grads
-        self._ctx.comm.note("read", StreamKind.COMPUTE, self._gid, "main grads", StreamKind.REDUCE)
+        self._note_main_grads("read")
         dtype = self._main_dtype
         if gbuf.dtype == dtype:
             return gbuf
@@ -393,11 +393,16 @@ class BucketGradients:
         gbuf = self.main_grads
         if not gbuf.is_data_distributed:
             return True
-        return (  # start_reduce's in-place branch, for staged (not packed) gradients
-            self.stages_main_grad
-            and gbuf.layout.is_rank_major(gbuf.coarse)
-            and self._ctx.grad_comm_dtypes[self._group.dtype] == gbuf.dtype
+        # start_reduce's in-place branch, for staged (not packed) gradients
+        return self.stages_main_grad and self._reads_in_place(
+            gbuf, self._ctx.grad_comm_dtypes[self._group.dtype]
         )
+
+    @staticmethod
+    def _reads_in_place(gbuf: DataParallelBuffer, comm_dtype: torch.dtype) -> bool:
+        """Whether the reduction sends ``gbuf``'s unsharded tensor as it is: rank-major
+        already, in the communication dtype."""
+        return gbuf.layout.is_rank_major(gbuf.coarse) and comm_dtype == gbuf.dtype
 
     def start_reduce(self) -> PendingCollective:
         """Reduce the gradients this bucket took since its last reduction in the shard
@@ -441,7 +446,7 @@ class BucketGradients:
             in_place = False  # a staging bucket the reduction reads: freed once waited on
             if gbuf.is_data_distributed and autograd:
                 send = self._pack_grads(comm_dtype)
-            elif layout.is_rank_major(gbuf.coarse) and comm_dtype == gbuf.dtype:
+            elif self._reads_in_place(gbuf, comm_dtype):
                 send, in_place = unsharded, gbuf.is_data_distributed
             else:
                 send = torch.empty(layout.total_numel, dtype=comm_dtype, device=unsharded.device)
@@ -518,7 +523,7 @@ class BucketGradients:
         only the reduced gradients go; gradients a backward under way gave the compute
         parameters (``.grad``, a staging bucket) stay."""
         gbuf = self._group.main_grad_buffer
-        self._ctx.comm.note("write", StreamKind.COMPUTE, self._gid, "main grads", StreamKind.REDUCE)
+        self._note_main_grads("write")
         cast = self._grads_cast
         released = release and gbuf is not None and gbuf.is_data_distributed
         if gbuf is not None:

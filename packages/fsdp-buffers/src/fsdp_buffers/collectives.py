@@ -235,10 +235,7 @@ class PendingCollective:
     def wait(self, what: str = "a collective") -> None:
         """``complete`` then ``close``: on one stream."""
         self.complete(what)
-        if self._release is not None:  # close(), inline: one call fewer per collective
-            release, self._release = self._release, None
-            release()
-        self.keepalive = ()
+        self.close()
 
     def complete(self, what: str = "a collective") -> None:
         """Wait on the collective (the current stream waits on NCCL; the host blocks on
