@@ -26,53 +26,24 @@ from torch.nn import functional as F
 
 from fsdp_hooks import fully_shard
 from fsdp_mesh import build_device_mesh
-from fsdp_mesh.testing import assert_same_training, mean_over_ranks, run_distributed
+from fsdp_mesh.testing import (
+    assert_same_training,
+    load_sibling,
+    mean_over_ranks,
+    run_distributed,
+)
 
 STEPS = 3
-ROWS = 4
-DIM = 8
 LR = 1e-2
 STRATEGIES = (0, 1, 2, 3)
 # name: (world size, data-parallel ranks, tp ranks)
 MESHES = {"world1": (1, 1, 1), "tp_only": (2, 1, 2), "dp2": (2, 2, 1)}
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(x))
-
-
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(DIM, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.unused = nn.Linear(DIM, DIM)  # never called: no backward reaches it
-        self.head = nn.Linear(DIM, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
-
-
-def build() -> Model:
-    torch.manual_seed(0)
-    return Model()
-
-
-def batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(10 * step + dp_rank)
-    return torch.randn(ROWS, DIM, generator=g), torch.randn(ROWS, 2, generator=g)
-
-
-def _with_grad(module: nn.Module) -> list[str]:
-    return sorted(n for n, p in module.named_parameters() if p.grad is not None)
+# test_param_changes' model (two Block units and a layer no forward calls), seed and batches.
+changes = load_sibling(__file__, "test_param_changes.py")
+Block, build, batch, _with_grad = changes.Block, changes.build, changes.batch, changes._with_grad
+ROWS, DIM = changes.ROWS, changes.DIM
 
 
 @contextlib.contextmanager
